@@ -1,0 +1,3 @@
+from edgelite.cli import main
+
+raise SystemExit(main())

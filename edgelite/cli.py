@@ -1,0 +1,100 @@
+"""edgelite command line: one subcommand per step of the user's work."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from edgelite.errors import EdgeliteError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="folder written by edgelite-export")
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime threads per session")
+
+
+def _gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", help="host:port,... of stage nodes (default: run locally)")
+    p.add_argument("--split", help="layer ranges per node, e.g. 0-9,10-19,20-29")
+    p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from edgelite.clientapp import run_generate
+
+    result = asyncio.run(run_generate(args, stream=None if args.json else sys.stdout))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from edgelite.clientapp import run_chat
+
+    return asyncio.run(run_chat(args))
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from edgelite.nodeapp import run_node
+
+    return run_node(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgelite", description="Run one LLM across several phones.")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    _model_args(g)
+    _gen_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat")
+    _model_args(c)
+    _gen_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    n = sub.add_parser("node", help="run a stage node")
+    n.add_argument("--host", default="0.0.0.0")
+    n.add_argument("--port", type=int, default=7070, help="0 = any free port (printed)")
+    n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser())
+    n.add_argument("--threads", type=int, default=2)
+    n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
+    n.add_argument("--kv-budget-mb", type=int, default=512)
+    n.add_argument("--name", help="device name shown to the client")
+    n.set_defaults(func=cmd_node)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except EdgeliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What `edgelite generate` and `edgelite chat` do: pick a backend, tokenize, stream."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import TextIO
+
+from edgelite import manifest as mf
+from edgelite.config import GenerationConfig, RuntimeConfig
+from edgelite.engine import Backend, LocalBackend, Stats, generate
+from edgelite.tokenizer import StreamDecoder, Tokenizer
+
+
+def gen_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+
+
+async def open_backend(args: argparse.Namespace, manifest: mf.Manifest) -> Backend:
+    if getattr(args, "nodes", None):
+        from edgelite.cluster import connect_backend
+
+        return await connect_backend(args, manifest)
+    return LocalBackend(manifest, RuntimeConfig(threads=args.threads))
+
+
+async def close_backend(backend: Backend) -> None:
+    close = getattr(backend, "close", None)
+    if close is not None:
+        await close()
+
+
+async def reply(backend: Backend, tok: Tokenizer, prompt: list[int], cfg: GenerationConfig,
+                stream: TextIO | None) -> Stats:
+    stats = Stats()
+    dec = StreamDecoder(tok)
+    async for t in generate(backend, prompt, cfg, stats):
+        if stream is not None:
+            stream.write(dec.push(t))
+            stream.flush()
+    return stats
+
+
+async def run_generate(args: argparse.Namespace, stream: TextIO | None) -> dict:
+    manifest = mf.load(args.model)
+    tok = Tokenizer(manifest)
+    prompt = (tok.encode(args.prompt) if args.raw
+              else tok.chat_prompt([{"role": "user", "content": args.prompt}]))
+    backend = await open_backend(args, manifest)
+    try:
+        stats = await reply(backend, tok, prompt, gen_config(args), stream)
+    finally:
+        await close_backend(backend)
+    return {"text": tok.decode(stats.token_ids), "token_ids": stats.token_ids,
+            "prompt_tokens": stats.prompt_tokens, "ttft_ms": round(stats.ttft_ms, 2),
+            "decode_tok_s": round(stats.decode_tok_s, 2), "finish": stats.finish}
+
+
+async def run_chat(args: argparse.Namespace) -> int:
+    manifest = mf.load(args.model)
+    tok = Tokenizer(manifest)
+    backend = await open_backend(args, manifest)
+    history: list[dict[str, str]] = []
+    try:
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                return 0
+            if line.strip() in ("/quit", "/exit"):
+                return 0
+            if line.strip() == "/reset":
+                history.clear()
+                continue
+            history.append({"role": "user", "content": line})
+            stats = await reply(backend, tok, tok.chat_prompt(history), gen_config(args), sys.stdout)
+            history.append({"role": "assistant", "content": tok.decode(stats.token_ids)})
+            sys.stdout.write(f"\n[{stats.ttft_ms:.0f} ms to first token, "
+                             f"{stats.decode_tok_s:.1f} tok/s]\n")
+    finally:
+        await close_backend(backend)

