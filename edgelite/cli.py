@@ -50,7 +50,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from edgelite.nodeapp import run_node
 
-    return run_node(args)
+    def ready(node, generated: bool) -> None:
+        if generated:
+            print(f"cluster token (pass it to the client as --token or EDGELITE_TOKEN): {node.token}")
+        print(f"edgelite node {node.name} listening on {node.cfg.host}:{node.port}", flush=True)
+
+    return run_node(args, ready)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,4 +48,5 @@ class ClientConfig:
     step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
     prefill_timeout_s: float = 60.0  # a long prompt on a slow phone may take this long
     deploy_timeout_s: float = 120.0
-    request_timeout_s: float = 10.0  # control requests (load plan, stats, end session)
+    request_timeout_s: float = 10.0  # control requests (load plan, stats)
+    end_timeout_s: float = 2.0  # freeing a session's KV; best effort

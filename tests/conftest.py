@@ -48,3 +48,21 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return build.run("smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
                      build.Options(steps=32)).out
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path):
+    """Start real node processes; every one is killed at the end of the test."""
+    from nodes import NodeProc, start_node
+
+    started: list[NodeProc] = []
+
+    def make(**kw) -> NodeProc:
+        node = start_node(tmp_path / f"node{len(started)}", **kw)
+        started.append(node)
+        return node
+
+    yield make
+    for n in started:
+        n.cont()
+        n.kill()

@@ -1,0 +1,60 @@
+"""Start real `edgelite node` processes on 127.0.0.1 port 0 and read their ports back."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKEN = "test-cluster-token"
+READY = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen
+    port: int
+    data_dir: Path
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def stop(self) -> None:  # SIGSTOP: the process is alive but silent (a stalled phone)
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+
+def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: int = 256,
+               timeout: float = 30.0, token: str = TOKEN) -> NodeProc:
+    env = {**os.environ, "EDGELITE_TOKEN": token}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgelite", "node", "--host", "127.0.0.1", "--port", "0",
+         "--data-dir", str(data_dir), "--threads", str(threads), "--kv-budget-mb",
+         str(kv_budget_mb)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"node exited with {proc.returncode}")
+        if m := READY.search(line):
+            return NodeProc(proc, int(m.group(2)), data_dir)
+    proc.kill()
+    proc.wait(10)
+    proc.stdout.close()
+    raise RuntimeError("node did not start in time")

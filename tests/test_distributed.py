@@ -1,0 +1,170 @@
+"""Generation across real node processes on 127.0.0.1 (tiny models)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from edgelite import manifest as mf
+from edgelite.cluster import Cluster, ClusterBackend
+from edgelite.config import ClientConfig, GenerationConfig
+from edgelite.engine import LocalBackend, generate
+from edgelite.errors import NodeError, NodeUnavailable
+from nodes import TOKEN
+
+pytestmark = pytest.mark.e2e
+
+
+def gen_cli(model: Path, *extra: str, prompt: str = "hello world") -> dict:
+    res = run_cli("generate", "--model", str(model), "--max-tokens", "20", "--json", *extra, prompt,
+                  timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_split_generation_equals_local(exported, node_factory, arch: str) -> None:
+    model = exported[arch]
+    n_layers = mf.load(model).num_layers
+    nodes = [node_factory() for _ in range(2)]
+    split = f"0-0,1-{n_layers - 1}"
+    local = gen_cli(model)
+    remote = gen_cli(model, "--nodes", ",".join(n.addr for n in nodes), "--split", split,
+                     "--token", TOKEN)
+    assert remote["token_ids"] == local["token_ids"]
+    assert remote["text"] == local["text"]
+
+
+async def _cluster(model: Path, addrs: list[str], split: list[tuple[int, int]],
+                   cfg: ClientConfig | None = None) -> ClusterBackend:
+    m = mf.load(model)
+    c = Cluster(m, TOKEN, cfg)
+    await c.connect([("127.0.0.1", int(a.split(":")[1])) for a in addrs])
+    await c.deploy(split)
+    return ClusterBackend(c, threads=1)
+
+
+async def _tokens(backend, prompt: list[int], n: int = 12, session: str | None = None) -> list[int]:
+    return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=n),
+                                      session=session)]
+
+
+def test_concurrent_sessions_interleave_and_free_kv(exported, node_factory) -> None:
+    model = exported["llama"]
+    nodes = [node_factory(), node_factory()]
+
+    async def main() -> None:
+        local = LocalBackend(mf.load(model))
+        prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
+        want = [await _tokens(local, p) for p in prompts]
+        be = await _cluster(model, [n.addr for n in nodes], [(0, 0), (1, 2)])
+        try:
+            got = await asyncio.gather(*(_tokens(be, p) for p in prompts))
+            assert list(got) == want
+            stats = await be.cluster.stats()
+            assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stats), stats
+            assert all(s["runs"] >= 4 * 12 for s in stats)
+        finally:
+            await be.close()
+
+    asyncio.run(main())
+
+
+def test_deploy_skips_files_already_there(exported, node_factory) -> None:
+    model = exported["llama"]
+    node = node_factory()
+
+    async def main() -> None:
+        for _ in range(2):
+            be = await _cluster(model, [node.addr], [(0, 2)])
+            await be.close()
+
+    asyncio.run(main())
+    blobs = sorted(p.name for p in (node.data_dir / "blobs").iterdir())
+    m = mf.load(model)
+    assert blobs == sorted(e.sha256 for e in m.layers)
+
+
+def test_unloaded_plan_id_refused(exported, node_factory) -> None:
+    node = node_factory()
+
+    async def main() -> None:
+        be = await _cluster(exported["llama"], [node.addr], [(0, 2)])
+        try:
+            real = be.cluster.plan_id
+            be.cluster.plan_id = "not-loaded"
+            with pytest.raises(NodeError, match="plan_id 'not-loaded' is not loaded"):
+                await be.cluster.forward("s", 0, 0, np.zeros((1, 1, 48), np.float32))
+            be.cluster.plan_id = real
+            assert len(await _tokens(be, [5, 6], 3)) > 0
+        finally:
+            await be.close()
+
+    asyncio.run(main())
+
+
+def test_dead_node_named_quickly_and_other_cluster_goes_on(exported, node_factory) -> None:
+    model = exported["llama"]
+    a, b, c = node_factory(), node_factory(), node_factory()
+
+    async def main() -> None:
+        victim = await _cluster(model, [a.addr, b.addr], [(0, 0), (1, 2)])
+        healthy = await _cluster(model, [c.addr], [(0, 2)])
+        try:
+            await _tokens(victim, [5, 6], 2, session="v1")
+            b.kill()
+            t0 = time.monotonic()
+            with pytest.raises(NodeUnavailable, match=str(b.port)):
+                await _tokens(victim, [5, 6], 4, session="v2")
+            assert time.monotonic() - t0 <= 2.5
+            assert len(await _tokens(healthy, [5, 6, 7], 6)) > 0
+        finally:
+            await victim.close()
+            await healthy.close()
+
+    asyncio.run(main())
+
+
+def test_stalled_node_named_within_timeout(exported, node_factory) -> None:
+    model = exported["llama"]
+    a, b = node_factory(), node_factory()
+
+    async def main() -> None:
+        be = await _cluster(model, [a.addr, b.addr], [(0, 1), (2, 2)],
+                            ClientConfig(step_timeout_s=1.0))
+        try:
+            await _tokens(be, [5, 6], 2, session="s1")
+            b.stop()
+            t0 = time.monotonic()
+            with pytest.raises(NodeUnavailable, match=f"{b.port}.*stalled"):
+                await _tokens(be, [5], 3, session="s1b")
+            assert time.monotonic() - t0 <= 2.5
+        finally:
+            b.cont()
+            await be.close()
+
+    asyncio.run(main())
+
+
+def test_hidden_of_wrong_width_is_refused_and_node_keeps_serving(exported, node_factory) -> None:
+    model = exported["llama"]
+    node = node_factory()
+
+    async def main() -> None:
+        be = await _cluster(model, [node.addr], [(0, 2)])
+        try:
+            bad = np.zeros((1, 1, 7), np.float32)
+            with pytest.raises(NodeError, match="expected"):
+                await be.cluster.forward("x", 0, 0, bad)
+            out = await be.cluster.forward("y", 0, 0, np.zeros((1, 2, 48), np.float32))
+            assert out.shape == (1, 2, 48)
+        finally:
+            await be.close()
+
+    asyncio.run(main())

@@ -1,0 +1,105 @@
+"""Bad input against a running node process: each is refused, the node keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from edgelite import wire
+from edgelite.config import WireLimits
+from edgelite.errors import AuthError
+from nodes import TOKEN
+from test_distributed import _cluster, _tokens
+
+pytestmark = pytest.mark.e2e
+LIMITS = WireLimits()
+
+
+async def _raw(port: int, payload: bytes) -> bytes:
+    """Send raw bytes after the node's hello; return whatever comes back until close."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    await wire.read_frame(r, LIMITS)  # hello
+    w.write(payload)
+    await w.drain()
+    try:
+        data = await asyncio.wait_for(r.read(), 10)
+    finally:
+        w.close()
+    return data
+
+
+async def _authed(port: int, fingerprint: str | None = None) -> wire.Conn:
+    conn, _ = await wire.connect("127.0.0.1", port, TOKEN, fingerprint, LIMITS, 5)
+    return conn
+
+
+def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
+    model = exported["llama"]
+    node = node_factory()
+
+    async def main() -> None:
+        be = await _cluster(model, [node.addr], [(0, 2)])
+        plan = be.cluster.plan_id
+        try:
+            # 1. random bytes instead of a frame -> closed
+            await _raw(node.port, os.urandom(64))
+            # 2. a truncated frame: length says 1000, 10 bytes sent, then EOF
+            r, w = await asyncio.open_connection("127.0.0.1", node.port)
+            await wire.read_frame(r, LIMITS)
+            w.write(struct.pack(">I", 1000) + b"x" * 10)
+            await w.drain()
+            w.write_eof()
+            await asyncio.wait_for(r.read(), 10)
+            w.close()
+            # 3. a 4 GiB length prefix -> an error reply naming the limit, then closed
+            reply = await _raw(node.port, struct.pack(">I", 0xFFFFFFFF))
+            assert b"exceeds the limit" in reply
+            # 4. wrong token
+            with pytest.raises(AuthError, match="wrong cluster token"):
+                await wire.connect("127.0.0.1", node.port, "wrong", None, LIMITS, 5)
+            conn = await _authed(node.port)
+            # 5. unknown message type -> error reply, connection still usable
+            await conn.send({"type": "teleport", "id": 1})
+            msg = await conn.recv()
+            assert msg["type"] == "error" and "unknown message type" in msg["message"]
+            # 6. wrong dtype and 7. wrong shape in a forward -> error results
+            bad_dtype = {"dtype": "float32", "shape": [1, 1, 48], "data": b"\0" * 10}
+            await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 0,
+                             "start": 0, "hidden": bad_dtype})
+            msg = await conn.recv()
+            assert "needs 192 bytes" in msg["error"]
+            await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 1,
+                             "start": 0, "hidden": wire.encode_tensor(np.zeros((1, 1, 5),
+                                                                               np.float32))})
+            msg = await conn.recv()
+            assert "expected (batch, seq, 48)" in msg["error"]
+            await conn.send({"type": "ping", "id": 2, "t": 1})
+            assert (await conn.recv())["type"] == "ping_ok"
+            await conn.close()
+            # 8. a connection opened for another model's fingerprint cannot forward
+            conn = await _authed(node.port, fingerprint="0" * 32)
+            await conn.send({"type": "forward", "plan_id": plan, "session": "c", "step": 0,
+                             "start": 0, "hidden": wire.encode_tensor(np.zeros((1, 1, 48),
+                                                                               np.float32))})
+            msg = await conn.recv()
+            assert "this connection was opened for" in msg["error"]
+            await conn.close()
+            # 9. a wire name used as a path is refused
+            conn = await _authed(node.port)
+            await conn.send({"type": "upload", "id": 3, "sha256": "../../etc/passwd",
+                             "offset": 0, "total": 4, "data": b"abcd"})
+            assert "not a sha256" in (await conn.recv())["message"]
+            await conn.close()
+            # the normal session still completes, on the same cluster connection
+            assert len(await _tokens(be, [5, 6, 7], 6)) > 0
+            stats = (await be.cluster.stats())[0]
+            assert stats["bad_frames"] >= 8
+        finally:
+            await be.close()
+        assert node.proc.poll() is None
+
+    asyncio.run(main())
