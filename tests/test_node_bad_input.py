@@ -12,7 +12,7 @@ import pytest
 from edgelite import wire
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError
-from nodes import TOKEN
+from edgelite.localnodes import TOKEN
 from test_distributed import _cluster, _tokens
 
 pytestmark = pytest.mark.e2e
