@@ -60,6 +60,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     return run_node(args, ready)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from edgelite.planapp import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgelite", description="Run one LLM across several phones.")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -77,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _gen_args(c)
     c.set_defaults(func=cmd_chat)
+
+    pl = sub.add_parser("plan", help="place layers on devices (HiGHS MILP)")
+    pl.add_argument("--model", required=True, type=Path, help="model folder (reads manifest.json only)")
+    pl.add_argument("--cluster", type=Path, help="cluster.json: devices and links (offline what-if)")
+    pl.add_argument("--nodes", help="host:port,... to probe live")
+    pl.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    pl.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    pl.add_argument("--solver", choices=["auto", "milp", "milp-literal", "milp-aggregated", "dp"],
+                    default="auto")
+    pl.add_argument("--no-client-first", action="store_true",
+                    help="the client need not hold layer 0")
+    pl.add_argument("--kv-tokens", type=int, default=2048, help="context to reserve KV memory for")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     n = sub.add_parser("node", help="run a stage node")
     n.add_argument("--host", default="0.0.0.0")

@@ -1,0 +1,70 @@
+"""`edgelite plan`: read the manifest and a cluster (file or live probe), solve, show the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from edgelite import manifest as mf
+from edgelite.clusterspec import problem_from
+from edgelite.errors import EdgeliteError
+from edgelite.planner import Plan, Problem, predict, solve
+
+
+def plan_json(p: Problem, plan: Plan) -> dict[str, Any]:
+    pr = predict(p, plan.stages)
+    return {"objective": plan.objective, "solver": plan.solver, "status": plan.status,
+            "solve_ms": round(plan.solve_ms, 2), "value_ms": round(plan.value, 4),
+            "stages": [{"device": p.devices[d].name, "first_layer": a, "last_layer": b,
+                        "compute_ms": round(r["compute_ms"], 4), "hop_in_ms": round(r["hop_in_ms"], 4)}
+                       for (d, a, b), r in zip(plan.stages, pr.per_stage, strict=True)],
+            "predicted_ms": {"total": round(pr.total, 4), "compute": round(pr.compute, 4),
+                             "data": round(pr.data, 4), "qos": round(pr.qos, 4),
+                             "complexity": round(pr.complexity, 4),
+                             "bottleneck": round(pr.bottleneck, 4)}}
+
+
+def show(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"plan ({out['objective']}, {out['solver']}: {out['status']}, "
+                    f"{out['solve_ms']:.0f} ms)")
+    for col in ("stage", "device", "layers", "compute ms", "hop in ms", ""):
+        t.add_column(col, justify="right" if "ms" in col else "left")
+    worst = max(s["compute_ms"] + s["hop_in_ms"] for s in out["stages"]) or 1.0
+    for i, s in enumerate(out["stages"]):
+        bar = "█" * max(1, round(20 * (s["compute_ms"] + s["hop_in_ms"]) / worst))
+        t.add_row(str(i + 1), s["device"], f"{s['first_layer']}-{s['last_layer']}",
+                  f"{s['compute_ms']:.2f}", f"{s['hop_in_ms']:.2f}", f"[cyan]{bar}[/cyan]")
+    c = Console()
+    c.print(t)
+    p = out["predicted_ms"]
+    c.print(f"predicted {p['total']:.2f} ms/token = compute {p['compute']:.2f} + data "
+            f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    m = mf.load(args.model)
+    if args.cluster:
+        try:
+            spec = json.loads(args.cluster.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EdgeliteError(f"{args.cluster}: {exc}") from exc
+    elif args.nodes:
+        import asyncio
+
+        from edgelite.probeapp import probe_cluster_spec
+
+        spec = asyncio.run(probe_cluster_spec(args, m))
+    else:
+        raise EdgeliteError("give --cluster cluster.json or --nodes host:port,...")
+    p = problem_from(m, spec, args.objective, client_first=not args.no_client_first,
+                     kv_tokens=args.kv_tokens)
+    out = plan_json(p, solve(p, args.solver))
+    if args.json:
+        print(json.dumps(out))  # noqa: T201
+    else:
+        show(out)
+    return 0

@@ -1,0 +1,142 @@
+"""Planner: MILP (literal and aggregated), DP and brute force agree; constructed cases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from edgelite import plan_dp, plan_milp
+from edgelite.errors import PlanInfeasible
+from edgelite.planner import Device, Layer, Link, Problem, Stage, predict, solve, value
+
+MiB = 2**20
+
+
+def brute_force(p: Problem) -> tuple[float, list[Stage]]:
+    """Every sequence of distinct devices (client only first) and every cut into ranges."""
+    best: tuple[float, list[Stage]] = (math.inf, [])
+    others = list(range(1, p.m))
+    for r in range(0, len(others) + 1):
+        for seq in itertools.permutations(others, r):
+            for lead in ([(0,)] if p.client_first else [(0,), ()]):
+                devs = [*lead, *seq]
+                if not devs or len(devs) > p.n:
+                    continue
+                for cuts in itertools.combinations(range(1, p.n), len(devs) - 1):
+                    bounds = [0, *cuts, p.n]
+                    stages = [(d, bounds[i], bounds[i + 1] - 1) for i, d in enumerate(devs)]
+                    v = value(p, stages)
+                    if v < best[0]:
+                        best = (v, stages)
+    return best
+
+
+def random_problem(rng: random.Random, identical: bool, objective: str) -> Problem:
+    n, m = rng.randint(1, 8), rng.randint(1, 4)
+    base = Layer(flops=rng.uniform(1e6, 5e7), mem_bytes=rng.randint(50, 150) * MiB,
+                 out_bytes=rng.choice([2304, 8192, 65536]))
+    layers = tuple(base if identical else
+                   Layer(rng.uniform(1e6, 5e7), rng.randint(50, 150) * MiB, base.out_bytes)
+                   for _ in range(n))
+    devices = tuple(Device(f"d{i}", rng.uniform(1e9, 2e10), rng.randint(1, 8) * 128 * MiB,
+                           beta=rng.choice([0.5, 0.8, 1.0])) for i in range(m))
+    links = {(i, k): Link(rng.uniform(1, 30), rng.uniform(5, 200), rng.uniform(0, 3),
+                          rng.choice([0, 0, 0.01, 0.05]))
+             for i in range(m) for k in range(m) if i != k and rng.random() > 0.1}
+    return Problem(layers, devices, links, client_first=rng.random() < 0.7,
+                   client_reserved_bytes=rng.choice([0, 64 * MiB]), objective=objective)
+
+
+def _solve_value(p: Problem, solver) -> float:
+    try:
+        plan = solver(p)
+    except PlanInfeasible:
+        return math.inf
+    if plan.stages:
+        assert plan.value == pytest.approx(value(p, plan.stages), rel=1e-9)
+    return plan.value if plan.stages else math.inf
+
+
+def test_property_milp_dp_brute_force_agree() -> None:
+    rng = random.Random(1234)
+    checked = feasible = 0
+    for case in range(240):
+        identical = case % 2 == 0
+        p = random_problem(rng, identical, "latency" if case % 3 else "throughput")
+        truth, _ = brute_force(p)
+        got = {"dp": _solve_value(p, lambda q: solve(q, "dp")),
+               "literal": _solve_value(p, lambda q: solve(q, "milp-literal"))}
+        if identical:
+            got["aggregated"] = _solve_value(p, lambda q: solve(q, "milp-aggregated"))
+            got["dp-general"] = _solve_value(p, lambda q: plan_dp.solve(q, general=True))
+        for name, v in got.items():
+            if math.isinf(truth):
+                assert math.isinf(v), (case, name, v, p)
+            else:
+                assert v == pytest.approx(truth, rel=1e-6), (case, name, v, truth, p)
+        checked += 1
+        feasible += not math.isinf(truth)
+    assert checked >= 200 and feasible >= 100
+
+
+def _lossy_case(qos: bool) -> Problem:
+    """Client C and phones A, B, D; memory needs C plus two phones. A and B are the fastest pair,
+    but their link loses 5 % of packets; D is slower, its link to A is clean; B-D is down."""
+    from edgelite.planner import Weights
+
+    layer = Layer(flops=2e7, mem_bytes=100 * MiB, out_bytes=2304)
+    devices = (Device("C", 1e9, 120 * MiB, beta=1.0), Device("A", 1e10, 1000 * MiB, beta=1.0),
+               Device("B", 1e10, 1000 * MiB, beta=1.0), Device("D", 0.8e10, 1000 * MiB, beta=1.0))
+    good, lossy = Link(5, 50), Link(1, 100, 0, 0.05)
+    links = {(0, 1): good, (1, 0): good, (0, 2): good, (2, 0): good, (0, 3): good, (3, 0): good,
+             (1, 2): lossy, (2, 1): lossy, (1, 3): Link(1, 100), (3, 1): Link(1, 100)}
+    weights = Weights() if qos else Weights(w_q1=0, w_q2=0, w_q3=0)
+    return Problem((layer,) * 12, devices, links, weights)
+
+
+def test_qos_term_alone_avoids_a_lossy_link() -> None:
+    hops = lambda pl: {frozenset((a[0], b[0])) for a, b in itertools.pairwise(pl.stages)}  # noqa: E731
+    blind = solve(_lossy_case(qos=False))
+    aware = solve(_lossy_case(qos=True))
+    assert frozenset((1, 2)) in hops(blind)  # without QoS the fast pair wins
+    assert frozenset((1, 2)) not in hops(aware)  # with it, the 5 % link is avoided
+    assert {d for d, _, _ in aware.stages} == {0, 1, 3}
+    assert predict(_lossy_case(qos=True), aware.stages).qos < 1.0
+    for solver in ("dp", "milp-literal"):
+        assert solve(_lossy_case(qos=True), solver).value == pytest.approx(aware.value)
+
+
+def test_memory_forces_a_third_device() -> None:
+    layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304)
+    devices = (Device("C", 1e10, 300 * MiB, beta=1.0), Device("A", 1e10, 500 * MiB, beta=1.0),
+               Device("B", 1e9, 2000 * MiB, beta=1.0))
+    link = Link(10, 50)
+    links = {(i, k): link for i in range(3) for k in range(3) if i != k}
+    plan = solve(Problem((layer,) * 9, devices, links))  # C holds 3, A 5: the 9th needs B
+    assert {d for d, _, _ in plan.stages} == {0, 1, 2}
+    small = Problem((layer,) * 8, devices, links)  # 8 layers fit on C + A: slow B stays out
+    assert {d for d, _, _ in solve(small).stages} == {0, 1}
+
+
+def test_infeasible_says_how_much_is_short() -> None:
+    layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304)
+    devices = (Device("C", 1e10, 200 * MiB, beta=1.0), Device("A", 1e10, 300 * MiB, beta=1.0))
+    p = Problem((layer,) * 8, devices, {(0, 1): Link(1, 10), (1, 0): Link(1, 10)})
+    with pytest.raises(PlanInfeasible, match=r"need 800 MiB.*offer 500 MiB: 300 MiB short.*C \(200"):
+        solve(p)
+
+
+def test_unreachable_device_is_not_used() -> None:
+    layer = Layer(flops=1e8, mem_bytes=10 * MiB, out_bytes=2304)
+    devices = (Device("C", 1e9, 1000 * MiB), Device("fast-but-cut-off", 1e12, 1000 * MiB))
+    plan = solve(Problem((layer,) * 4, devices, {}))
+    assert plan.stages == [(0, 0, 3)]
+
+
+def test_solver_reports_status() -> None:
+    plan = solve(_lossy_case(qos=True), "milp-aggregated")
+    assert plan.status == "optimal" and plan.solver == "highs-milp-aggregated"
+    assert plan_milp.available()
