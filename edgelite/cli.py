@@ -66,6 +66,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from edgelite.probeapp import run_probe
+
+    result = run_probe(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    names = [d["name"] for d in result["devices"]]
+    cells = {(r["src"], r["dst"]): r for r in result["links"]}
+    console = Console()
+    for metric, fmt in (("latency_ms", "{:.2f}"), ("bandwidth_mbps", "{:.0f}"),
+                        ("jitter_ms", "{:.2f}"), ("loss", "{:.1%}")):
+        t = Table(title=metric)
+        t.add_column("from \\ to")
+        for n in names:
+            t.add_column(n, justify="right")
+        for a in names:
+            row = []
+            for b in names:
+                r = cells.get((a, b))
+                row.append("-" if r is None else (fmt.format(r[metric]) if r["reachable"]
+                                                  else "[red]unreachable[/red]"))
+            t.add_row(a, *row)
+        console.print(t)
+    for d in result["devices"]:
+        console.print(f"{d['name']}: {d.get('flops', 0) / 1e9:.1f} GFLOP/s "
+                      f"({d.get('flops_source', '?')}), "
+                      f"{(d.get('memory_available_bytes') or 0) / 2**30:.1f} GiB available")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgelite", description="Run one LLM across several phones.")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -97,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-tokens", type=int, default=2048, help="context to reserve KV memory for")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+
+    pr = sub.add_parser("probe", help="measure devices and every link between them")
+    pr.add_argument("--nodes", required=True, help="host:port,...")
+    pr.add_argument("--model", type=Path, help="model folder: FLOP/s on its own layer shapes")
+    pr.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_probe)
 
     n = sub.add_parser("node", help="run a stage node")
     n.add_argument("--host", default="0.0.0.0")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgelite import wire
+from edgelite import prober, wire
 from edgelite.blobstore import BlobStore, check_sha
 from edgelite.config import NodeConfig, RuntimeConfig, WireLimits
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
@@ -51,6 +52,14 @@ class Node:
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)
+        loop = asyncio.get_running_loop()
+        try:  # the UDP echo for loss probes shares the TCP port number when it is free
+            self.udp, _ = await loop.create_datagram_endpoint(
+                lambda: prober.UdpEcho(self.token), local_addr=(self.cfg.host, self.port))
+        except OSError:
+            self.udp, _ = await loop.create_datagram_endpoint(
+                lambda: prober.UdpEcho(self.token), local_addr=(self.cfg.host, 0))
+        self.udp_port = self.udp.get_extra_info("sockname")[1]
 
     async def run(self) -> None:
         """Serve until cancelled: the server, the forward worker and the session reaper."""
@@ -68,8 +77,9 @@ class Node:
         conn = wire.Conn(reader, writer, self.limits, peer)
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
-            auth = await asyncio.wait_for(wire.server_handshake(conn, self.token, self.name, fps),
-                                          self.cfg.handshake_timeout_s)
+            auth = await asyncio.wait_for(
+                wire.server_handshake(conn, self.token, self.name, fps, {"udp_port": self.udp_port}),
+                self.cfg.handshake_timeout_s)
             await self._serve(conn, auth.get("fingerprint"))
         except (AuthError, ProtocolError) as exc:
             self.bad_frames += 1
@@ -112,7 +122,8 @@ class Node:
             await self.queue.put(self._check_forward(msg, fingerprint))
             return
         handlers = {"ping": self._ping, "stats": self._stats, "files": self._files,
-                    "upload": self._upload, "load": self._load, "end": self._end}
+                    "upload": self._upload, "load": self._load, "end": self._end,
+                    "bulk": self._bulk, "profile": self._profile, "probe_link": self._probe_link}
         if kind == "subscribe":
             self._stage(msg)
             self.sinks[msg["plan_id"]] = conn
@@ -147,7 +158,27 @@ class Node:
 
     # ---- control requests --------------------------------------------------------------
     async def _ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"t": msg.get("t")}
+        # the receive time on this node's clock: senders get one-way delay variation from it
+        return {"t": msg.get("t"), "rt": time.monotonic()}
+
+    async def _bulk(self, msg: dict[str, Any]) -> dict[str, Any]:
+        data = msg.get("data")
+        return {"bytes": len(data) if isinstance(data, bytes) else 0}
+
+    async def _profile(self, msg: dict[str, Any]) -> dict[str, Any]:
+        hidden = msg.get("hidden_size")
+        flops = await asyncio.get_running_loop().run_in_executor(
+            self.compute_pool, self.store.measure_flops, hidden if isinstance(hidden, int) else 0)
+        return {"node": self.name, "threads": self.cfg.threads, **flops, **prober.host_profile()}
+
+    async def _probe_link(self, msg: dict[str, Any]) -> dict[str, Any]:
+        host, port = msg.get("host"), msg.get("port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise ProtocolError("probe_link needs host and port")
+        udp = msg.get("udp_port")
+        stats = await prober.probe_peer(host, port, udp if isinstance(udp, int) else None,
+                                        self.token, prober.ProbeConfig(**msg.get("config", {})))
+        return {"link": stats.to_json()}
 
     async def _stats(self, _msg: dict[str, Any]) -> dict[str, Any]:
         return {"node": self.name, "queue": self.queue.qsize(), "bad_frames": self.bad_frames,

@@ -18,6 +18,8 @@ from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
 from edgelite.runtime import KVCache, LayerRange, positions_for
 
+EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache
+
 
 @dataclass
 class Stage:
@@ -99,6 +101,43 @@ class StageStore:
         self.run_ms_total += ms
         self.runs += 1
         self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
+
+    def measure_flops(self, hidden_size: int, repeats: int = 20, past: int = 64) -> dict[str, Any]:
+        """Effective FLOP/s on decode shapes (blocking: run in the compute thread): a deployed
+        decoder layer if there is one, else a numpy GEMV of the model's hidden size."""
+        stage = next(iter(self.stages.values()), None)
+        if stage is not None:
+            m, j = stage.manifest, stage.first
+            sess = stage.layers.sessions[0]
+            rng = np.random.default_rng(0)
+            kv = rng.standard_normal((1, m.num_kv_heads, past, m.head_dim)).astype(np.float32)
+            feed = {"hidden": rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32),
+                    "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
+                    "attention_mask": np.ones((1, past + 1), np.int64)}
+            sess.run(None, feed)
+            # In a real decode step the layer's weights were evicted by everything run since its
+            # last step, so each timed run starts with a cold cache, as decoding sees it.
+            evict = np.zeros(EVICT_BYTES // 4, np.float32)
+            times = []
+            for _ in range(repeats):
+                evict += 1.0
+                t0 = time.perf_counter()
+                sess.run(None, feed)
+                times.append(time.perf_counter() - t0)
+            secs = float(np.median(times))
+            return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
+                    "layer_ms": secs * 1e3}
+        h = hidden_size or 2048
+        a = np.ones((1, h), np.float32)
+        w = np.ones((h, 4 * h), np.float32)
+        a @ w
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                a @ w
+            times.append((time.perf_counter() - t0) / 10)
+        return {"flops": 2 * h * 4 * h / float(np.median(times)), "flops_source": f"numpy gemv {h}"}
 
     def end(self, session: str) -> int:
         """Free a session's KV in every plan; returns bytes freed."""

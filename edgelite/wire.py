@@ -114,8 +114,8 @@ def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), role + nonce, hashlib.sha256).digest()
 
 
-async def server_handshake(conn: Conn, token: str, node_name: str,
-                           fingerprints: list[str]) -> dict[str, Any]:
+async def server_handshake(conn: Conn, token: str, node_name: str, fingerprints: list[str],
+                           extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Challenge the client; returns its auth message (with the fingerprint it wants)."""
     nonce = os.urandom(32)
     await conn.send({"type": "hello", "version": PROTOCOL_VERSION, "nonce": nonce,
@@ -131,7 +131,7 @@ async def server_handshake(conn: Conn, token: str, node_name: str,
     if not isinstance(cnonce, bytes) or len(cnonce) != 32:
         raise AuthError("client nonce missing")
     await conn.send({"type": "welcome", "mac": _mac(token, cnonce, b"server"), "node": node_name,
-                     "fingerprints": fingerprints})
+                     "fingerprints": fingerprints, **(extra or {})})
     return msg
 
 

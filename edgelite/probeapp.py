@@ -1,0 +1,122 @@
+"""`edgelite probe`: profile every node and measure every link, peer to peer.
+
+Node -> node links are measured by the node at one end (the client asks it), so the matrix is
+not measured through the client. Client <-> node links are measured by the client and taken as
+symmetric (a phone client runs no server a node could probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+from typing import Any
+
+from edgelite import manifest as mf
+from edgelite import prober
+from edgelite.cluster import Cluster, NodeLink, parse_nodes
+from edgelite.config import ClientConfig
+from edgelite.errors import EdgeliteError
+
+CLIENT = "client"
+
+
+def _token(args: argparse.Namespace) -> str:
+    token = getattr(args, "token", None) or os.environ.get("EDGELITE_TOKEN")
+    if not token:
+        raise EdgeliteError("the cluster token is needed: --token or EDGELITE_TOKEN")
+    return token
+
+
+async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest | None,
+                cfg: prober.ProbeConfig | None = None) -> dict[str, Any]:
+    """{"devices": [...], "links": [...]} for the client and every node (see README schema)."""
+    cfg = cfg or prober.ProbeConfig()
+    cluster = Cluster(manifest or _NoModel(), token, ClientConfig())  # type: ignore[arg-type]
+    await cluster.connect(addrs)
+    try:
+        hidden = manifest.hidden_size if manifest else 0
+        timeout = 10 * cfg.timeout_s + 30
+        devices = [{"name": CLIENT, "addr": None, **_client_profile(manifest)}]
+        for link in cluster.links:
+            prof = await link.request({"type": "profile", "hidden_size": hidden}, timeout)
+            devices.append({"name": link.name, "addr": link.name,
+                            **{k: v for k, v in prof.items() if k not in ("type", "id")}})
+        links = []
+        for link in cluster.links:  # client <-> node, measured here
+            st = await prober.probe_peer(*link.addr, None, token, cfg)
+            links += [_row(CLIENT, link.name, st.to_json()), _row(link.name, CLIENT, st.to_json())]
+        for a in cluster.links:  # node -> node, measured by the source node
+            for b in cluster.links:
+                if a is not b:
+                    links.append(_row(a.name, b.name, await _node_probe(a, b, cfg, timeout)))
+        return {"devices": devices, "links": links}
+    finally:
+        await cluster.close()
+
+
+async def _node_probe(a: NodeLink, b: NodeLink, cfg: prober.ProbeConfig, timeout: float) -> dict:
+    try:
+        reply = await a.request({"type": "probe_link", "host": b.addr[0], "port": b.addr[1],
+                                 "config": cfg.__dict__}, timeout)
+    except EdgeliteError as exc:
+        return prober.unreachable(f"{a.name} could not probe: {exc}").to_json()
+    return reply["link"]
+
+
+def _row(src: str, dst: str, stats: dict[str, Any]) -> dict[str, Any]:
+    return {"src": src, "dst": dst, **stats}
+
+
+class _NoModel:
+    fingerprint = None
+
+
+def _client_profile(manifest: mf.Manifest | None) -> dict[str, Any]:
+    from edgelite.blobstore import BlobStore  # noqa: F401 - keeps the import graph one-way
+    from edgelite.config import RuntimeConfig
+    from edgelite.runtime import LayerRange
+
+    prof = prober.host_profile()
+    if manifest is not None:
+        import time
+
+        import numpy as np
+
+        layer = LayerRange(manifest, 0, 0, RuntimeConfig(threads=2, verify_hashes=False))
+        m = manifest
+        kv = np.zeros((1, m.num_kv_heads, 64, m.head_dim), np.float32)
+        feed = {"hidden": np.ones((1, 1, m.hidden_size), np.float32), "past_key": kv,
+                "past_value": kv, "position_ids": np.array([[64]]),
+                "attention_mask": np.ones((1, 65), np.int64)}
+        layer.sessions[0].run(None, feed)
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            layer.sessions[0].run(None, feed)
+            times.append(time.perf_counter() - t0)
+        prof["flops"] = m.layers[0].flops_per_token / float(np.median(times))
+        prof["flops_source"] = "layer 0"
+    return prof
+
+
+def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
+    """The planner's cluster description from a probe result (unreachable links left out)."""
+    devices = [{"name": d["name"], "flops": d.get("flops") or 1e9,
+                "memory_bytes": d.get("memory_available_bytes") or d.get("memory_total_bytes") or 0}
+               for d in probed["devices"]]
+    links = [{"src": r["src"], "dst": r["dst"], "latency_ms": r["latency_ms"],
+              "bandwidth_mbps": r["bandwidth_mbps"], "jitter_ms": r["jitter_ms"],
+              "loss": 0.0 if math.isnan(r["loss"]) else r["loss"]}
+             for r in probed["links"] if r["reachable"]]
+    return {"devices": devices, "links": links, "client": CLIENT}
+
+
+async def probe_cluster_spec(args: argparse.Namespace, manifest: mf.Manifest) -> dict[str, Any]:
+    return cluster_spec(await probe(parse_nodes(args.nodes), _token(args), manifest))
+
+
+def run_probe(args: argparse.Namespace) -> dict[str, Any]:
+    manifest = mf.load(args.model) if args.model else None
+    return asyncio.run(probe(parse_nodes(args.nodes), _token(args), manifest))

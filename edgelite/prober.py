@@ -1,0 +1,237 @@
+"""Device and link measurement. A peer that fails is a measurement ("unreachable"), not an error.
+
+Link metrics between an endpoint and a peer node (run by whichever end the client asks):
+- latency: median RTT/2 over N small round trips;
+- jitter: max - min one-way delay, and p95 - p50. The peer stamps each ping on arrival with its
+  own clock; (arrival stamp - send time) is the one-way delay plus a constant clock offset, which
+  max - min and p95 - p50 cancel, so no clock sync is needed;
+- bandwidth: a bulk transfer of 1 MB, doubled until it lasts >= 200 ms (or the size cap);
+- loss: a UDP echo exchange with sequence numbers; the round-trip loss r gives the one-way loss
+  1 - sqrt(1 - r) (links assumed symmetric), with a Wilson 95 % interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+import os
+import platform
+import statistics
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgelite import wire
+from edgelite.config import WireLimits
+from edgelite.errors import AuthError, ProtocolError
+
+_UDP = struct.Struct(">Q8s16s")  # seq, nonce, tag
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    pings: int = 20
+    bulk_start_bytes: int = 1 << 20  # 1 MB as in the source method
+    bulk_min_seconds: float = 0.2
+    bulk_max_bytes: int = 16 << 20  # on loopback-fast links the last size may last < 200 ms
+    udp_packets: int = 200
+    udp_interval_s: float = 0.002
+    udp_wait_s: float = 0.3  # after the last packet, how long to wait for echoes
+    timeout_s: float = 3.0  # one request of the probe; past it the peer is unreachable
+
+
+@dataclass
+class LinkStats:
+    latency_ms: float
+    jitter_ms: float  # max - min one-way delay
+    jitter_p95_p50_ms: float
+    bandwidth_mbps: float
+    loss: float  # one-way estimate
+    loss_ci95: tuple[float, float]
+    udp_sent: int
+    udp_received: int
+    measured_at: float = field(default_factory=time.time)
+    reachable: bool = True
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unreachable(reason: str) -> LinkStats:
+    nan = math.nan
+    return LinkStats(nan, nan, nan, nan, nan, (nan, nan), 0, 0, reachable=False, reason=reason)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def one_way(rt_loss: float) -> float:
+    return 1 - math.sqrt(max(0.0, 1 - rt_loss))
+
+
+def udp_tag(token: str, seq: int, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), struct.pack(">Q", seq) + nonce, hashlib.sha256).digest()[:16]
+
+
+class UdpEcho(asyncio.DatagramProtocol):
+    """Echoes datagrams that carry a valid tag (no reflection for strangers)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if len(data) != _UDP.size or self.transport is None:
+            return
+        seq, nonce, tag = _UDP.unpack(data)
+        if hmac.compare_digest(tag, udp_tag(self.token, seq, nonce)):
+            self.transport.sendto(data, addr)
+
+
+class _UdpClient(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.got: set[int] = set()
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if len(data) == _UDP.size:
+            self.got.add(_UDP.unpack(data)[0])
+
+
+async def udp_loss(host: str, port: int, token: str, cfg: ProbeConfig) -> tuple[int, int]:
+    """(sent, echoed) over one UDP exchange."""
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_datagram_endpoint(_UdpClient, remote_addr=(host, port))
+    try:
+        nonce = os.urandom(8)
+        for seq in range(cfg.udp_packets):
+            transport.sendto(_UDP.pack(seq, nonce, udp_tag(token, seq, nonce)))
+            await asyncio.sleep(cfg.udp_interval_s)
+        await asyncio.sleep(cfg.udp_wait_s)
+    finally:
+        transport.close()
+    return cfg.udp_packets, len(proto.got)
+
+
+async def _request(conn: wire.Conn, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    await conn.send(msg)
+    reply = await asyncio.wait_for(conn.recv(), timeout)
+    if reply.get("type") == "error":
+        raise ConnectionError(str(reply.get("message")))
+    return reply
+
+
+async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token: str,
+                       cfg: ProbeConfig) -> LinkStats:
+    """Measure the link behind an authenticated connection to a node (and its UDP echo)."""
+    udp = asyncio.ensure_future(udp_loss(*udp_addr, token, cfg)) if udp_addr else None
+    try:  # the UDP exchange runs alongside the pings (small packets both)
+        rtts, owd = [], []  # owd: one-way delay + an unknown constant clock offset
+        for i in range(cfg.pings):
+            t0, sent_at = time.perf_counter(), time.monotonic()
+            reply = await _request(conn, {"type": "ping", "id": i}, cfg.timeout_s)
+            rtts.append((time.perf_counter() - t0) * 1e3)
+            if isinstance(reply.get("rt"), float):
+                owd.append((reply["rt"] - sent_at) * 1e3)
+        sent, got = (await udp) if udp else (0, 0)
+    finally:
+        if udp is not None and not udp.done():
+            udp.cancel()
+            await asyncio.gather(udp, return_exceptions=True)
+    ow = sorted(owd) if len(owd) == len(rtts) else sorted(r / 2 for r in rtts)
+    rtt = statistics.median(rtts)
+    size, bw = cfg.bulk_start_bytes, math.nan
+    while True:
+        t0 = time.perf_counter()
+        await _request(conn, {"type": "bulk", "id": -1, "data": bytes(size)}, cfg.timeout_s + size / 1e5)
+        secs = time.perf_counter() - t0
+        bw = size * 8 / max(1e-6, secs - rtt / 1e3) / 1e6
+        if secs >= cfg.bulk_min_seconds or size * 2 > cfg.bulk_max_bytes:
+            break
+        size *= 2
+    lost = sent - got
+    lo, hi = wilson(lost, sent)
+    p95 = ow[min(len(ow) - 1, math.ceil(0.95 * len(ow)) - 1)]
+    return LinkStats(latency_ms=rtt / 2, jitter_ms=ow[-1] - ow[0],
+                     jitter_p95_p50_ms=p95 - statistics.median(ow), bandwidth_mbps=bw,
+                     loss=one_way(lost / sent) if sent else math.nan,
+                     loss_ci95=(one_way(lo), one_way(hi)) if sent else (math.nan, math.nan),
+                     udp_sent=sent, udp_received=got)
+
+
+async def probe_peer(host: str, port: int, udp_port: int | None, token: str,
+                     cfg: ProbeConfig) -> LinkStats:
+    """Connect to a node and measure the link; never raises for a bad peer."""
+    try:
+        conn, welcome = await wire.connect(host, port, token, None, WireLimits(), cfg.timeout_s)
+    except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, AuthError,
+            ProtocolError) as exc:
+        return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
+    try:
+        uport = udp_port or welcome.get("udp_port")
+        return await measure_link(conn, (host, uport) if uport else None, token, cfg)
+    except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
+        return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
+    finally:
+        await conn.close()
+
+
+@dataclass
+class EMA:
+    """Bias-corrected exponential moving average (as hivemind's PerformanceEMA)."""
+
+    alpha: float = 0.3
+    value: float = 0.0
+    weight: float = 0.0
+
+    def update(self, x: float) -> float:
+        self.value = (1 - self.alpha) * self.value + self.alpha * x
+        self.weight = (1 - self.alpha) * self.weight + self.alpha
+        return self.value / self.weight
+
+
+def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
+    out = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def battery() -> dict[str, Any]:
+    """Battery level/charging/temperature where the kernel exposes them (Android does); else {}."""
+    base = Path("/sys/class/power_supply/battery")
+    out: dict[str, Any] = {}
+    for key, name, conv in (("capacity", "battery_percent", int), ("status", "charging", str),
+                            ("temp", "battery_temp_c", lambda v: int(v) / 10)):
+        try:
+            raw = (base / key).read_text().strip()
+        except OSError:
+            continue
+        out[name] = raw == "Charging" if key == "status" else conv(raw)
+    return out
+
+
+def host_profile() -> dict[str, Any]:
+    mem = meminfo()
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "machine": platform.machine(), "memory_total_bytes": mem.get("MemTotal"),
+            "memory_available_bytes": mem.get("MemAvailable"), **battery()}

@@ -1,0 +1,162 @@
+"""Prober against real nodes, through the userspace link emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from edgelite import prober
+from edgelite.linkemu import LinkEmulator, LinkSpec
+from edgelite.localnodes import TOKEN
+from test_distributed import _cluster
+
+pytestmark = pytest.mark.e2e
+
+
+async def _probe_via(node_a, node_b, spec: LinkSpec, seed: int = 3) -> prober.LinkStats:
+    """Node A measures its link to node B through an emulator in front of B."""
+    emu = await LinkEmulator(("127.0.0.1", node_b.port), spec, seed=seed).start()
+    try:
+        import edgelite.wire as wire
+
+        conn, _ = await wire.connect("127.0.0.1", node_a.port, TOKEN, None, wire.WireLimits(), 5)
+        try:
+            await conn.send({"type": "probe_link", "id": 1, "host": "127.0.0.1", "port": emu.port,
+                             "udp_port": emu.udp_port, "config": {"udp_packets": 400}})
+            reply = await asyncio.wait_for(conn.recv(), 60)
+        finally:
+            await conn.close()
+    finally:
+        await emu.close()
+    assert reply["type"] == "probe_link_ok", reply
+    link = reply["link"]
+    link["loss_ci95"] = tuple(link["loss_ci95"])
+    return prober.LinkStats(**link)
+
+
+@pytest.mark.parametrize("spec", [LinkSpec(20, 5, 10, 0.03), LinkSpec(20, 5, 50, 0.0)],
+                         ids=["10mbit-3pct-loss", "50mbit-no-loss"])
+def test_emulated_link_measured_within_tolerance(node_factory, spec: LinkSpec) -> None:
+    a, b = node_factory(), node_factory()
+    st = asyncio.run(_probe_via(a, b, spec))
+    assert st.reachable
+    assert st.latency_ms == pytest.approx(spec.delay_ms, rel=0.15)
+    assert st.bandwidth_mbps == pytest.approx(spec.rate_mbps, rel=0.15)
+    assert st.jitter_ms == pytest.approx(2 * spec.jitter_ms, rel=0.30)  # max - min of +-5 ms
+    lo, hi = st.loss_ci95
+    assert lo <= spec.loss <= hi, (st.loss, st.loss_ci95)
+    assert time.time() - st.measured_at < 120
+
+
+def test_unreachable_peer_is_a_measurement() -> None:
+    async def main() -> prober.LinkStats:
+        t0 = time.monotonic()
+        st = await prober.probe_peer("127.0.0.1", 9, None, TOKEN, prober.ProbeConfig(timeout_s=1))
+        assert time.monotonic() - t0 < 3
+        return st
+
+    st = asyncio.run(main())
+    assert not st.reachable and "127.0.0.1:9" in st.reason
+
+
+def test_probe_cli_matrix_and_flops_prediction(exported, node_factory) -> None:
+    nodes = [node_factory() for _ in range(3)]
+    env_token = {"EDGELITE_TOKEN": TOKEN}
+    os.environ.update(env_token)
+    t0 = time.monotonic()
+    res = run_cli("probe", "--nodes", ",".join(n.addr for n in nodes), "--json", timeout=60)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["devices"]) == 4 and len(out["links"]) == 4 * 3
+    assert all(r["reachable"] and r["bandwidth_mbps"] > 100 for r in out["links"])
+    assert elapsed < 15
+    for d in out["devices"][1:]:
+        assert d["flops"] > 0 and d["memory_total_bytes"] > 0 and d["cpu_count"] >= 1
+
+
+@pytest.mark.slow  # the prediction varied 1.12-1.61 ms across runs on the 2-core CI machine
+def test_layer_flops_predict_decode_time(smollm2, node_factory) -> None:
+    """FLOP/s measured on a deployed SmolLM2 layer predicts its decode time within 20 %, in a
+    10-layer stage (where, as in real decoding, the other layers evict each one's weights)."""
+    node = node_factory()
+
+    async def main() -> tuple[float, float]:
+        be = await _cluster(smollm2[0], [node.addr], [(0, 9)])
+        try:
+            link = be.cluster.links[0]
+            prof = await link.request({"type": "profile"}, 30)
+            layer = be.manifest.layers[0]
+            predicted_ms = layer.flops_per_token / prof["flops"] * 1e3
+            stats0 = await link.request({"type": "stats"}, 5)
+            import numpy as np
+
+            h = np.zeros((1, 64, be.manifest.hidden_size), np.float32)
+            await be.cluster.forward("p", 0, 0, h)
+            stats0 = await link.request({"type": "stats"}, 5)  # decode runs only
+            for i in range(40):
+                await be.cluster.forward("p", i + 1, 64 + i, h[:, :1])
+            stats1 = await link.request({"type": "stats"}, 5)
+            runs = stats1["runs"] - stats0["runs"]
+            total = stats1["ms_per_run"] * stats1["runs"] - stats0["ms_per_run"] * stats0["runs"]
+            return predicted_ms, total / runs / 10
+        finally:
+            await be.close()
+
+    predicted, measured = asyncio.run(main())
+    assert predicted == pytest.approx(measured, rel=0.2)
+
+
+NETNS = shutil.which("ip") is not None and os.geteuid() == 0
+
+
+@pytest.mark.skipif(not NETNS, reason="needs root and iproute2 (ip netns) to build test hosts")
+def test_netns_veth_tbf_20mbit(tmp_path: Path) -> None:
+    ns = [f"edl{os.getpid()}a", f"edl{os.getpid()}b"]
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    try:
+        try:
+            for n in ns:
+                sh("ip", "netns", "add", n)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"ip netns not permitted here: {exc.stderr.decode().strip()}")
+        va, vb = f"va{os.getpid() % 100000}", f"vb{os.getpid() % 100000}"
+        sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        sh("ip", "link", "set", va, "netns", ns[0])
+        sh("ip", "link", "set", vb, "netns", ns[1])
+        for n, dev, addr in ((ns[0], va, "10.231.0.1/24"), (ns[1], vb, "10.231.0.2/24")):
+            sh("ip", "netns", "exec", n, "ip", "addr", "add", addr, "dev", dev)
+            sh("ip", "netns", "exec", n, "ip", "link", "set", dev, "up")
+            sh("ip", "netns", "exec", n, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+               "20mbit", "burst", "32kbit", "latency", "400ms")
+        env = {**os.environ, "EDGELITE_TOKEN": TOKEN}
+        procs = []
+        for n, ip in ((ns[0], "10.231.0.1"), (ns[1], "10.231.0.2")):
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", n, sys.executable, "-m", "edgelite", "node", "--host", ip,
+                 "--port", "7071", "--data-dir", str(tmp_path / n)], env=env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(4)
+        res = subprocess.run(["ip", "netns", "exec", ns[0], sys.executable, "-m", "edgelite",
+                              "probe", "--nodes", "10.231.0.1:7071,10.231.0.2:7071", "--json"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        assert res.returncode == 0, res.stderr
+        rows = {(r["src"], r["dst"]): r for r in json.loads(res.stdout)["links"]}
+        bw = rows["10.231.0.1:7071", "10.231.0.2:7071"]["bandwidth_mbps"]
+        assert bw == pytest.approx(20, rel=0.10)
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
