@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--nodes", required=True, help="host:port,...")
     pr.add_argument("--model", type=Path, help="model folder: FLOP/s on its own layer shapes")
     pr.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    pr.add_argument("--repeat", type=int, default=1, help="rounds, smoothed with a bias-corrected EMA")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_probe)
 

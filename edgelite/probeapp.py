@@ -30,7 +30,7 @@ def _token(args: argparse.Namespace) -> str:
 
 
 async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest | None,
-                cfg: prober.ProbeConfig | None = None) -> dict[str, Any]:
+                cfg: prober.ProbeConfig | None = None, repeat: int = 1) -> dict[str, Any]:
     """{"devices": [...], "links": [...]} for the client and every node (see README schema)."""
     cfg = cfg or prober.ProbeConfig()
     cluster = Cluster(manifest or _NoModel(), token, ClientConfig())  # type: ignore[arg-type]
@@ -43,17 +43,23 @@ async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest 
             prof = await link.request({"type": "profile", "hidden_size": hidden}, timeout)
             devices.append({"name": link.name, "addr": link.name,
                             **{k: v for k, v in prof.items() if k not in ("type", "id")}})
-        links = []
-        for link in cluster.links:  # client <-> node, measured here
-            st = await prober.probe_peer(*link.addr, None, token, cfg)
-            links += [_row(CLIENT, link.name, st.to_json()), _row(link.name, CLIENT, st.to_json())]
-        for a in cluster.links:  # node -> node, measured by the source node
-            for b in cluster.links:
-                if a is not b:
-                    links.append(_row(a.name, b.name, await _node_probe(a, b, cfg, timeout)))
-        return {"devices": devices, "links": links}
+        rounds = [await _links(cluster, token, cfg, timeout) for _ in range(max(1, repeat))]
+        return {"devices": devices, "links": smooth(rounds)}
     finally:
         await cluster.close()
+
+
+async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig,
+                 timeout: float) -> list[dict[str, Any]]:
+    links = []
+    for link in cluster.links:  # client <-> node, measured here
+        st = await prober.probe_peer(*link.addr, None, token, cfg)
+        links += [_row(CLIENT, link.name, st.to_json()), _row(link.name, CLIENT, st.to_json())]
+    for a in cluster.links:  # node -> node, measured by the source node
+        for b in cluster.links:
+            if a is not b:
+                links.append(_row(a.name, b.name, await _node_probe(a, b, cfg, timeout)))
+    return links
 
 
 async def _node_probe(a: NodeLink, b: NodeLink, cfg: prober.ProbeConfig, timeout: float) -> dict:
@@ -63,6 +69,24 @@ async def _node_probe(a: NodeLink, b: NodeLink, cfg: prober.ProbeConfig, timeout
     except EdgeliteError as exc:
         return prober.unreachable(f"{a.name} could not probe: {exc}").to_json()
     return reply["link"]
+
+
+SMOOTHED = ("latency_ms", "jitter_ms", "jitter_p95_p50_ms", "bandwidth_mbps", "loss")
+
+
+def smooth(rounds: list[list[dict[str, Any]]], alpha: float = 0.3) -> list[dict[str, Any]]:
+    """Merge repeated link rows: each metric a bias-corrected EMA over the reachable rounds;
+    `measured_at` of the newest, `samples` how many rounds reached the link."""
+    state: dict[tuple[str, str], tuple[dict[str, Any], dict[str, prober.EMA], int]] = {}
+    for rows in rounds:
+        for r in rows:
+            key = (r["src"], r["dst"])
+            row, emas, n = state.get(key, (r, {k: prober.EMA(alpha) for k in SMOOTHED}, 0))
+            if r["reachable"]:
+                row = {**r, **{k: emas[k].update(r[k]) for k in SMOOTHED if not math.isnan(r[k])}}
+                n += 1
+            state[key] = (row, emas, n)
+    return [{**row, "samples": n} for row, _, n in state.values()]
 
 
 def _row(src: str, dst: str, stats: dict[str, Any]) -> dict[str, Any]:
@@ -119,4 +143,5 @@ async def probe_cluster_spec(args: argparse.Namespace, manifest: mf.Manifest) ->
 
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     manifest = mf.load(args.model) if args.model else None
-    return asyncio.run(probe(parse_nodes(args.nodes), _token(args), manifest))
+    return asyncio.run(probe(parse_nodes(args.nodes), _token(args), manifest,
+                             repeat=getattr(args, "repeat", 1)))

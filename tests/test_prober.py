@@ -160,3 +160,20 @@ def test_netns_veth_tbf_20mbit(tmp_path: Path) -> None:
     finally:
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_smoothing_is_bias_corrected_and_skips_unreachable_rounds() -> None:
+    from edgelite.probeapp import smooth
+
+    def row(lat: float, ok: bool = True) -> dict:
+        st = prober.LinkStats(lat, 1.0, 0.5, 100.0, 0.0, (0.0, 0.01), 10, 10) if ok else \
+            prober.unreachable("down")
+        return {"src": "a", "dst": "b", **st.to_json()}
+
+    once = smooth([[row(10.0)]])[0]
+    assert once["latency_ms"] == pytest.approx(10.0) and once["samples"] == 1  # no bias to 0
+    three = smooth([[row(10.0)], [row(float("nan"), ok=False)], [row(20.0)]])[0]
+    assert three["samples"] == 2 and three["reachable"]
+    assert 10.0 < three["latency_ms"] < 20.0
+    down = smooth([[row(0, ok=False)]])[0]
+    assert not down["reachable"] and down["samples"] == 0
