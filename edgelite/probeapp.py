@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from edgelite import manifest as mf
@@ -51,15 +52,29 @@ async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest 
 
 async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig,
                  timeout: float) -> list[dict[str, Any]]:
-    links = []
-    for link in cluster.links:  # client <-> node, measured here
-        st = await prober.probe_peer(*link.addr, None, token, cfg)
-        links += [_row(CLIENT, link.name, st.to_json()), _row(link.name, CLIENT, st.to_json())]
-    for a in cluster.links:  # node -> node, measured by the source node
-        for b in cluster.links:
-            if a is not b:
-                links.append(_row(a.name, b.name, await _node_probe(a, b, cfg, timeout)))
-    return links
+    """Small-packet phase for every link at once, then bulk transfers one link at a time."""
+    small = replace(cfg, bulk=False)
+    bulk = replace(cfg, small=False)
+    pairs = [(a, b) for a in cluster.links for b in cluster.links if a is not b]
+    direct = await asyncio.gather(*(prober.probe_peer(*n.addr, None, token, small)
+                                    for n in cluster.links))
+    peer = await asyncio.gather(*(_node_probe(a, b, small, timeout) for a, b in pairs))
+    rows = []
+    for n, st in zip(cluster.links, direct, strict=True):
+        bw = (await prober.probe_peer(*n.addr, None, token, bulk)).to_json()
+        row = _merge(st.to_json(), bw)
+        rows += [_row(CLIENT, n.name, row), _row(n.name, CLIENT, row)]
+    for (a, b), st in zip(pairs, peer, strict=True):
+        rows.append(_row(a.name, b.name, _merge(st, await _node_probe(a, b, bulk, timeout))))
+    return rows
+
+
+def _merge(small: dict[str, Any], bulk: dict[str, Any]) -> dict[str, Any]:
+    if not small["reachable"]:
+        return small
+    if not bulk["reachable"]:
+        return bulk
+    return {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}
 
 
 async def _node_probe(a: NodeLink, b: NodeLink, cfg: prober.ProbeConfig, timeout: float) -> dict:

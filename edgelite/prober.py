@@ -42,6 +42,8 @@ class ProbeConfig:
     udp_interval_s: float = 0.002
     udp_wait_s: float = 0.3  # after the last packet, how long to wait for echoes
     timeout_s: float = 3.0  # one request of the probe; past it the peer is unreachable
+    small: bool = True  # pings + UDP (safe to run for many links at once)
+    bulk: bool = True  # the bandwidth transfer (run one link at a time: links share the air)
 
 
 @dataclass
@@ -138,10 +140,10 @@ async def _request(conn: wire.Conn, msg: dict[str, Any], timeout: float) -> dict
 async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token: str,
                        cfg: ProbeConfig) -> LinkStats:
     """Measure the link behind an authenticated connection to a node (and its UDP echo)."""
-    udp = asyncio.ensure_future(udp_loss(*udp_addr, token, cfg)) if udp_addr else None
+    udp = asyncio.ensure_future(udp_loss(*udp_addr, token, cfg)) if udp_addr and cfg.small else None
     try:  # the UDP exchange runs alongside the pings (small packets both)
         rtts, owd = [], []  # owd: one-way delay + an unknown constant clock offset
-        for i in range(cfg.pings):
+        for i in range(cfg.pings if cfg.small else 3):
             t0, sent_at = time.perf_counter(), time.monotonic()
             reply = await _request(conn, {"type": "ping", "id": i}, cfg.timeout_s)
             rtts.append((time.perf_counter() - t0) * 1e3)
@@ -155,7 +157,7 @@ async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token:
     ow = sorted(owd) if len(owd) == len(rtts) else sorted(r / 2 for r in rtts)
     rtt = statistics.median(rtts)
     size, bw = cfg.bulk_start_bytes, math.nan
-    while True:
+    while cfg.bulk:
         t0 = time.perf_counter()
         await _request(conn, {"type": "bulk", "id": -1, "data": bytes(size)}, cfg.timeout_s + size / 1e5)
         secs = time.perf_counter() - t0
