@@ -113,30 +113,17 @@ class _NoModel:
 
 
 def _client_profile(manifest: mf.Manifest | None) -> dict[str, Any]:
-    from edgelite.blobstore import BlobStore  # noqa: F401 - keeps the import graph one-way
+    """This device (the client) measured like a node: on the model's layer 0 when given."""
     from edgelite.config import RuntimeConfig
     from edgelite.runtime import LayerRange
 
     prof = prober.host_profile()
     if manifest is not None:
-        import time
-
-        import numpy as np
-
-        layer = LayerRange(manifest, 0, 0, RuntimeConfig(threads=2, verify_hashes=False))
         m = manifest
-        kv = np.zeros((1, m.num_kv_heads, 64, m.head_dim), np.float32)
-        feed = {"hidden": np.ones((1, 1, m.hidden_size), np.float32), "past_key": kv,
-                "past_value": kv, "position_ids": np.array([[64]]),
-                "attention_mask": np.ones((1, 65), np.int64)}
-        layer.sessions[0].run(None, feed)
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            layer.sessions[0].run(None, feed)
-            times.append(time.perf_counter() - t0)
-        prof["flops"] = m.layers[0].flops_per_token / float(np.median(times))
-        prof["flops_source"] = "layer 0"
+        layer = LayerRange(m, 0, 0, RuntimeConfig(threads=2, verify_hashes=False))
+        secs = prober.layer_decode_seconds(layer.sessions[0], m.hidden_size, m.num_kv_heads,
+                                           m.head_dim)
+        prof.update(flops=m.layers[0].flops_per_token / secs, flops_source="layer 0")
     return prof
 
 

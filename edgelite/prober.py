@@ -237,3 +237,29 @@ def host_profile() -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
             "machine": platform.machine(), "memory_total_bytes": mem.get("MemTotal"),
             "memory_available_bytes": mem.get("MemAvailable"), **battery()}
+
+
+EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache
+
+
+def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim: int,
+                         past: int = 64, repeats: int = 20) -> float:
+    """Median time of one decode step of a layer session (blocking). In real decoding a layer's
+    weights were evicted by everything run since its last step, so every timed run starts with
+    a cold cache."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((1, kv_heads, past, head_dim)).astype(np.float32)
+    feed = {"hidden": rng.standard_normal((1, 1, hidden_size)).astype(np.float32),
+            "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
+            "attention_mask": np.ones((1, past + 1), np.int64)}
+    session.run(None, feed)
+    evict = np.zeros(EVICT_BYTES // 4, np.float32)
+    times = []
+    for _ in range(repeats):
+        evict += 1.0
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

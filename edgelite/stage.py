@@ -16,9 +16,8 @@ from edgelite import manifest as mf
 from edgelite.blobstore import BlobStore
 from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
+from edgelite.prober import layer_decode_seconds
 from edgelite.runtime import KVCache, LayerRange, positions_for
-
-EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache
 
 
 @dataclass
@@ -108,23 +107,8 @@ class StageStore:
         stage = next(iter(self.stages.values()), None)
         if stage is not None:
             m, j = stage.manifest, stage.first
-            sess = stage.layers.sessions[0]
-            rng = np.random.default_rng(0)
-            kv = rng.standard_normal((1, m.num_kv_heads, past, m.head_dim)).astype(np.float32)
-            feed = {"hidden": rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32),
-                    "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
-                    "attention_mask": np.ones((1, past + 1), np.int64)}
-            sess.run(None, feed)
-            # In a real decode step the layer's weights were evicted by everything run since its
-            # last step, so each timed run starts with a cold cache, as decoding sees it.
-            evict = np.zeros(EVICT_BYTES // 4, np.float32)
-            times = []
-            for _ in range(repeats):
-                evict += 1.0
-                t0 = time.perf_counter()
-                sess.run(None, feed)
-                times.append(time.perf_counter() - t0)
-            secs = float(np.median(times))
+            secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
+                                        m.head_dim, repeats=repeats)
             return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
                     "layer_ms": secs * 1e3}
         h = hidden_size or 2048
