@@ -291,6 +291,20 @@ class ClusterBackend:
         await self.cluster.close()
 
 
+async def open_cluster(manifest: mf.Manifest, addrs: list[tuple[str, int]],
+                       split: list[tuple[int, int]], token: str, cfg: ClientConfig | None = None,
+                       threads: int = 2) -> ClusterBackend:
+    """Connect to the nodes, deploy the split, and return a backend ready to generate."""
+    cluster = Cluster(manifest, token, cfg)
+    try:
+        await cluster.connect(addrs)
+        await cluster.deploy(split)
+        return ClusterBackend(cluster, threads)
+    except BaseException:
+        await cluster.close()
+        raise
+
+
 async def connect_backend(args: Any, manifest: mf.Manifest) -> ClusterBackend:
     """From CLI args: connect to --nodes, deploy --split (even split if absent), load."""
     import os
@@ -302,11 +316,4 @@ async def connect_backend(args: Any, manifest: mf.Manifest) -> ClusterBackend:
     addrs = parse_nodes(args.nodes)
     split = (parse_split(args.split, manifest.num_layers, len(addrs)) if args.split
              else even_split(manifest.num_layers, len(addrs)))
-    cluster = Cluster(manifest, token)
-    try:
-        await cluster.connect(addrs)
-        await cluster.deploy(split)
-        return ClusterBackend(cluster, args.threads)
-    except BaseException:
-        await cluster.close()
-        raise
+    return await open_cluster(manifest, addrs, split, token, threads=args.threads)
