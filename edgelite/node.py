@@ -36,7 +36,7 @@ class Node:
     def __post_init__(self) -> None:
         self.store = StageStore(BlobStore(self.data_dir), self.cfg.kv_budget_bytes,
                                 RuntimeConfig(threads=self.cfg.threads))
-        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[Stage, dict[str, Any]]] = asyncio.Queue()
         self.sinks: dict[str, wire.Conn] = {}  # plan_id -> the client receiving final hidden states
         self.next_conns: dict[tuple[str, int], wire.Conn] = {}
         self.server: asyncio.Server | None = None
@@ -134,7 +134,8 @@ class Node:
             raise ProtocolError(f"unknown message type {kind!r}")
         await conn.send({"type": kind + "_ok", "id": rid, **reply})
 
-    def _check_forward(self, msg: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
+    def _check_forward(self, msg: dict[str, Any],
+                       fingerprint: str | None) -> tuple[Stage, dict[str, Any]]:
         """Refuse a malformed step up front, on the sender's own connection."""
         stage = self._stage(msg)
         if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
@@ -148,7 +149,7 @@ class Node:
                 raise ProtocolError(f"hidden has shape {list(hidden.shape)}, expected "
                                     f"(batch, seq, {stage.manifest.hidden_size})")
             msg["hidden"] = hidden
-        return msg
+        return stage, msg
 
     def _stage(self, msg: dict[str, Any]) -> Stage:
         stage = self.store.stages.get(msg.get("plan_id"))  # type: ignore[arg-type]
@@ -225,18 +226,15 @@ class Node:
     # ---- the forward path --------------------------------------------------------------
     async def _worker(self) -> None:
         while True:
-            msg = await self.queue.get()
+            stage, msg = await self.queue.get()
             try:
-                await self._forward(msg)
+                await self._forward(stage, msg)
             except (TimeoutError, ConnectionError, OSError) as exc:
                 log.warning("plan %s: could not pass a step on: %r", msg.get("plan_id"), exc)
 
-    async def _forward(self, msg: dict[str, Any]) -> None:
+    async def _forward(self, stage: Stage, msg: dict[str, Any]) -> None:
         out = {k: msg[k] for k in ("plan_id", "session", "step") if k in msg}
-        stage = self.store.stages.get(msg["plan_id"])
         try:
-            if stage is None:
-                raise ProtocolError(f"plan {msg['plan_id']} was unloaded")
             if "error" in msg:
                 raise EdgeliteError(msg["error"])  # an upstream stage failed: pass it on
             hidden, start = msg["hidden"], msg["start"]
@@ -248,7 +246,7 @@ class Node:
         except EdgeliteError as exc:
             log.info("plan %s session %s: %s", msg.get("plan_id"), msg.get("session"), exc)
             out["error"] = f"{self.name}: {exc}"
-        if stage is not None and stage.next_addr:
+        if stage.next_addr:
             conn = await self._next_conn(stage.next_addr, stage.manifest.fingerprint)
             await conn.send({"type": "forward", **out})
         elif (sink := self.sinks.get(msg["plan_id"])) is not None:
