@@ -21,6 +21,7 @@ import platform
 import statistics
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,22 @@ def host_profile() -> dict[str, Any]:
 EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache
 
 
+def median_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
+                   inner: int = 1) -> float:
+    """Median wall time of fn() over `repeats` samples (each `inner` calls) after one warm-up;
+    `before` runs untimed ahead of each sample."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
 def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim: int,
                          past: int = 64, repeats: int = 20) -> float:
     """Median time of one decode step of a layer session (blocking). In real decoding a layer's
@@ -254,12 +271,15 @@ def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim
     feed = {"hidden": rng.standard_normal((1, 1, hidden_size)).astype(np.float32),
             "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
             "attention_mask": np.ones((1, past + 1), np.int64)}
-    session.run(None, feed)
     evict = np.zeros(EVICT_BYTES // 4, np.float32)
-    times = []
-    for _ in range(repeats):
-        evict += 1.0
-        t0 = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_seconds(lambda: session.run(None, feed), repeats,
+                          before=lambda: np.add(evict, 1.0, out=evict))
+
+
+def gemv_flops(hidden_size: int, repeats: int = 20) -> float:
+    """FLOP/s of a (1, h) x (h, 4h) numpy product: the fallback when no layer is deployed."""
+    import numpy as np
+
+    a = np.ones((1, hidden_size), np.float32)
+    w = np.ones((hidden_size, 4 * hidden_size), np.float32)
+    return 2 * hidden_size * 4 * hidden_size / median_seconds(lambda: a @ w, repeats, inner=10)

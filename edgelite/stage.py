@@ -16,7 +16,7 @@ from edgelite import manifest as mf
 from edgelite.blobstore import BlobStore
 from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
-from edgelite.prober import layer_decode_seconds
+from edgelite.prober import gemv_flops, layer_decode_seconds
 from edgelite.runtime import KVCache, LayerRange, positions_for
 
 
@@ -101,27 +101,18 @@ class StageStore:
         self.runs += 1
         self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
 
-    def measure_flops(self, hidden_size: int, repeats: int = 20, past: int = 64) -> dict[str, Any]:
+    def measure_flops(self, hidden_size: int, repeats: int = 20) -> dict[str, Any]:
         """Effective FLOP/s on decode shapes (blocking: run in the compute thread): a deployed
         decoder layer if there is one, else a numpy GEMV of the model's hidden size."""
         stage = next(iter(self.stages.values()), None)
-        if stage is not None:
-            m, j = stage.manifest, stage.first
-            secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
-                                        m.head_dim, repeats=repeats)
-            return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
-                    "layer_ms": secs * 1e3}
-        h = hidden_size or 2048
-        a = np.ones((1, h), np.float32)
-        w = np.ones((h, 4 * h), np.float32)
-        a @ w
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(10):
-                a @ w
-            times.append((time.perf_counter() - t0) / 10)
-        return {"flops": 2 * h * 4 * h / float(np.median(times)), "flops_source": f"numpy gemv {h}"}
+        if stage is None:
+            h = hidden_size or 2048
+            return {"flops": gemv_flops(h, repeats), "flops_source": f"numpy gemv {h}"}
+        m, j = stage.manifest, stage.first
+        secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
+                                    m.head_dim, repeats=repeats)
+        return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
+                "layer_ms": secs * 1e3}
 
     def end(self, session: str) -> int:
         """Free a session's KV in every plan; returns bytes freed."""
