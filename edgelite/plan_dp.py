@@ -134,7 +134,6 @@ def solve_identical_latency(p: Problem) -> list[Stage]:
     cap = {d: min(p.n, int(p.capacity(d) // layer.mem_bytes)) if p.capacity(d) > 0 else 0
            for d in range(p.m)}
     unit = np.array([p.compute_ms(d, 0) for d in range(p.m)])
-    order = [d for d in np.argsort(unit, kind="stable") if d != 0]  # fastest first
     if k == 0:
         return [(0, 0, p.n - 1)] if cap[0] >= p.n else []
     closed, parent = _held_karp(p, layer.out_bytes)
@@ -155,14 +154,14 @@ def solve_identical_latency(p: Problem) -> list[Stage]:
         left = p.n - count
         cost = count * w_c + hops + np.where(members, unit[1:][None, :], 0).sum(axis=1) \
             + (unit[0] if with_client else 0.0)
-        fill_order = ([0] if with_client else []) + order
-        for d in sorted(fill_order, key=lambda d: unit[d]):
+        # the rest of the layers go to the fastest members first, each up to its capacity
+        for d in sorted(range(0 if with_client else 1, p.m), key=lambda d: unit[d]):
             room = cap[d] - 1
             inset = np.ones(size, bool) if d == 0 else members[:, d - 1]
             take = np.where(inset, np.clip(np.minimum(room, left), 0, None), 0)
             cost = cost + take * unit[d]
             left = left - take
-        cost = np.where(ok & (left == 0) & (count >= 1) & (left >= 0), cost, INF)
+        cost = np.where(ok & (left == 0), cost, INF)  # left < 0: more members than layers
         if not with_client:
             cost[0] = INF  # the client alone but holding nothing is no plan
         i = int(np.argmin(cost))

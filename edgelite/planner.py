@@ -147,7 +147,7 @@ def predict(p: Problem, stages: list[Stage]) -> Prediction:
     is unreachable or memory does not fit)."""
     check_stages(p, stages)
     rows, compute, data, qos = [], 0.0, 0.0, 0.0
-    prev, client_ms = 0, 0.0
+    prev, client_ms, stage_times = 0, 0.0, []
     for d, a, b in stages:
         mem = sum(p.layers[j].mem_bytes for j in range(a, b + 1))
         c = sum(p.compute_ms(d, j) for j in range(a, b + 1))
@@ -159,12 +159,13 @@ def predict(p: Problem, stages: list[Stage]) -> Prediction:
         compute, data, qos, prev = compute + c, data + hop.data, qos + hop.qos, d
         if d == 0:
             client_ms = c
+        else:
+            stage_times.append(c + hop.total)
     back = p.hop(prev, 0, p.layers[-1].out_bytes)
     if back is None:
         return Prediction(math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, [])
     data, qos = data + back.data, qos + back.qos
     complexity = p.weights.w_c * len(stages)
-    stage_times = [r["stage_ms"] for r in rows if r["device"] != p.devices[0].name]
     bottleneck = max([client_ms + back.total, *stage_times])
     return Prediction(compute + data + qos + complexity, compute, data, qos, complexity,
                       bottleneck, rows)
