@@ -26,12 +26,6 @@ async def open_backend(args: argparse.Namespace, manifest: mf.Manifest) -> Backe
     return LocalBackend(manifest, RuntimeConfig(threads=args.threads))
 
 
-async def close_backend(backend: Backend) -> None:
-    close = getattr(backend, "close", None)
-    if close is not None:
-        await close()
-
-
 async def reply(backend: Backend, tok: Tokenizer, prompt: list[int], cfg: GenerationConfig,
                 stream: TextIO | None) -> Stats:
     stats = Stats()
@@ -52,7 +46,7 @@ async def run_generate(args: argparse.Namespace, stream: TextIO | None) -> dict:
     try:
         stats = await reply(backend, tok, prompt, gen_config(args), stream)
     finally:
-        await close_backend(backend)
+        await backend.close()
     return {"text": tok.decode(stats.token_ids), "token_ids": stats.token_ids,
             "prompt_tokens": stats.prompt_tokens, "ttft_ms": round(stats.ttft_ms, 2),
             "decode_tok_s": round(stats.decode_tok_s, 2), "finish": stats.finish}
@@ -80,4 +74,4 @@ async def run_chat(args: argparse.Namespace) -> int:
             sys.stdout.write(f"\n[{stats.ttft_ms:.0f} ms to first token, "
                              f"{stats.decode_tok_s:.1f} tok/s]\n")
     finally:
-        await close_backend(backend)
+        await backend.close()

@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,10 @@ class Backend(Protocol):
         """Free the session's KV everywhere."""
         ...
 
+    async def close(self) -> None:
+        """Release threads and connections."""
+        ...
+
 
 class LocalBackend:
     """All layers in this process; ONNX runs in a worker thread, off the event loop."""
@@ -40,14 +45,19 @@ class LocalBackend:
         self.manifest = manifest
         self.chain = LocalChain(manifest, cfg)
         self.caches: dict[str, KVCache] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="local-onnx")  # warm ORT thread state
 
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
         kv = self.caches.get(session) or self.chain.layers.new_cache()
-        logits, self.caches[session] = await asyncio.to_thread(self.chain.forward, ids, kv)
+        logits, self.caches[session] = await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.chain.forward, ids, kv)
         return logits[0]
 
     async def end(self, session: str) -> None:
         self.caches.pop(session, None)
+
+    async def close(self) -> None:
+        self.pool.shutdown(wait=False)
 
 
 @dataclass
