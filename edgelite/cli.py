@@ -26,8 +26,23 @@ def _gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", help="host:port,... of stage nodes (default: run locally)")
-    p.add_argument("--split", help="layer ranges per node, e.g. 0-9,10-19,20-29")
+    p.add_argument("--split", help="layer ranges per node, e.g. 0-9,10-19,20-29 "
+                                   "(default: probe and plan)")
     p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    _planning_args(p)
+
+
+def _planning_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--route", action="append", metavar="SRC>DST=HOST:PORT[/UDP]",
+                   help="how node SRC reaches node DST when not at DST's --nodes address "
+                        "(e.g. through a link emulator); repeatable")
+    p.add_argument("--client-memory-mb", type=float,
+                   help="memory the plan may use on this device (default: its free memory)")
+    p.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    p.add_argument("--solver", choices=["auto", "milp", "milp-literal", "milp-aggregated", "dp"],
+                   default="auto")
+    p.add_argument("--no-client-first", action="store_true",
+                   help="the client need not hold layer 0")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -123,11 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cluster", type=Path, help="cluster.json: devices and links (offline what-if)")
     pl.add_argument("--nodes", help="host:port,... to probe live")
     pl.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
-    pl.add_argument("--objective", choices=["latency", "throughput"], default="latency")
-    pl.add_argument("--solver", choices=["auto", "milp", "milp-literal", "milp-aggregated", "dp"],
-                    default="auto")
-    pl.add_argument("--no-client-first", action="store_true",
-                    help="the client need not hold layer 0")
+    _planning_args(pl)
     pl.add_argument("--kv-tokens", type=int, default=2048, help="context to reserve KV memory for")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
@@ -137,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", type=Path, help="model folder: FLOP/s on its own layer shapes")
     pr.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
     pr.add_argument("--repeat", type=int, default=1, help="rounds, smoothed with a bias-corrected EMA")
+    pr.add_argument("--route", action="append", metavar="SRC>DST=HOST:PORT[/UDP]",
+                    help="how node SRC reaches node DST (see generate --help); repeatable")
+    pr.add_argument("--client-memory-mb", type=float, help="memory budget to report for this device")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_probe)
 
@@ -147,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--threads", type=int, default=2)
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
     n.add_argument("--kv-budget-mb", type=int, default=512)
+    n.add_argument("--memory-mb", type=float,
+                   help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")
     n.set_defaults(func=cmd_node)
     return p

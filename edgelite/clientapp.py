@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from edgelite import manifest as mf
 from edgelite.config import GenerationConfig, RuntimeConfig
@@ -18,12 +18,21 @@ def gen_config(args: argparse.Namespace) -> GenerationConfig:
                             top_p=args.top_p, seed=args.seed)
 
 
-async def open_backend(args: argparse.Namespace, manifest: mf.Manifest) -> Backend:
+async def open_backend(args: argparse.Namespace,
+                       manifest: mf.Manifest) -> tuple[Backend, dict[str, Any] | None]:
+    """(backend, the plan's JSON when the planner chose one)."""
     if getattr(args, "nodes", None):
-        from edgelite.cluster import connect_backend
+        from edgelite.deployapp import connect_backend
 
         return await connect_backend(args, manifest)
-    return LocalBackend(manifest, RuntimeConfig(threads=args.threads))
+    return LocalBackend(manifest, RuntimeConfig(threads=args.threads)), None
+
+
+def show_plan(plan: dict[str, Any] | None) -> None:
+    if plan is not None:
+        from edgelite.planapp import show
+
+        show(plan, stderr=True)
 
 
 async def reply(backend: Backend, tok: Tokenizer, prompt: list[int], cfg: GenerationConfig,
@@ -42,20 +51,26 @@ async def run_generate(args: argparse.Namespace, stream: TextIO | None) -> dict:
     tok = Tokenizer(manifest)
     prompt = (tok.encode(args.prompt) if args.raw
               else tok.chat_prompt([{"role": "user", "content": args.prompt}]))
-    backend = await open_backend(args, manifest)
+    backend, plan = await open_backend(args, manifest)
+    if stream is not None:
+        show_plan(plan)
     try:
         stats = await reply(backend, tok, prompt, gen_config(args), stream)
     finally:
         await backend.close()
-    return {"text": tok.decode(stats.token_ids), "token_ids": stats.token_ids,
-            "prompt_tokens": stats.prompt_tokens, "ttft_ms": round(stats.ttft_ms, 2),
-            "decode_tok_s": round(stats.decode_tok_s, 2), "finish": stats.finish}
+    out = {"text": tok.decode(stats.token_ids), "token_ids": stats.token_ids,
+           "prompt_tokens": stats.prompt_tokens, "ttft_ms": round(stats.ttft_ms, 2),
+           "decode_tok_s": round(stats.decode_tok_s, 2), "finish": stats.finish}
+    if stats.decode_s > 0 and len(stats.token_ids) > 1:
+        out["decode_ms_per_token"] = round(stats.decode_s / (len(stats.token_ids) - 1) * 1e3, 3)
+    return out if plan is None else {**out, "plan": plan}
 
 
 async def run_chat(args: argparse.Namespace) -> int:
     manifest = mf.load(args.model)
     tok = Tokenizer(manifest)
-    backend = await open_backend(args, manifest)
+    backend, plan = await open_backend(args, manifest)
+    show_plan(plan)
     history: list[dict[str, str]] = []
     try:
         while True:

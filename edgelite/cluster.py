@@ -22,6 +22,8 @@ from edgelite import manifest as mf
 from edgelite import wire
 from edgelite.config import ClientConfig, WireLimits
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable
+from edgelite.routes import Routes, route
+from edgelite.runtime import KVCache, positions_for
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
@@ -175,21 +177,28 @@ class Cluster:
                     fut.set_exception(err)
             self.waiting.clear()
 
-    async def deploy(self, split: list[tuple[int, int]], progress: Progress | None = None) -> None:
-        """Send each node the layer files its stage needs (skipping what it holds), then load."""
-        if len(split) != len(self.links):
-            raise EdgeliteError(f"{len(split)} stages for {len(self.links)} nodes")
-        self.stages = [(link, a, b) for link, (a, b) in zip(self.links, split, strict=True)]
+    async def deploy(self, stages: list[tuple[NodeLink, int, int]], routes: Routes | None = None,
+                     progress: Progress | None = None) -> None:
+        """Send each stage's node the layer files it needs (skipping what it holds), then load
+        the plan; each stage forwards to the next over `routes` (default: the client's address)."""
+        if len({id(s[0]) for s in stages}) != len(stages):
+            raise EdgeliteError("a node appears in two stages of one plan")
+        self.stages = list(stages)
         for link, a, b in self.stages:
             await self._push_files(link, self.manifest.layers[a:b + 1], progress)
         for i in reversed(range(len(self.stages))):  # load downstream first: each connects onward
             link, a, b = self.stages[i]
-            nxt = list(self.stages[i + 1][0].addr) if i + 1 < len(self.stages) else None
+            nxt = None
+            if i + 1 < len(self.stages):
+                dst = self.stages[i + 1][0]
+                hop = route(routes or {}, link.name, dst.name, dst.addr)
+                nxt = [hop.host, hop.port]
             await link.request({"type": "load", "plan_id": self.plan_id, "first": a, "last": b,
                                 "next": nxt, "manifest": self.manifest.to_json()},
                                self.cfg.deploy_timeout_s)
-        await self.stages[-1][0].request({"type": "subscribe", "plan_id": self.plan_id},
-                                         self.cfg.request_timeout_s)
+        if self.stages:
+            await self.stages[-1][0].request({"type": "subscribe", "plan_id": self.plan_id},
+                                             self.cfg.request_timeout_s)
 
     async def _push_files(self, link: NodeLink, entries: list[mf.FileEntry],
                           progress: Progress | None) -> None:
@@ -264,32 +273,58 @@ class Cluster:
         await asyncio.gather(*(link.close() for link in self.links))
 
 
-class ClusterBackend:
-    """Engine backend: embedding and head here, decoder layers on the cluster's stages."""
+# One stage of a plan as the client deploys it: (index into the node list, or None for the
+# client itself, which may run a prefix of the layers; first layer; last layer).
+Assignment = list[tuple[int | None, int, int]]
 
-    def __init__(self, cluster: Cluster, threads: int = 2) -> None:
+
+def in_order(split: list[tuple[int, int]]) -> Assignment:
+    """Node i runs split[i]: the --split form."""
+    return [(i, a, b) for i, (a, b) in enumerate(split)]
+
+
+class ClusterBackend:
+    """Engine backend: embedding, head and (optionally) a prefix of the layers here; the other
+    decoder layers on the cluster's stages."""
+
+    def __init__(self, cluster: Cluster, threads: int = 2,
+                 client_layers: tuple[int, int] | None = None) -> None:
         from edgelite.config import RuntimeConfig
-        from edgelite.runtime import Embedding, Head
+        from edgelite.runtime import Embedding, Head, LayerRange
 
         self.cluster, self.manifest = cluster, cluster.manifest
         cfg = RuntimeConfig(threads=threads)
         self.embed, self.head = Embedding(self.manifest, cfg), Head(self.manifest, cfg)
+        self.prefix = LayerRange(self.manifest, *client_layers, cfg) if client_layers else None
+        self.caches: dict[str, KVCache] = {}  # session -> KV of the client's prefix layers
         self.pos: dict[str, tuple[int, int]] = {}  # session -> (tokens held, steps sent)
         # one long-lived thread for embedding and head, as on the nodes: the default pool
         # hands each call to whichever thread is free, with cold ORT state (~0.5 ms a call)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="client-onnx")
 
+    def _local(self, session: str, start: int, ids: np.ndarray) -> np.ndarray:
+        hidden = self.embed.run(ids)
+        if self.prefix is None:
+            return hidden
+        pos, mask = positions_for(start, ids.shape[1], ids.shape[0])
+        kv = self.caches.get(session) or self.prefix.new_cache(ids.shape[0])
+        hidden, self.caches[session] = self.prefix.run(hidden, kv, pos, mask)
+        return hidden
+
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
         start, step = self.pos.get(session, (0, 0))
         loop = asyncio.get_running_loop()
-        hidden = await loop.run_in_executor(self.pool, self.embed.run, ids)
-        out = await self.cluster.forward(session, step, start, hidden)
-        logits = await loop.run_in_executor(self.pool, self.head.run, np.ascontiguousarray(out[:, -1:, :]))
+        out = await loop.run_in_executor(self.pool, self._local, session, start, ids)
+        if self.cluster.stages:
+            out = await self.cluster.forward(session, step, start, out)
+        logits = await loop.run_in_executor(self.pool, self.head.run,
+                                            np.ascontiguousarray(out[:, -1:, :]))
         self.pos[session] = (start + ids.shape[1], step + 1)
         return logits[0, 0]
 
     async def end(self, session: str) -> None:
         self.pos.pop(session, None)
+        self.caches.pop(session, None)
         await self.cluster.end(session)
 
     async def close(self) -> None:
@@ -297,29 +332,18 @@ class ClusterBackend:
         self.pool.shutdown(wait=False)
 
 
-async def open_cluster(manifest: mf.Manifest, addrs: list[tuple[str, int]],
-                       split: list[tuple[int, int]], token: str, cfg: ClientConfig | None = None,
-                       threads: int = 2) -> ClusterBackend:
-    """Connect to the nodes, deploy the split, and return a backend ready to generate."""
+async def open_cluster(manifest: mf.Manifest, addrs: list[tuple[str, int]], assignment: Assignment,
+                       token: str, cfg: ClientConfig | None = None, threads: int = 2,
+                       routes: Routes | None = None,
+                       progress: Progress | None = None) -> ClusterBackend:
+    """Connect to the nodes, deploy the assignment, and return a backend ready to generate."""
     cluster = Cluster(manifest, token, cfg)
     try:
         await cluster.connect(addrs)
-        await cluster.deploy(split)
-        return ClusterBackend(cluster, threads)
+        await cluster.deploy([(cluster.links[i], a, b) for i, a, b in assignment if i is not None],
+                             routes, progress)
+        mine = [(a, b) for i, a, b in assignment if i is None]
+        return ClusterBackend(cluster, threads, mine[0] if mine else None)
     except BaseException:
         await cluster.close()
         raise
-
-
-async def connect_backend(args: Any, manifest: mf.Manifest) -> ClusterBackend:
-    """From CLI args: connect to --nodes, deploy --split (even split if absent), load."""
-    import os
-
-    token = args.token or os.environ.get("EDGELITE_TOKEN")
-    if not token:
-        raise EdgeliteError("the cluster token is needed: --token or EDGELITE_TOKEN "
-                            "(each node prints it when it starts)")
-    addrs = parse_nodes(args.nodes)
-    split = (parse_split(args.split, manifest.num_layers, len(addrs)) if args.split
-             else even_split(manifest.num_layers, len(addrs)))
-    return await open_cluster(manifest, addrs, split, token, threads=args.threads)

@@ -48,4 +48,5 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
         raise EdgeliteError(f"cluster description is malformed: {exc!r}") from exc
     reserved = m.embed.param_bytes + m.head.param_bytes
     return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
-                   client_first=client_first, client_reserved_bytes=reserved, objective=objective)
+                   client_first=client_first, client_reserved_bytes=reserved, objective=objective,
+                   client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token))

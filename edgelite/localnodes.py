@@ -40,12 +40,16 @@ class NodeProc:
 
 
 def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: int = 256,
-               timeout: float = 30.0, token: str = TOKEN) -> NodeProc:
+               timeout: float = 30.0, token: str = TOKEN, memory_mb: float | None = None,
+               name: str | None = None) -> NodeProc:
     env = {**os.environ, "EDGELITE_TOKEN": token}
+    extra = ([] if memory_mb is None else ["--memory-mb", str(memory_mb)]) + (
+        [] if name is None else ["--name", name])
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgelite", "node", "--host", "127.0.0.1", "--port", "0",
          "--data-dir", str(data_dir), "--threads", str(threads), "--kv-budget-mb",
-         str(kv_budget_mb)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+         str(kv_budget_mb), *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=env)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:

@@ -77,8 +77,9 @@ class Node:
         conn = wire.Conn(reader, writer, self.limits, peer)
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
+            extra = {"udp_port": self.udp_port, "port": self.port}
             auth = await asyncio.wait_for(
-                wire.server_handshake(conn, self.token, self.name, fps, {"udp_port": self.udp_port}),
+                wire.server_handshake(conn, self.token, self.name, fps, extra),
                 self.cfg.handshake_timeout_s)
             await self._serve(conn, auth.get("fingerprint"))
         except (AuthError, ProtocolError) as exc:
@@ -170,7 +171,10 @@ class Node:
         hidden = msg.get("hidden_size")
         flops = await asyncio.get_running_loop().run_in_executor(
             self.compute_pool, self.store.measure_flops, hidden if isinstance(hidden, int) else 0)
-        return {"node": self.name, "threads": self.cfg.threads, **flops, **prober.host_profile()}
+        budget = {} if self.cfg.memory_budget_bytes is None else {
+            "memory_budget_bytes": self.cfg.memory_budget_bytes}
+        return {"node": self.name, "threads": self.cfg.threads, **flops, **prober.host_profile(),
+                **budget}
 
     async def _probe_link(self, msg: dict[str, Any]) -> dict[str, Any]:
         host, port = msg.get("host"), msg.get("port")

@@ -22,10 +22,11 @@ def plan_json(p: Problem, plan: Plan) -> dict[str, Any]:
             "predicted_ms": {"total": round(pr.total, 4), "compute": round(pr.compute, 4),
                              "data": round(pr.data, 4), "qos": round(pr.qos, 4),
                              "complexity": round(pr.complexity, 4),
-                             "bottleneck": round(pr.bottleneck, 4)}}
+                             "bottleneck": round(pr.bottleneck, 4)},
+            "expected_ms_per_token": round(pr.expected, 4)}
 
 
-def show(out: dict[str, Any]) -> None:
+def show(out: dict[str, Any], stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -38,11 +39,13 @@ def show(out: dict[str, Any]) -> None:
         bar = "█" * max(1, round(20 * (s["compute_ms"] + s["hop_in_ms"]) / worst))
         t.add_row(str(i + 1), s["device"], f"{s['first_layer']}-{s['last_layer']}",
                   f"{s['compute_ms']:.2f}", f"{s['hop_in_ms']:.2f}", f"[cyan]{bar}[/cyan]")
-    c = Console()
+    c = Console(stderr=stderr)
     c.print(t)
     p = out["predicted_ms"]
-    c.print(f"predicted {p['total']:.2f} ms/token = compute {p['compute']:.2f} + data "
-            f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}")
+    c.print(f"objective {p['total']:.2f} ms = compute {p['compute']:.2f} + data "
+            f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}; "
+            f"expected {out['expected_ms_per_token']:.2f} ms/token (compute + data + embedding "
+            f"and head on the client)")
 
 
 def run_plan(args: argparse.Namespace) -> int:

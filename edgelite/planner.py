@@ -68,6 +68,7 @@ class Problem:
     client_first: bool = True  # the client holds layer 0 (privacy), as in the source method
     client_reserved_bytes: int = 0  # embedding + head live on the client
     objective: str = "latency"
+    client_fixed_flops: float = 0.0  # embedding + head per token: the same in every plan
 
     @property
     def n(self) -> int:
@@ -128,6 +129,7 @@ class Prediction:
     complexity: float
     bottleneck: float  # the slowest stage (throughput objective)
     per_stage: list[dict[str, Any]]
+    expected: float = math.inf  # wall ms/token: compute + data + the client's embedding and head
 
 
 def check_stages(p: Problem, stages: list[Stage]) -> None:
@@ -167,8 +169,9 @@ def predict(p: Problem, stages: list[Stage]) -> Prediction:
     data, qos = data + back.data, qos + back.qos
     complexity = p.weights.w_c * len(stages)
     bottleneck = max([client_ms + back.total, *stage_times])
+    fixed = p.client_fixed_flops / p.devices[0].flops * 1e3
     return Prediction(compute + data + qos + complexity, compute, data, qos, complexity,
-                      bottleneck, rows)
+                      bottleneck, rows, compute + data + fixed)
 
 
 def value(p: Problem, stages: list[Stage]) -> float:

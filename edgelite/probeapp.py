@@ -19,53 +19,64 @@ from edgelite import prober
 from edgelite.cluster import Cluster, NodeLink, parse_nodes
 from edgelite.config import ClientConfig
 from edgelite.errors import EdgeliteError
+from edgelite.routes import Addr, Routes, parse_routes, route
 
 CLIENT = "client"
 
 
-def _token(args: argparse.Namespace) -> str:
+def cluster_token(args: argparse.Namespace) -> str:
     token = getattr(args, "token", None) or os.environ.get("EDGELITE_TOKEN")
     if not token:
-        raise EdgeliteError("the cluster token is needed: --token or EDGELITE_TOKEN")
+        raise EdgeliteError("the cluster token is needed: --token or EDGELITE_TOKEN "
+                            "(each node prints it when it starts)")
     return token
 
 
 async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest | None,
-                cfg: prober.ProbeConfig | None = None, repeat: int = 1) -> dict[str, Any]:
-    """{"devices": [...], "links": [...]} for the client and every node (see README schema)."""
+                cfg: prober.ProbeConfig | None = None, repeat: int = 1, routes: Routes | None = None,
+                client_memory_bytes: int | None = None) -> dict[str, Any]:
+    """{"devices": [...], "links": [...]} for the client and every node (see README schema).
+    Node -> node links are measured over `routes` (default: the client's address of the peer);
+    `client_memory_bytes` caps what the plan may use on this device."""
     cfg = cfg or prober.ProbeConfig()
     cluster = Cluster(manifest or _NoModel(), token, ClientConfig())  # type: ignore[arg-type]
     await cluster.connect(addrs)
     try:
         hidden = manifest.hidden_size if manifest else 0
         timeout = 10 * cfg.timeout_s + 30
-        devices = [{"name": CLIENT, "addr": None, **_client_profile(manifest)}]
-        for link in cluster.links:
-            prof = await link.request({"type": "profile", "hidden_size": hidden}, timeout)
-            devices.append({"name": link.name, "addr": link.name,
-                            **{k: v for k, v in prof.items() if k not in ("type", "id")}})
-        rounds = [await _links(cluster, token, cfg, timeout) for _ in range(max(1, repeat))]
+        client = {"name": CLIENT, "addr": None, **await asyncio.to_thread(_client_profile, manifest)}
+        if client_memory_bytes is not None:
+            client["memory_budget_bytes"] = client_memory_bytes
+        # one node at a time: nodes sharing a machine (tests, demo) would slow each other down
+        profiles = [await link.request({"type": "profile", "hidden_size": hidden}, timeout)
+                    for link in cluster.links]
+        devices = [client, *({"name": link.name, "addr": link.name,
+                              **{k: v for k, v in prof.items() if k not in ("type", "id")}}
+                             for link, prof in zip(cluster.links, profiles, strict=True))]
+        rounds = [await _links(cluster, token, cfg, timeout, routes or {})
+                  for _ in range(max(1, repeat))]
         return {"devices": devices, "links": smooth(rounds)}
     finally:
         await cluster.close()
 
 
-async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig,
-                 timeout: float) -> list[dict[str, Any]]:
+async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig, timeout: float,
+                 routes: Routes) -> list[dict[str, Any]]:
     """Small-packet phase for every link at once, then bulk transfers one link at a time."""
     small = replace(cfg, bulk=False)
     bulk = replace(cfg, small=False)
-    pairs = [(a, b) for a in cluster.links for b in cluster.links if a is not b]
+    pairs = [(a, b, route(routes, a.name, b.name, b.addr))
+             for a in cluster.links for b in cluster.links if a is not b]
     direct = await asyncio.gather(*(prober.probe_peer(*n.addr, None, token, small)
                                     for n in cluster.links))
-    peer = await asyncio.gather(*(_node_probe(a, b, small, timeout) for a, b in pairs))
+    peer = await asyncio.gather(*(_node_probe(a, via, small, timeout) for a, _, via in pairs))
     rows = []
     for n, st in zip(cluster.links, direct, strict=True):
         bw = (await prober.probe_peer(*n.addr, None, token, bulk)).to_json()
         row = _merge(st.to_json(), bw)
         rows += [_row(CLIENT, n.name, row), _row(n.name, CLIENT, row)]
-    for (a, b), st in zip(pairs, peer, strict=True):
-        rows.append(_row(a.name, b.name, _merge(st, await _node_probe(a, b, bulk, timeout))))
+    for (a, b, via), st in zip(pairs, peer, strict=True):
+        rows.append(_row(a.name, b.name, _merge(st, await _node_probe(a, via, bulk, timeout))))
     return rows
 
 
@@ -77,10 +88,10 @@ def _merge(small: dict[str, Any], bulk: dict[str, Any]) -> dict[str, Any]:
     return {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}
 
 
-async def _node_probe(a: NodeLink, b: NodeLink, cfg: prober.ProbeConfig, timeout: float) -> dict:
+async def _node_probe(a: NodeLink, via: Addr, cfg: prober.ProbeConfig, timeout: float) -> dict:
     try:
-        reply = await a.request({"type": "probe_link", "host": b.addr[0], "port": b.addr[1],
-                                 "config": cfg.__dict__}, timeout)
+        reply = await a.request({"type": "probe_link", "host": via.host, "port": via.port,
+                                 "udp_port": via.udp_port, "config": cfg.__dict__}, timeout)
     except EdgeliteError as exc:
         return prober.unreachable(f"{a.name} could not probe: {exc}").to_json()
     return reply["link"]
@@ -129,8 +140,7 @@ def _client_profile(manifest: mf.Manifest | None) -> dict[str, Any]:
 
 def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     """The planner's cluster description from a probe result (unreachable links left out)."""
-    devices = [{"name": d["name"], "flops": d.get("flops") or 1e9,
-                "memory_bytes": d.get("memory_available_bytes") or d.get("memory_total_bytes") or 0}
+    devices = [{"name": d["name"], "flops": d.get("flops") or 1e9, "memory_bytes": _memory(d)}
                for d in probed["devices"]]
     links = [{"src": r["src"], "dst": r["dst"], "latency_ms": r["latency_ms"],
               "bandwidth_mbps": r["bandwidth_mbps"], "jitter_ms": r["jitter_ms"],
@@ -139,11 +149,28 @@ def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     return {"devices": devices, "links": links, "client": CLIENT}
 
 
+def _memory(d: dict[str, Any]) -> int:
+    """What a plan may use: the free memory, capped by the device's budget when it set one."""
+    free = d.get("memory_available_bytes") or d.get("memory_total_bytes")
+    budget = d.get("memory_budget_bytes")
+    known = [int(x) for x in (free, budget) if x is not None]
+    return min(known) if known else 0
+
+
+def client_memory(args: argparse.Namespace) -> int | None:
+    mb = getattr(args, "client_memory_mb", None)
+    return None if mb is None else int(mb * 2**20)
+
+
 async def probe_cluster_spec(args: argparse.Namespace, manifest: mf.Manifest) -> dict[str, Any]:
-    return cluster_spec(await probe(parse_nodes(args.nodes), _token(args), manifest))
+    probed = await probe(parse_nodes(args.nodes), cluster_token(args), manifest,
+                         routes=parse_routes(getattr(args, "route", None)),
+                         client_memory_bytes=client_memory(args))
+    return cluster_spec(probed)
 
 
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     manifest = mf.load(args.model) if args.model else None
-    return asyncio.run(probe(parse_nodes(args.nodes), _token(args), manifest,
-                             repeat=getattr(args, "repeat", 1)))
+    return asyncio.run(probe(parse_nodes(args.nodes), cluster_token(args), manifest,
+                             repeat=getattr(args, "repeat", 1), routes=parse_routes(args.route),
+                             client_memory_bytes=client_memory(args)))

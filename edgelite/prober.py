@@ -185,12 +185,22 @@ async def probe_peer(host: str, port: int, udp_port: int | None, token: str,
             ProtocolError) as exc:
         return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
     try:
-        uport = udp_port or welcome.get("udp_port")
+        uport = udp_port or _udp_port(welcome, port)
         return await measure_link(conn, (host, uport) if uport else None, token, cfg)
     except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
         return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
     finally:
         await conn.close()
+
+
+def _udp_port(welcome: dict[str, Any], dialed: int) -> int | None:
+    """The node's UDP echo port as seen from here. A node whose echo shares its TCP port number
+    is reached on the number we dialed, so a proxy (the link emulator) that follows the same
+    convention carries the loss probe too."""
+    udp = welcome.get("udp_port")
+    if not isinstance(udp, int):
+        return None
+    return dialed if udp == welcome.get("port") else udp
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from edgelite import manifest as mf
-from edgelite.cluster import ClusterBackend, open_cluster
+from edgelite.cluster import ClusterBackend, in_order, open_cluster
 from edgelite.config import GenerationConfig, RuntimeConfig
 from edgelite.engine import LocalBackend, Stats, generate
 from edgelite.localnodes import TOKEN, start_node
@@ -45,7 +45,7 @@ async def aggregate_tok_s(backend, prompts: list[list[int]], n: int) -> float:
 
 
 async def cluster(m: mf.Manifest, ports: list[int], split: list[tuple[int, int]]) -> ClusterBackend:
-    return await open_cluster(m, [("127.0.0.1", p) for p in ports], split, TOKEN, threads=1)
+    return await open_cluster(m, [("127.0.0.1", p) for p in ports], in_order(split), TOKEN, threads=1)
 
 
 async def ping_us(be: ClusterBackend, n: int = 200) -> float:

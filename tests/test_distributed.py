@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_cli
 from edgelite import manifest as mf
-from edgelite.cluster import ClusterBackend, open_cluster
+from edgelite.cluster import ClusterBackend, in_order, open_cluster
 from edgelite.config import ClientConfig, GenerationConfig
 from edgelite.engine import LocalBackend, generate
 from edgelite.errors import NodeError, NodeUnavailable
@@ -44,7 +44,7 @@ def test_split_generation_equals_local(exported, node_factory, arch: str) -> Non
 async def _cluster(model: Path, addrs: list[str], split: list[tuple[int, int]],
                    cfg: ClientConfig | None = None) -> ClusterBackend:
     return await open_cluster(mf.load(model), [("127.0.0.1", int(a.split(":")[1])) for a in addrs],
-                              split, TOKEN, cfg, threads=1)
+                              in_order(split), TOKEN, cfg, threads=1)
 
 
 async def _tokens(backend, prompt: list[int], n: int = 12, session: str | None = None) -> list[int]:
