@@ -36,6 +36,7 @@ class NodeConfig:
     threads: int = 2
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
+    bulk_reply_max_bytes: int = 64 * 1024 * 1024  # largest reverse transfer a link probe may ask
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # a connection silent this long is closed
     forward_connect_timeout_s: float = 2.0

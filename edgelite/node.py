@@ -164,8 +164,10 @@ class Node:
         return {"t": msg.get("t"), "rt": time.monotonic()}
 
     async def _bulk(self, msg: dict[str, Any]) -> dict[str, Any]:
-        data = msg.get("data")
-        return {"bytes": len(data) if isinstance(data, bytes) else 0}
+        data, back = msg.get("data"), msg.get("reply_bytes", 0)
+        if not isinstance(back, int) or not 0 <= back <= self.cfg.bulk_reply_max_bytes:
+            raise ProtocolError(f"bulk reply_bytes must be 0-{self.cfg.bulk_reply_max_bytes}")
+        return {"bytes": len(data) if isinstance(data, bytes) else 0, "data": bytes(back)}
 
     async def _profile(self, msg: dict[str, Any]) -> dict[str, Any]:
         hidden = msg.get("hidden_size")

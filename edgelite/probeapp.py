@@ -62,21 +62,26 @@ async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest 
 
 async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig, timeout: float,
                  routes: Routes) -> list[dict[str, Any]]:
-    """Small-packet phase for every link at once, then bulk transfers one link at a time."""
+    """Small-packet phase for every directed link at once; then bulk transfers one node pair
+    at a time (links share the air), each measuring both directions."""
     small = replace(cfg, bulk=False)
     bulk = replace(cfg, small=False)
-    pairs = [(a, b, route(routes, a.name, b.name, b.addr))
-             for a in cluster.links for b in cluster.links if a is not b]
-    direct = await asyncio.gather(*(prober.probe_peer(*n.addr, None, token, small)
-                                    for n in cluster.links))
+    nodes = cluster.links
+    pairs = [(a, b, route(routes, a.name, b.name, b.addr)) for a in nodes for b in nodes if a is not b]
+    direct = await asyncio.gather(*(prober.probe_peer(*n.addr, None, token, small) for n in nodes))
     peer = await asyncio.gather(*(_node_probe(a, via, small, timeout) for a, _, via in pairs))
+    rates: dict[tuple[str, str], dict[str, Any]] = {}
+    for n in nodes:
+        _rates(rates, CLIENT, n.name, (await prober.probe_peer(*n.addr, None, token, bulk)).to_json())
+    for a, b, via in pairs:
+        if (a.name, b.name) not in rates:  # one probe per pair: a measures a -> b and b -> a
+            _rates(rates, a.name, b.name, await _node_probe(a, via, bulk, timeout))
     rows = []
-    for n, st in zip(cluster.links, direct, strict=True):
-        bw = (await prober.probe_peer(*n.addr, None, token, bulk)).to_json()
-        row = _merge(st.to_json(), bw)
-        rows += [_row(CLIENT, n.name, row), _row(n.name, CLIENT, row)]
-    for (a, b, via), st in zip(pairs, peer, strict=True):
-        rows.append(_row(a.name, b.name, _merge(st, await _node_probe(a, via, bulk, timeout))))
+    for n, st in zip(nodes, direct, strict=True):
+        for src, dst in ((CLIENT, n.name), (n.name, CLIENT)):
+            rows.append(_row(src, dst, _merge(st.to_json(), rates[src, dst])))
+    for (a, b, _), st in zip(pairs, peer, strict=True):
+        rows.append(_row(a.name, b.name, _merge(st, rates[a.name, b.name])))
     return rows
 
 
@@ -85,7 +90,12 @@ def _merge(small: dict[str, Any], bulk: dict[str, Any]) -> dict[str, Any]:
         return small
     if not bulk["reachable"]:
         return bulk
-    return {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}
+    return {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}  # one direction per row
+
+
+def _rates(out: dict[tuple[str, str], dict[str, Any]], a: str, b: str, bulk: dict[str, Any]) -> None:
+    out[a, b] = bulk
+    out[b, a] = {**bulk, "bandwidth_mbps": bulk.get("bandwidth_back_mbps", math.nan)}
 
 
 async def _node_probe(a: NodeLink, via: Addr, cfg: prober.ProbeConfig, timeout: float) -> dict:

@@ -5,7 +5,8 @@ Link metrics between an endpoint and a peer node (run by whichever end the clien
 - jitter: max - min one-way delay, and p95 - p50. The peer stamps each ping on arrival with its
   own clock; (arrival stamp - send time) is the one-way delay plus a constant clock offset, which
   max - min and p95 - p50 cancel, so no clock sync is needed;
-- bandwidth: a bulk transfer of 1 MB, doubled until it lasts >= 200 ms (or the size cap);
+- bandwidth, each direction: a bulk transfer of 1 MB, then one sized to last >= 200 ms (or the
+  size cap);
 - loss: a UDP echo exchange with sequence numbers; the round-trip loss r gives the one-way loss
   1 - sqrt(1 - r) (links assumed symmetric), with a Wilson 95 % interval.
 """
@@ -13,6 +14,7 @@ Link metrics between an endpoint and a peer node (run by whichever end the clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import math
@@ -52,11 +54,12 @@ class LinkStats:
     latency_ms: float
     jitter_ms: float  # max - min one-way delay
     jitter_p95_p50_ms: float
-    bandwidth_mbps: float
+    bandwidth_mbps: float  # to the peer
     loss: float  # one-way estimate
     loss_ci95: tuple[float, float]
     udp_sent: int
     udp_received: int
+    bandwidth_back_mbps: float = math.nan  # from the peer (the same probe, the reverse direction)
     measured_at: float = field(default_factory=time.time)
     reachable: bool = True
     reason: str = ""
@@ -107,24 +110,29 @@ class UdpEcho(asyncio.DatagramProtocol):
 
 
 class _UdpClient(asyncio.DatagramProtocol):
-    def __init__(self) -> None:
+    def __init__(self, expect: int) -> None:
         self.got: set[int] = set()
+        self.expect, self.all_back = expect, asyncio.Event()
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if len(data) == _UDP.size:
             self.got.add(_UDP.unpack(data)[0])
+            if len(self.got) >= self.expect:
+                self.all_back.set()
 
 
 async def udp_loss(host: str, port: int, token: str, cfg: ProbeConfig) -> tuple[int, int]:
     """(sent, echoed) over one UDP exchange."""
     loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_datagram_endpoint(_UdpClient, remote_addr=(host, port))
+    transport, proto = await loop.create_datagram_endpoint(lambda: _UdpClient(cfg.udp_packets),
+                                                           remote_addr=(host, port))
     try:
         nonce = os.urandom(8)
         for seq in range(cfg.udp_packets):
             transport.sendto(_UDP.pack(seq, nonce, udp_tag(token, seq, nonce)))
             await asyncio.sleep(cfg.udp_interval_s)
-        await asyncio.sleep(cfg.udp_wait_s)
+        with contextlib.suppress(TimeoutError):  # stop waiting once every echo is back
+            await asyncio.wait_for(proto.all_back.wait(), cfg.udp_wait_s)
     finally:
         transport.close()
     return cfg.udp_packets, len(proto.got)
@@ -136,6 +144,30 @@ async def _request(conn: wire.Conn, msg: dict[str, Any], timeout: float) -> dict
     if reply.get("type") == "error":
         raise ConnectionError(str(reply.get("message")))
     return reply
+
+
+async def _bulk_seconds(conn: wire.Conn, cfg: ProbeConfig, up: int, down: int) -> float:
+    t0 = time.perf_counter()
+    await _request(conn, {"type": "bulk", "id": -1, "data": bytes(up), "reply_bytes": down},
+                   cfg.timeout_s + (up + down) / 1e5)
+    return time.perf_counter() - t0
+
+
+async def _bulk_rates(conn: wire.Conn, cfg: ProbeConfig, rtt_s: float) -> tuple[float, float]:
+    """(to the peer, from the peer) in Mbit/s. Each direction starts with 1 MB; when that is over
+    in under bulk_min_seconds, one transfer sized from the first rate to last that long follows
+    (capped at bulk_max_bytes: on loopback-fast links it may end sooner)."""
+    rates = []
+    for direction in ("up", "down"):
+        size = cfg.bulk_start_bytes
+        while True:
+            up, down = (size, 0) if direction == "up" else (0, size)
+            secs = max(1e-6, await _bulk_seconds(conn, cfg, up, down) - rtt_s)
+            if secs >= cfg.bulk_min_seconds or size >= cfg.bulk_max_bytes:
+                break
+            size = min(cfg.bulk_max_bytes, int(size * 1.25 * cfg.bulk_min_seconds / secs))
+        rates.append(size * 8 / secs / 1e6)
+    return rates[0], rates[1]
 
 
 async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token: str,
@@ -157,20 +189,13 @@ async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token:
             await asyncio.gather(udp, return_exceptions=True)
     ow = sorted(owd) if len(owd) == len(rtts) else sorted(r / 2 for r in rtts)
     rtt = statistics.median(rtts)
-    size, bw = cfg.bulk_start_bytes, math.nan
-    while cfg.bulk:
-        t0 = time.perf_counter()
-        await _request(conn, {"type": "bulk", "id": -1, "data": bytes(size)}, cfg.timeout_s + size / 1e5)
-        secs = time.perf_counter() - t0
-        bw = size * 8 / max(1e-6, secs - rtt / 1e3) / 1e6
-        if secs >= cfg.bulk_min_seconds or size * 2 > cfg.bulk_max_bytes:
-            break
-        size *= 2
+    bw, back = await _bulk_rates(conn, cfg, rtt / 1e3) if cfg.bulk else (math.nan, math.nan)
     lost = sent - got
     lo, hi = wilson(lost, sent)
     p95 = ow[min(len(ow) - 1, math.ceil(0.95 * len(ow)) - 1)]
     return LinkStats(latency_ms=rtt / 2, jitter_ms=ow[-1] - ow[0],
                      jitter_p95_p50_ms=p95 - statistics.median(ow), bandwidth_mbps=bw,
+                     bandwidth_back_mbps=back,
                      loss=one_way(lost / sent) if sent else math.nan,
                      loss_ci95=(one_way(lo), one_way(hi)) if sent else (math.nan, math.nan),
                      udp_sent=sent, udp_received=got)
@@ -292,4 +317,4 @@ def gemv_flops(hidden_size: int, repeats: int = 20) -> float:
 
     a = np.ones((1, hidden_size), np.float32)
     w = np.ones((hidden_size, 4 * hidden_size), np.float32)
-    return 2 * hidden_size * 4 * hidden_size / median_seconds(lambda: a @ w, repeats, inner=10)
+    return 2 * hidden_size * 4 * hidden_size / median_seconds(lambda: a @ w, repeats, inner=2)

@@ -78,5 +78,4 @@ def test_plan_avoids_slow_link_and_predicts_decode_time(exported, node_factory) 
     assert plan["status"] == "optimal"
 
     measured, expected = res["decode_ms_per_token"], plan["expected_ms_per_token"]
-    print(f"plan {devices}, expected {expected:.2f} ms/token, measured {measured:.2f}")
     assert abs(expected - measured) <= 0.25 * measured, (expected, measured)

@@ -148,7 +148,8 @@ def test_netns_veth_tbf_20mbit(tmp_path: Path) -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(4)
         res = subprocess.run(["ip", "netns", "exec", ns[0], sys.executable, "-m", "edgelite",
-                              "probe", "--nodes", "10.231.0.1:7071,10.231.0.2:7071", "--json"],
+                              "probe", "--nodes", "10.231.0.1:7071,10.231.0.2:7071", "--json",
+                              "--repeat", "2"],
                              capture_output=True, text=True, timeout=120, env=env)
         for p in procs:
             p.kill()
