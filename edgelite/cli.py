@@ -64,6 +64,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return asyncio.run(run_chat(args))
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from edgelite.demo import run_demo
+    from edgelite.nodeapp import install_uvloop
+
+    install_uvloop()
+    return asyncio.run(run_demo(args))
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from edgelite.nodeapp import run_node
 
@@ -89,29 +97,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    names = [d["name"] for d in result["devices"]]
-    cells = {(r["src"], r["dst"]): r for r in result["links"]}
-    console = Console()
-    for metric, fmt in (("latency_ms", "{:.2f}"), ("bandwidth_mbps", "{:.0f}"),
-                        ("jitter_ms", "{:.2f}"), ("loss", "{:.1%}")):
-        t = Table(title=metric)
-        t.add_column("from \\ to")
-        for n in names:
-            t.add_column(n, justify="right")
-        for a in names:
-            row = []
-            for b in names:
-                r = cells.get((a, b))
-                row.append("-" if r is None else (fmt.format(r[metric]) if r["reachable"]
-                                                  else "[red]unreachable[/red]"))
-            t.add_row(a, *row)
-        console.print(t)
-    for d in result["devices"]:
-        console.print(f"{d['name']}: {d.get('flops', 0) / 1e9:.1f} GFLOP/s "
-                      f"({d.get('flops_source', '?')}), "
-                      f"{(d.get('memory_available_bytes') or 0) / 2**30:.1f} GiB available")
+    from edgelite.ui import probe_view
+
+    Console().print(probe_view(result))
     return 0
 
 
@@ -131,7 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat")
     _model_args(c)
     _gen_args(c)
+    c.add_argument("--plain", action="store_true", help="bare text, no live footer (default "
+                                                        "when stdout is not a terminal)")
     c.set_defaults(func=cmd_chat)
+
+    d = sub.add_parser("demo", help="three emulated phones on this machine: probe, plan, deploy, chat")
+    d.add_argument("--model", type=Path, default=Path("models/smollm2-135m"),
+                   help="SmolLM2-135M export (made here on the first run)")
+    d.add_argument("--prompt", help="answer this, print the plan and stats, and exit")
+    d.add_argument("--threads", type=int, default=1, help="onnxruntime threads per node")
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--plain", action="store_true", help="bare text (default without a terminal)")
+    d.add_argument("--json", action="store_true", help="with --prompt: one JSON object")
+    d.add_argument("--deploy-over-links", action="store_true",
+                   help="push the layer files through the emulated Wi-Fi instead of seeding the "
+                        "nodes' file caches")
+    d.set_defaults(func=cmd_demo)
 
     pl = sub.add_parser("plan", help="place layers on devices (HiGHS MILP)")
     pl.add_argument("--model", required=True, type=Path, help="model folder (reads manifest.json only)")

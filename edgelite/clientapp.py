@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from edgelite import manifest as mf
@@ -66,27 +66,34 @@ async def run_generate(args: argparse.Namespace, stream: TextIO | None) -> dict:
     return out if plan is None else {**out, "plan": plan}
 
 
+def reprobe_for(args: argparse.Namespace, manifest: mf.Manifest) -> Callable[[], Awaitable[dict]] | None:
+    """/probe in the chat: measure the cluster again (None when running locally)."""
+    if not getattr(args, "nodes", None):
+        return None
+    from edgelite.cluster import parse_nodes
+    from edgelite.probeapp import client_memory, cluster_token, probe
+    from edgelite.routes import parse_routes
+
+    async def again() -> dict:
+        return await probe(parse_nodes(args.nodes), cluster_token(args), manifest,
+                           routes=parse_routes(args.route), client_memory_bytes=client_memory(args))
+
+    return again
+
+
 async def run_chat(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from edgelite import chatui
+
     manifest = mf.load(args.model)
-    tok = Tokenizer(manifest)
+    plain = args.plain or not sys.stdout.isatty()
     backend, plan = await open_backend(args, manifest)
-    show_plan(plan)
-    history: list[dict[str, str]] = []
+    if not plain:
+        show_plan(plan)
+    chat = chatui.Chat(backend, Tokenizer(manifest), gen_config(args), plan,
+                       reprobe_for(args, manifest))
     try:
-        while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                return 0
-            if line.strip() in ("/quit", "/exit"):
-                return 0
-            if line.strip() == "/reset":
-                history.clear()
-                continue
-            history.append({"role": "user", "content": line})
-            stats = await reply(backend, tok, tok.chat_prompt(history), gen_config(args), sys.stdout)
-            history.append({"role": "assistant", "content": tok.decode(stats.token_ids)})
-            sys.stdout.write(f"\n[{stats.ttft_ms:.0f} ms to first token, "
-                             f"{stats.decode_tok_s:.1f} tok/s]\n")
+        return await chatui.run(chat, Console(), plain)
     finally:
         await backend.close()

@@ -185,7 +185,7 @@ class Cluster:
             raise EdgeliteError("a node appears in two stages of one plan")
         self.stages = list(stages)
         for link, a, b in self.stages:
-            await self._push_files(link, self.manifest.layers[a:b + 1], progress)
+            await self.push_files(link, self.manifest.layers[a:b + 1], progress)
         for i in reversed(range(len(self.stages))):  # load downstream first: each connects onward
             link, a, b = self.stages[i]
             nxt = None
@@ -200,7 +200,7 @@ class Cluster:
             await self.stages[-1][0].request({"type": "subscribe", "plan_id": self.plan_id},
                                              self.cfg.request_timeout_s)
 
-    async def _push_files(self, link: NodeLink, entries: list[mf.FileEntry],
+    async def push_files(self, link: NodeLink, entries: list[mf.FileEntry],
                           progress: Progress | None) -> None:
         shas = [e.sha256 for e in entries]
         state = await link.request({"type": "files", "sha256": shas}, self.cfg.request_timeout_s)

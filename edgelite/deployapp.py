@@ -11,7 +11,8 @@ from edgelite.cluster import Assignment, ClusterBackend, in_order, open_cluster,
 from edgelite.clusterspec import problem_from
 from edgelite.planner import Plan, Problem, solve
 from edgelite.probeapp import client_memory, cluster_spec, cluster_token, probe
-from edgelite.routes import parse_routes
+from edgelite.prober import ProbeConfig
+from edgelite.routes import Routes, parse_routes
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +23,27 @@ def assignment_of(p: Problem, plan: Plan, addrs: list[tuple[str, int]]) -> Assig
     return [(None if d == 0 else index[p.devices[d].name], a, b) for d, a, b in plan.stages]
 
 
+async def plan_cluster(manifest: mf.Manifest, addrs: list[tuple[str, int]], token: str,
+                       routes: Routes | None = None, client_memory_bytes: int | None = None,
+                       objective: str = "latency", client_first: bool = True,
+                       solver: str = "auto", threads: int = 2,
+                       probe_cfg: ProbeConfig | None = None) -> tuple[Problem, Plan, dict[str, Any]]:
+    """Probe every device and link, then solve: (problem, plan, the probe result). `threads`:
+    the onnxruntime threads this client will run its layers with."""
+    probed = await probe(addrs, token, manifest, probe_cfg, routes=routes,
+                         client_memory_bytes=client_memory_bytes, client_threads=threads)
+    p = problem_from(manifest, cluster_spec(probed), objective, client_first=client_first)
+    return p, solve(p, solver), probed
+
+
 async def plan_live(args: argparse.Namespace, manifest: mf.Manifest,
                     addrs: list[tuple[str, int]]) -> tuple[Problem, Plan, dict[str, Any]]:
-    """Probe every device and link, then solve: (problem, plan, the probe result)."""
-    probed = await probe(addrs, cluster_token(args), manifest,
-                         routes=parse_routes(getattr(args, "route", None)),
-                         client_memory_bytes=client_memory(args))
-    p = problem_from(manifest, cluster_spec(probed), getattr(args, "objective", "latency"),
-                     client_first=not getattr(args, "no_client_first", False))
-    return p, solve(p, getattr(args, "solver", "auto")), probed
+    """plan_cluster() with the CLI's flags."""
+    return await plan_cluster(manifest, addrs, cluster_token(args),
+                              parse_routes(getattr(args, "route", None)), client_memory(args),
+                              getattr(args, "objective", "latency"),
+                              not getattr(args, "no_client_first", False),
+                              getattr(args, "solver", "auto"), args.threads)
 
 
 async def connect_backend(args: argparse.Namespace,

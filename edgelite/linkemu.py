@@ -170,3 +170,65 @@ class _UdpBack(asyncio.DatagramProtocol):
         await asyncio.sleep(max(0.0, when - time.monotonic()))
         if self.proxy.transport is not None:
             self.proxy.transport.sendto(data, self.client)
+
+
+class EmulatorProcess:
+    """Link emulators in a process of their own, so that their timers do not share an event
+    loop (and its hiccups) with the client they carry traffic for. Ends when closed."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, links: list[tuple[tuple[str, int], LinkSpec]],
+                    timeout: float = 30.0) -> list[tuple[int, int]]:
+        """One emulator per (target, spec); their (TCP port, UDP port)."""
+        import json
+        import sys
+        from dataclasses import asdict
+
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "edgelite.linkemu", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        spec = [{"target": list(t), "spec": asdict(s), "seed": i} for i, (t, s) in enumerate(links)]
+        self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
+        await self.proc.stdin.drain()
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            raise RuntimeError("the link emulator process exited before it was ready")
+        return [tuple(p) for p in json.loads(line)]
+
+    async def close(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # the process ends at EOF on stdin
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _serve_from_stdin() -> None:
+    import json
+    import sys
+
+    loop = asyncio.get_running_loop()
+    spec = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+    emus = [await LinkEmulator((s["target"][0], s["target"][1]), LinkSpec(**s["spec"]),
+                               seed=s["seed"]).start() for s in spec]
+    sys.stdout.write(json.dumps([[e.port, e.udp_port] for e in emus]) + "\n")
+    sys.stdout.flush()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    for e in emus:
+        await e.close()
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve_from_stdin())
+    else:
+        uvloop.run(_serve_from_stdin())

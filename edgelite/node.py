@@ -170,9 +170,10 @@ class Node:
         return {"bytes": len(data) if isinstance(data, bytes) else 0, "data": bytes(back)}
 
     async def _profile(self, msg: dict[str, Any]) -> dict[str, Any]:
-        hidden = msg.get("hidden_size")
+        hidden, layer = msg.get("hidden_size"), msg.get("layer")
         flops = await asyncio.get_running_loop().run_in_executor(
-            self.compute_pool, self.store.measure_flops, hidden if isinstance(hidden, int) else 0)
+            self.compute_pool, self.store.measure_flops, hidden if isinstance(hidden, int) else 0,
+            layer if isinstance(layer, dict) else None)
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
         return {"node": self.name, "threads": self.cfg.threads, **flops, **prober.host_profile(),

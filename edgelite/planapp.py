@@ -28,24 +28,10 @@ def plan_json(p: Problem, plan: Plan) -> dict[str, Any]:
 
 def show(out: dict[str, Any], stderr: bool = False) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title=f"plan ({out['objective']}, {out['solver']}: {out['status']}, "
-                    f"{out['solve_ms']:.0f} ms)")
-    for col in ("stage", "device", "layers", "compute ms", "hop in ms", ""):
-        t.add_column(col, justify="right" if "ms" in col else "left")
-    worst = max(s["compute_ms"] + s["hop_in_ms"] for s in out["stages"]) or 1.0
-    for i, s in enumerate(out["stages"]):
-        bar = "█" * max(1, round(20 * (s["compute_ms"] + s["hop_in_ms"]) / worst))
-        t.add_row(str(i + 1), s["device"], f"{s['first_layer']}-{s['last_layer']}",
-                  f"{s['compute_ms']:.2f}", f"{s['hop_in_ms']:.2f}", f"[cyan]{bar}[/cyan]")
-    c = Console(stderr=stderr)
-    c.print(t)
-    p = out["predicted_ms"]
-    c.print(f"objective {p['total']:.2f} ms = compute {p['compute']:.2f} + data "
-            f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}; "
-            f"expected {out['expected_ms_per_token']:.2f} ms/token (compute + data + embedding "
-            f"and head on the client)")
+    from edgelite.ui import plan_view
+
+    Console(stderr=stderr).print(plan_view(out))
 
 
 def run_plan(args: argparse.Namespace) -> int:

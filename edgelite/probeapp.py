@@ -34,22 +34,27 @@ def cluster_token(args: argparse.Namespace) -> str:
 
 async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest | None,
                 cfg: prober.ProbeConfig | None = None, repeat: int = 1, routes: Routes | None = None,
-                client_memory_bytes: int | None = None) -> dict[str, Any]:
+                client_memory_bytes: int | None = None, client_threads: int = 2) -> dict[str, Any]:
     """{"devices": [...], "links": [...]} for the client and every node (see README schema).
     Node -> node links are measured over `routes` (default: the client's address of the peer);
-    `client_memory_bytes` caps what the plan may use on this device."""
+    `client_memory_bytes` caps what the plan may use on this device, which is timed with the
+    onnxruntime threads it will run with (`client_threads`)."""
     cfg = cfg or prober.ProbeConfig()
     cluster = Cluster(manifest or _NoModel(), token, ClientConfig())  # type: ignore[arg-type]
     await cluster.connect(addrs)
     try:
         hidden = manifest.hidden_size if manifest else 0
         timeout = 10 * cfg.timeout_s + 30
-        client = {"name": CLIENT, "addr": None, **await asyncio.to_thread(_client_profile, manifest)}
+        prof = await asyncio.to_thread(_client_profile, manifest, client_threads)
+        client = {"name": CLIENT, "addr": None, **prof}
         if client_memory_bytes is not None:
             client["memory_budget_bytes"] = client_memory_bytes
         # one node at a time: nodes sharing a machine (tests, demo) would slow each other down
-        profiles = [await link.request({"type": "profile", "hidden_size": hidden}, timeout)
-                    for link in cluster.links]
+        if manifest is not None:  # time the model's own layer: each node gets layer 0's file
+            for link in cluster.links:  # (cached there; a later deploy will not send it again)
+                await cluster.push_files(link, manifest.layers[:1], None)
+        req = {"type": "profile", "hidden_size": hidden, "layer": _layer_desc(manifest)}
+        profiles = [await link.request(req, timeout) for link in cluster.links]
         devices = [client, *({"name": link.name, "addr": link.name,
                               **{k: v for k, v in prof.items() if k not in ("type", "id")}}
                              for link, prof in zip(cluster.links, profiles, strict=True))]
@@ -129,11 +134,20 @@ def _row(src: str, dst: str, stats: dict[str, Any]) -> dict[str, Any]:
     return {"src": src, "dst": dst, **stats}
 
 
+def _layer_desc(m: mf.Manifest | None) -> dict[str, Any] | None:
+    """What a node needs to time the model's layer 0 (from its file cache, or a GEMV as big)."""
+    if m is None:
+        return None
+    e = m.layers[0]
+    return {"sha256": e.sha256, "flops_per_token": e.flops_per_token, "param_bytes": e.param_bytes,
+            "hidden_size": m.hidden_size, "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim}
+
+
 class _NoModel:
     fingerprint = None
 
 
-def _client_profile(manifest: mf.Manifest | None) -> dict[str, Any]:
+def _client_profile(manifest: mf.Manifest | None, threads: int) -> dict[str, Any]:
     """This device (the client) measured like a node: on the model's layer 0 when given."""
     from edgelite.config import RuntimeConfig
     from edgelite.runtime import LayerRange
@@ -141,7 +155,7 @@ def _client_profile(manifest: mf.Manifest | None) -> dict[str, Any]:
     prof = prober.host_profile()
     if manifest is not None:
         m = manifest
-        layer = LayerRange(m, 0, 0, RuntimeConfig(threads=2, verify_hashes=False))
+        layer = LayerRange(m, 0, 0, RuntimeConfig(threads=threads, verify_hashes=False))
         secs = prober.layer_decode_seconds(layer.sessions[0], m.hidden_size, m.num_kv_heads,
                                            m.head_dim)
         prof.update(flops=m.layers[0].flops_per_token / secs, flops_source="layer 0")

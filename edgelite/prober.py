@@ -311,6 +311,18 @@ def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim
                           before=lambda: np.add(evict, 1.0, out=evict))
 
 
+def gemv_seconds(hidden_size: int, weight_bytes: int, repeats: int = 20) -> float:
+    """Median time of a (1, h) x (h, weight_bytes / 4h) float32 product with a cold cache: a
+    decode step's memory traffic when no layer file is at hand."""
+    import numpy as np
+
+    cols = max(1, weight_bytes // (4 * hidden_size))
+    a = np.ones((1, hidden_size), np.float32)
+    w = np.ones((hidden_size, cols), np.float32)
+    evict = np.zeros(EVICT_BYTES // 4, np.float32)
+    return median_seconds(lambda: a @ w, repeats, before=lambda: np.add(evict, 1.0, out=evict))
+
+
 def gemv_flops(hidden_size: int, repeats: int = 20) -> float:
     """FLOP/s of a (1, h) x (h, 4h) numpy product: the fallback when no layer is deployed."""
     import numpy as np

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from edgelite import manifest as mf
-from edgelite.blobstore import BlobStore
+from edgelite.blobstore import BlobStore, check_sha
 from edgelite.config import RuntimeConfig
-from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
-from edgelite.prober import gemv_flops, layer_decode_seconds
-from edgelite.runtime import KVCache, LayerRange, positions_for
+from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
+from edgelite.prober import gemv_flops, gemv_seconds, layer_decode_seconds
+from edgelite.runtime import KVCache, LayerRange, open_session, positions_for
 
 
 @dataclass
@@ -101,18 +101,36 @@ class StageStore:
         self.runs += 1
         self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
 
-    def measure_flops(self, hidden_size: int, repeats: int = 20) -> dict[str, Any]:
-        """Effective FLOP/s on decode shapes (blocking: run in the compute thread): a deployed
-        decoder layer if there is one, else a numpy GEMV of the model's hidden size."""
+    def measure_flops(self, hidden_size: int, layer: dict[str, Any] | None = None,
+                      repeats: int = 20) -> dict[str, Any]:
+        """Effective FLOP/s on decode shapes (blocking: run in the compute thread), timed on the
+        first that applies: a loaded stage's layer; the client's named layer file when it is in
+        the blob store; a numpy GEMV over as many weight bytes as that layer (cold cache); a GEMV
+        of the hidden size."""
         stage = next(iter(self.stages.values()), None)
-        if stage is None:
-            h = hidden_size or 2048
-            return {"flops": gemv_flops(h, repeats), "flops_source": f"numpy gemv {h}"}
-        m, j = stage.manifest, stage.first
-        secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
-                                    m.head_dim, repeats=repeats)
-        return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
-                "layer_ms": secs * 1e3}
+        if stage is not None:
+            m, j = stage.manifest, stage.first
+            secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
+                                        m.head_dim, repeats=repeats)
+            return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
+                    "layer_ms": secs * 1e3}
+        if layer is not None:
+            try:
+                sha, flops = check_sha(layer.get("sha256")), int(layer["flops_per_token"])
+                shape = (int(layer["hidden_size"]), int(layer["num_kv_heads"]), int(layer["head_dim"]))
+                weight_bytes = int(layer["param_bytes"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"profile: bad layer description: {exc!r}") from exc
+            if self.blobs.has(sha):
+                sess = open_session(self.blobs.path(sha), RuntimeConfig(self.runtime.threads))
+                secs = layer_decode_seconds(sess, *shape, repeats=repeats)
+                source = f"layer file {sha[:12]}"
+            else:
+                secs = gemv_seconds(shape[0], weight_bytes, repeats)
+                source = f"numpy gemv over {weight_bytes / 2**20:.1f} MiB (cold cache)"
+            return {"flops": flops / secs, "flops_source": source, "layer_ms": secs * 1e3}
+        h = hidden_size or 2048
+        return {"flops": gemv_flops(h, repeats), "flops_source": f"numpy gemv {h}"}
 
     def end(self, session: str) -> int:
         """Free a session's KV in every plan; returns bytes freed."""

@@ -1,0 +1,119 @@
+"""Rich views. Each function reads state (plan JSON, probe JSON, stats) and returns a renderable;
+none owns or changes state."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+# (good below, fair below) per link metric; for bandwidth higher is better
+QUALITY = {"latency_ms": (10.0, 30.0), "jitter_ms": (2.0, 10.0), "loss": (0.005, 0.02),
+           "bandwidth_mbps": (50.0, 10.0)}
+FORMATS = {"latency_ms": "{:.2f}", "bandwidth_mbps": "{:.0f}", "jitter_ms": "{:.2f}", "loss": "{:.1%}"}
+
+
+def quality(metric: str, v: float) -> str:
+    """A colour for a link metric: green good, yellow fair, red poor."""
+    good, fair = QUALITY[metric]
+    if math.isnan(v):
+        return "red"
+    if metric == "bandwidth_mbps":
+        return "green" if v >= good else "yellow" if v >= fair else "red"
+    return "green" if v < good else "yellow" if v < fair else "red"
+
+
+def plan_view(out: dict[str, Any]) -> Group:
+    """The plan as a table with a bar of each stage's predicted ms, then the objective's terms."""
+    t = Table(title=f"plan ({out['objective']}, {out['solver']}: {out['status']}, "
+                    f"{out['solve_ms']:.0f} ms)")
+    for col in ("stage", "device", "layers", "compute ms", "hop in ms", "predicted"):
+        t.add_column(col, justify="right" if "ms" in col else "left")
+    worst = max((s["compute_ms"] + s["hop_in_ms"] for s in out["stages"]), default=0.0) or 1.0
+    for i, s in enumerate(out["stages"]):
+        bar = "█" * max(1, round(20 * (s["compute_ms"] + s["hop_in_ms"]) / worst))
+        t.add_row(str(i + 1), s["device"], f"{s['first_layer']}-{s['last_layer']}",
+                  f"{s['compute_ms']:.2f}", f"{s['hop_in_ms']:.2f}", f"[cyan]{bar}[/cyan]")
+    p = out["predicted_ms"]
+    summary = Text(f"objective {p['total']:.2f} ms = compute {p['compute']:.2f} + data "
+                   f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}; "
+                   f"expected {out['expected_ms_per_token']:.2f} ms/token (compute + data + "
+                   f"embedding and head on the client)")
+    return Group(t, summary)
+
+
+def probe_view(result: dict[str, Any]) -> Group:
+    """One matrix per link metric, each cell coloured by quality; then one line per device."""
+    names = [d["name"] for d in result["devices"]]
+    cells = {(r["src"], r["dst"]): r for r in result["links"]}
+    parts: list[Any] = []
+    for metric, fmt in FORMATS.items():
+        t = Table(title=metric)
+        t.add_column("from \\ to")
+        for n in names:
+            t.add_column(n, justify="right")
+        for a in names:
+            row = []
+            for b in names:
+                r = cells.get((a, b))
+                if r is None:
+                    row.append("-")
+                elif not r["reachable"]:
+                    row.append("[red]unreachable[/red]")
+                else:
+                    row.append(f"[{quality(metric, r[metric])}]{fmt.format(r[metric])}[/]")
+            t.add_row(a, *row)
+        parts.append(t)
+    for d in result["devices"]:
+        mem = d.get("memory_budget_bytes") or d.get("memory_available_bytes") or 0
+        parts.append(Text(f"{d['name']}: {d.get('flops', 0) / 1e9:.1f} GFLOP/s "
+                          f"({d.get('flops_source', '?')}), {mem / 2**20:.0f} MiB for the plan"))
+    return Group(*parts)
+
+
+def footer(gen: dict[str, Any], stages: list[dict[str, Any]], health: dict[str, str]) -> Text:
+    """One line under the reply: speed, time to first token, per-stage ms, link health."""
+    t = Text()
+    t.append(f"{gen.get('decode_tok_s', 0.0):.1f} tok/s", "bold green")
+    t.append(f" · TTFT {gen.get('ttft_ms', 0.0):.0f} ms · {gen.get('tokens', 0)} tokens")
+    if stages:
+        t.append(" · stages ")
+        t.append(" | ".join(f"{s['name']} {s['ms_per_run']:.1f} ms" for s in stages))
+    if health:
+        t.append(" · links ")
+        for name, state in health.items():
+            t.append("● ", "green" if state == "ok" else "red")
+            t.append(f"{name} ")
+    return t
+
+
+def stats_view(gen: dict[str, Any], nodes: list[dict[str, Any]]) -> Table:
+    t = Table(title="stats")
+    for col in ("node", "sessions", "KV MiB", "KV budget MiB", "runs", "ms/run", "bad frames"):
+        t.add_column(col, justify="left" if col == "node" else "right")
+    for s in nodes:
+        t.add_row(str(s.get("node")), str(s["sessions"]), f"{s['kv_bytes'] / 2**20:.1f}",
+                  f"{s['kv_budget_bytes'] / 2**20:.0f}", str(s["runs"]), f"{s['ms_per_run']:.2f}",
+                  str(s.get("bad_frames", 0)))
+    t.caption = (f"last reply: {gen.get('tokens', 0)} tokens, TTFT {gen.get('ttft_ms', 0):.0f} ms, "
+                 f"{gen.get('decode_tok_s', 0):.1f} tok/s")
+    return t
+
+
+def node_panel(name: str, addr: str, stats: dict[str, Any], peers: list[str]) -> Panel:
+    """The live panel of `edgelite node`."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(justify="right", style="bold")
+    t.add_column()
+    t.add_row("sessions", str(stats["sessions"]))
+    t.add_row("KV memory", f"{stats['kv_bytes'] / 2**20:.1f} of {stats['kv_budget_bytes'] / 2**20:.0f} MiB")
+    t.add_row("runs/s", f"{stats.get('runs_per_s', 0.0):.1f}")
+    t.add_row("ms per run", f"{stats['ms_per_run']:.2f}")
+    t.add_row("stages", ", ".join(f"{s['layers'][0]}-{s['layers'][1]}" for s in stats["stages"]) or "-")
+    t.add_row("peers", ", ".join(peers) or "-")
+    t.add_row("bad frames", str(stats.get("bad_frames", 0)))
+    return Panel(t, title=f"edgelite node {name}", subtitle=addr)
