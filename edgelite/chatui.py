@@ -75,6 +75,7 @@ async def reply(chat: Chat, console: Console, plain: bool) -> str:
         chat.last = _figures(stats)
         stages = await chat.node_stats()
         live.update(Group(text, ui.footer(chat.last, stages, chat.health())))
+    console.line()
     return chat.tok.decode(stats.token_ids)
 
 

@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--plain", action="store_true", help="bare text (default without a terminal)")
     d.add_argument("--json", action="store_true", help="with --prompt: one JSON object")
+    d.add_argument("--svg", type=Path, help="with --prompt: save the screen as an SVG picture")
     d.add_argument("--deploy-over-links", action="store_true",
                    help="push the layer files through the emulated Wi-Fi instead of seeding the "
                         "nodes' file caches")
@@ -171,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--memory-mb", type=float,
                    help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")
+    n.add_argument("--plain", action="store_true", help="log lines only, no live panel (default "
+                                                        "when stdout is not a terminal)")
     n.set_defaults(func=cmd_node)
     return p
 

@@ -141,8 +141,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     from edgelite.planapp import plan_json
     from edgelite.tokenizer import Tokenizer
 
-    plain = args.plain or args.json or not sys.stdout.isatty()
-    console = Console(stderr=True) if args.json else Console()
+    plain = args.plain or args.json or not (sys.stdout.isatty() or args.svg)
+    console = Console(stderr=True) if args.json else Console(record=bool(args.svg))
     cfg = DemoConfig(threads=args.threads)
     m = ensure_model(args.model, console)
     root = Path(tempfile.mkdtemp(prefix="edgelite-demo-"))
@@ -180,6 +180,8 @@ async def run_demo(args: argparse.Namespace) -> int:
             console.print(ui.stats_view(chat.last, nodes))
             console.print(f"measured {result['measured_ms_per_token'] or 0:.1f} ms/token, plan "
                           f"expected {result['expected_ms_per_token']:.1f}")
+            if args.svg:
+                console.save_svg(str(args.svg), title="edgelite demo")
         return 0
     finally:
         with contextlib.suppress(OSError):

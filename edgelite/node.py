@@ -40,6 +40,8 @@ class Node:
         self.sinks: dict[str, wire.Conn] = {}  # plan_id -> the client receiving final hidden states
         self.next_conns: dict[tuple[str, int], wire.Conn] = {}
         self.server: asyncio.Server | None = None
+        self.conns: set[wire.Conn] = set()  # open client connections, closed on shutdown
+        self.handlers: set[asyncio.Task] = set()  # their handler tasks (owned by the server)
         self.bad_frames = 0
         # One long-lived thread runs every ONNX step: the same thread each time keeps ORT's
         # per-thread state warm (measured: default-pool hops cost ~0.5 ms per stage).
@@ -62,19 +64,38 @@ class Node:
         self.udp_port = self.udp.get_extra_info("sockname")[1]
 
     async def run(self) -> None:
-        """Serve until cancelled: the server, the forward worker and the session reaper."""
+        """Serve until cancelled: the server, the forward worker and the session reaper. On the
+        way out every connection is closed and its handler has finished."""
         if self.server is None:
             await self.start()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._worker())
-            tg.create_task(self._reaper())
-            tg.create_task(self.server.serve_forever())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._worker())
+                tg.create_task(self._reaper())
+                tg.create_task(self.server.serve_forever())
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.udp.close()
+        for conn in [*self.conns, *self.next_conns.values()]:
+            conn.writer.close()
+        handlers = [t for t in self.handlers if t is not asyncio.current_task()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=self.cfg.handshake_timeout_s)
+        self.compute_pool.shutdown(wait=False)
 
     # ---- connections -------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
         peer = f"{host}:{port}"
         conn = wire.Conn(reader, writer, self.limits, peer)
+        me = asyncio.current_task()
+        self.conns.add(conn)
+        if me is not None:
+            self.handlers.add(me)
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
             extra = {"udp_port": self.udp_port, "port": self.port}
@@ -92,6 +113,8 @@ class Node:
             for plan, sink in list(self.sinks.items()):
                 if sink is conn:
                     del self.sinks[plan]
+            self.conns.discard(conn)
+            self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
 
     async def _serve(self, conn: wire.Conn, fingerprint: str | None) -> None:

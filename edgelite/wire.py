@@ -81,7 +81,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: WireLimits) -> dict[s
     return unpack(body)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: connections go in sets
 class Conn:
     """One framed connection; `send` is safe from many tasks (writes are not interleaved)."""
 
