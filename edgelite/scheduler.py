@@ -1,0 +1,263 @@
+"""Three-queue priority scheduler with preemption (pure: no I/O; the clock is passed in).
+
+Queues: waiting (not prefilled), running (decoding, holding KV), preempted (decode interrupted,
+KV dropped: it is recomputed from prompt + generated tokens on resume).
+
+Priority = first + second + third:
+- first, task difficulty relative to the context limit L: before prefill
+  a_prompt * (L - prompt) / L + a_output * (L - max_output) / L; while decoding
+  a_decode * (L - remaining) / L (close to done -> higher);
+- second, waiting time through the patience threshold: 0 until a request has waited its
+  patience (P for tier 0, P * scale**tier above: a higher tier's deadline comes sooner), then
+  `slope` per second waited beyond it. It grows equally for every overdue request, so among
+  overdue requests the order is fixed by (static priority - slope * deadline): a heap key that
+  stays valid as time passes. `slope` is large, so overdue requests go in deadline order (a
+  higher tier first when deadlines tie) and every overdue request outranks every new arrival;
+- third, the user tier times `w_tier`.
+
+Each step: when the preempted queue is empty (and the scheduling interval has elapsed) admit
+waiting requests by priority within the step budget (requests, prefill tokens, KV tokens); a
+step that admits nothing decodes the running requests. With preempted work, decode running and
+resume preempted requests as KV memory allows. Decoding needs one more KV token per running
+request; when that does not fit, the lowest-priority running request below the preemption cap is
+preempted. A request that reached the cap is never preempted again.
+
+Waiting bound (what the tests check): an overdue request is never passed by a later-overdue one
+and nothing is admitted around it (no backfilling past an overdue head). Every request ahead of
+it (the overdue ones before it and those holding or waiting for KV at its deadline) finishes
+within (1 + max_output) * (1 + max_preemptions) steps, so it is admitted within
+wait_bound_steps(ahead) steps after its deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    context_limit: int = 2048  # L
+    a_prompt: float = 1.0
+    a_output: float = 1.0
+    a_decode: float = 1.0
+    w_tier: float = 1.0  # third term per tier level (tiers 0 = lowest)
+    patience_s: float = 2.0  # P, for tier 0
+    tier_patience_scale: float = 1.0  # tier t is overdue after P * scale**t (< 1: sooner)
+    slope: float = 1e6  # second term per overdue second: overdue beats any static difference
+    max_requests: int = 8  # running at once (one decode step serves them all)
+    max_step_tokens: int = 2048  # prefill tokens one step may admit
+    kv_tokens: int = 8192  # KV memory, in tokens, for all running requests together
+    max_preemptions: int = 2  # per request
+    interval_s: float = 0.0  # minimum time between admissions
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    tier: int
+    prompt_len: int
+    max_output: int
+    arrival: float
+    generated: int = 0
+    preemptions: int = 0
+    kv: int = 0  # KV tokens charged to it (0 unless running)
+    admitted_at: float | None = None  # first admission (for time to first token)
+    queue: str = "new"
+    overdue: bool = False  # waited past the patience threshold
+    entered: bool = False  # (re)admitted this step: its next token's KV is already charged
+
+    @property
+    def remaining(self) -> int:
+        return self.max_output - self.generated
+
+    @property
+    def context(self) -> int:
+        """Tokens whose KV a (re)prefill computes: the prompt plus what was generated."""
+        return self.prompt_len + self.generated
+
+
+@dataclass
+class Decision:
+    """What one step does; the caller runs it, then reports tokens with `advance`."""
+
+    admit: list[Request] = field(default_factory=list)  # prefill the prompt
+    resume: list[Request] = field(default_factory=list)  # re-prefill prompt + generated
+    preempt: list[Request] = field(default_factory=list)  # drop their KV
+    decode: list[Request] = field(default_factory=list)  # one token each
+
+    @property
+    def idle(self) -> bool:
+        return not (self.admit or self.resume or self.decode)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig | None = None) -> None:
+        self.cfg = cfg or SchedulerConfig()
+        self.fresh: list[tuple[float, int, Request]] = []  # key: -static priority
+        self.overdue: list[tuple[float, int, Request]] = []  # key: -(static - slope * deadline)
+        self.deadlines: list[tuple[float, int, Request]] = []  # fresh requests by deadline
+        self.running: list[Request] = []
+        self.preempted: list[tuple[float, int, Request]] = []  # key: -decode priority
+        self.finished: list[Request] = []
+        self.kv_used = 0
+        self.last_admit = -float("inf")
+        self._seq = itertools.count()
+
+    # ---- priority ------------------------------------------------------------------------
+    def static_priority(self, r: Request) -> float:
+        c, L = self.cfg, self.cfg.context_limit
+        return (c.a_prompt * (L - r.prompt_len) / L + c.a_output * (L - r.max_output) / L
+                + c.w_tier * r.tier)
+
+    def decode_priority(self, r: Request) -> float:
+        c, L = self.cfg, self.cfg.context_limit
+        return c.a_decode * (L - r.remaining) / L + c.w_tier * r.tier
+
+    def deadline(self, r: Request) -> float:
+        """When r becomes overdue."""
+        return r.arrival + self.cfg.patience_s * self.cfg.tier_patience_scale ** r.tier
+
+    def priority(self, r: Request, now: float) -> float:
+        """The full priority of a waiting request at `now` (for display and tests)."""
+        return self.static_priority(r) + self.cfg.slope * max(0.0, now - self.deadline(r))
+
+    # ---- queues --------------------------------------------------------------------------
+    def submit(self, r: Request) -> None:
+        if r.prompt_len + r.max_output > min(self.cfg.context_limit, self.cfg.kv_tokens):
+            raise ValueError(f"request {r.rid}: prompt {r.prompt_len} + output {r.max_output} "
+                             f"exceeds the context limit or the KV memory")
+        if r.prompt_len > self.cfg.max_step_tokens:
+            raise ValueError(f"request {r.rid}: prompt {r.prompt_len} exceeds the step budget "
+                             f"of {self.cfg.max_step_tokens} tokens")
+        r.queue = "waiting"
+        seq = next(self._seq)
+        heapq.heappush(self.fresh, (-self.static_priority(r), seq, r))
+        heapq.heappush(self.deadlines, (self.deadline(r), seq, r))
+
+    def _promote(self, now: float) -> None:
+        """Move requests past their patience deadline from the fresh to the overdue heap."""
+        moved = False
+        while self.deadlines and self.deadlines[0][0] <= now:
+            deadline, seq, r = heapq.heappop(self.deadlines)
+            if r.queue == "waiting" and not r.overdue:
+                r.overdue = True
+                key = -(self.static_priority(r) - self.cfg.slope * deadline)
+                heapq.heappush(self.overdue, (key, seq, r))
+                moved = True
+        if moved:  # drop promoted entries from the fresh heap
+            self.fresh = [e for e in self.fresh if not e[2].overdue]
+            heapq.heapify(self.fresh)
+
+    def waiting(self, now: float | None = None) -> list[Request]:
+        """Waiting requests in priority order (as of `now` when given)."""
+        if now is not None:
+            self._promote(now)
+        return [e[2] for e in sorted(self.overdue)] + [e[2] for e in sorted(self.fresh)]
+
+    def preempted_list(self) -> list[Request]:
+        return [e[2] for e in sorted(self.preempted)]
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self, now: float) -> Decision:
+        self._promote(now)
+        d = Decision()
+        if not self.preempted:
+            if now - self.last_admit >= self.cfg.interval_s:
+                self._admit(d, now)
+            if d.admit:
+                self.last_admit = now
+                return d
+            self._decode(d)
+            return d
+        self._decode(d)
+        self._resume(d)
+        return d
+
+    def pinned(self, r: Request) -> bool:
+        """At the preemption cap: never preempted again, so it holds KV for its whole output."""
+        return r.preemptions >= self.cfg.max_preemptions
+
+    def charge(self, r: Request) -> int:
+        """KV tokens a (re)admission of r takes: its context, or all it can ever need if pinned
+        (then decoding never asks for more, and no step can leave it stuck)."""
+        return r.prompt_len + r.max_output if self.pinned(r) else r.context + 1
+
+    def _admit(self, d: Decision, now: float) -> None:
+        tokens = 0
+        for heap in (self.overdue, self.fresh):
+            while heap:
+                r = heap[0][2]
+                fits = (len(self.running) < self.cfg.max_requests
+                        and tokens + r.prompt_len <= self.cfg.max_step_tokens
+                        and self.kv_used + self.charge(r) <= self.cfg.kv_tokens)
+                if not fits:
+                    return  # in priority order: nothing is admitted around the head
+                heapq.heappop(heap)
+                tokens += r.prompt_len
+                self._run(r)
+                r.admitted_at = now
+                d.admit.append(r)
+
+    def _run(self, r: Request) -> None:
+        r.queue, r.kv, r.entered = "running", self.charge(r), True
+        self.kv_used += r.kv
+        self.running.append(r)
+
+    def _growth(self) -> int:
+        return sum(1 for r in self.running if not self.pinned(r))
+
+    def _decode(self, d: Decision) -> None:
+        """Every running request gets one token; while the KV that takes does not fit, the
+        lowest-priority running request below the cap is preempted (pinned ones never grow)."""
+        while self.kv_used + self._growth() > self.cfg.kv_tokens:
+            v = min((r for r in self.running if not self.pinned(r)), key=self.decode_priority)
+            self._preempt(v)
+            d.preempt.append(v)
+        d.decode = sorted(self.running, key=self.decode_priority, reverse=True)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.kv_used -= r.kv
+        r.kv, r.queue = 0, "preempted"
+        r.preemptions += 1
+        heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
+
+    def _resume(self, d: Decision) -> None:
+        tokens = 0
+        grow = sum(1 for r in d.decode if not self.pinned(r))
+        while self.preempted:
+            r = self.preempted[0][2]
+            if (len(self.running) >= self.cfg.max_requests
+                    or tokens + r.context > self.cfg.max_step_tokens
+                    or self.kv_used + grow + self.charge(r) > self.cfg.kv_tokens):
+                return
+            heapq.heappop(self.preempted)
+            tokens += r.context
+            self._run(r)
+            d.resume.append(r)
+
+    # ---- results -------------------------------------------------------------------------
+    def advance(self, r: Request, done: bool = False) -> None:
+        """One token was produced for r (by its prefill, resume or decode); `done` when it ended
+        early (EOS). A finished request frees its KV at once."""
+        if r.queue != "running":
+            raise ValueError(f"request {r.rid} is {r.queue}, not running")
+        r.generated += 1
+        if r.entered:  # this token's KV was charged when it was (re)admitted
+            r.entered = False
+        elif not self.pinned(r):
+            r.kv += 1
+            self.kv_used += 1
+        if done or r.remaining <= 0:
+            self.running.remove(r)
+            self.kv_used -= r.kv
+            r.kv, r.queue = 0, "finished"
+            self.finished.append(r)
+
+    def wait_bound_steps(self, ahead: int, max_output: int) -> int:
+        """Steps after its patience deadline within which a request with `ahead` requests in
+        front of it (see the module docstring) is admitted; max_output: the largest any of
+        them asked for."""
+        return (ahead + 1) * (1 + max_output) * (1 + self.cfg.max_preemptions)

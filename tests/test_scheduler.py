@@ -1,0 +1,124 @@
+"""The three-queue scheduler, driven by hypothesis through random arrivals, steps and EOS."""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from edgelite.scheduler import Request, Scheduler, SchedulerConfig
+
+CFG = SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4, max_step_tokens=300,
+                      kv_tokens=600, max_preemptions=2)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(CFG)
+        self.now = 0.0
+        self.steps = 0
+        self.all: list[Request] = []
+        self.ids = itertools.count()
+        self.overdue_step: dict[str, tuple[int, int]] = {}  # rid -> (step it was late, ahead)
+
+    @rule(tier=st.integers(0, 2), prompt=st.integers(1, 250), out=st.integers(1, 120))
+    def submit(self, tier: int, prompt: int, out: int) -> None:
+        r = Request(f"r{next(self.ids)}", tier, prompt, out, self.now)
+        self.s.submit(r)
+        self.all.append(r)
+
+    @rule(dt=st.sampled_from([0.05, 0.2, 0.5]), data=st.data())
+    def step(self, dt: float, data: st.DataObject) -> None:
+        self.now += dt
+        self.steps += 1
+        order = self.s.waiting(self.now)
+        d = self.s.step(self.now)
+        # admission is in priority order, a prefix of the waiting order: nothing skips the head
+        assert order[:len(d.admit)] == d.admit
+        assert sum(r.prompt_len for r in d.admit) <= CFG.max_step_tokens
+        assert sum(r.context for r in d.resume) <= CFG.max_step_tokens
+        assert len(self.s.running) <= CFG.max_requests
+        assert not (d.admit and d.decode)  # a step prefills or decodes
+        for r in d.admit + d.resume + d.decode:
+            eos = data.draw(st.integers(0, 19)) == 0
+            self.s.advance(r, done=eos)
+        for r in self.s.waiting():
+            if r.overdue and r.rid not in self.overdue_step:
+                ahead = len(self.s.running) + len(self.s.preempted) + sum(
+                    1 for w in self.s.waiting() if w.overdue and w is not r)
+                self.overdue_step[r.rid] = (self.steps, ahead)
+        for r in d.admit:
+            if r.rid in self.overdue_step:
+                late_at, ahead = self.overdue_step[r.rid]
+                bound = self.s.wait_bound_steps(ahead, max(q.max_output for q in self.all))
+                assert self.steps - late_at <= bound
+                event(f"overdue request admitted, waited {min(self.steps - late_at, 5)}+ steps")
+
+    @invariant()
+    def each_request_in_exactly_one_queue(self) -> None:
+        queues = {"waiting": self.s.waiting(), "running": self.s.running,
+                  "preempted": self.s.preempted_list(), "finished": self.s.finished}
+        for r in self.all:
+            homes = [name for name, q in queues.items() if any(x is r for x in q)]
+            assert homes == [r.queue], (r.rid, homes, r.queue)
+
+    @invariant()
+    def kv_budget_holds_and_finished_requests_hold_none(self) -> None:
+        assert self.s.kv_used == sum(r.kv for r in self.s.running)
+        assert self.s.kv_used <= CFG.kv_tokens
+        assert all(r.kv == 0 for r in self.s.finished + self.s.preempted_list())
+
+    @invariant()
+    def preemption_cap_holds(self) -> None:
+        assert all(r.preemptions <= CFG.max_preemptions for r in self.all)
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_equal_waits_higher_tier_first() -> None:
+    s = Scheduler(CFG)
+    low, high = Request("low", 0, 50, 50, 0.0), Request("high", 2, 50, 50, 0.0)
+    s.submit(low)
+    s.submit(high)
+    assert s.waiting() == [high, low]
+    assert s.step(0.1).admit[0] is high
+
+
+def test_overdue_request_outranks_any_new_arrival() -> None:
+    s = Scheduler(CFG)
+    old = Request("old", 0, 250, 100, 0.0)  # low tier, long: the lowest static priority
+    s.submit(old)
+    s.submit(Request("fill", 2, 250, 100, 0.0))
+    s.step(0.0)  # admits fill, then old does not fit the step's token budget
+    new = Request("new", 2, 10, 10, 1.5)  # high tier, short: the highest static priority
+    s.submit(new)
+    assert s.priority(new, 1.5) > s.priority(old, 0.5)  # before old is overdue
+    assert s.priority(old, 1.5) > s.priority(new, 1.5)  # after: the wait term dominates
+    assert s.waiting() == [new, old]
+    assert s.waiting(1.5) == [old, new]  # promoted at its deadline
+    assert s.step(1.5).admit[0] is old
+
+
+def test_decode_preempts_lowest_priority_and_resume_recomputes() -> None:
+    s = Scheduler(SchedulerConfig(context_limit=512, kv_tokens=120, max_step_tokens=300,
+                                  max_requests=4, max_preemptions=1))
+    a, b = Request("a", 2, 50, 60, 0.0), Request("b", 0, 50, 60, 0.0)
+    s.submit(a)
+    s.submit(b)
+    d = s.step(0.0)
+    assert d.admit == [a, b]
+    for r in d.admit:
+        s.advance(r)
+    preempted = []
+    for t in range(1, 40):
+        d = s.step(t * 0.1)
+        preempted += d.preempt
+        for r in d.resume + d.decode:
+            s.advance(r)
+    assert preempted and preempted[0] is b  # the low tier goes first
+    assert b.preemptions == 1 and s.pinned(b)
