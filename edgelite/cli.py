@@ -59,9 +59,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.gateway:
+        from edgelite.serveapp import run_gateway_chat
+
+        return asyncio.run(run_gateway_chat(args))
+    if args.model is None:
+        raise EdgeliteError("chat needs --model DIR (or --gateway HOST:PORT)")
     from edgelite.clientapp import run_chat
 
     return asyncio.run(run_chat(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from edgelite.nodeapp import install_uvloop
+    from edgelite.serveapp import run_serve
+
+    def ready(gw) -> None:
+        print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
+
+    install_uvloop()
+    return asyncio.run(run_serve(args, ready))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -118,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat")
-    _model_args(c)
+    c.add_argument("--model", type=Path, help="folder written by edgelite-export")
+    c.add_argument("--threads", type=int, default=2, help="onnxruntime threads per session")
     _gen_args(c)
+    c.add_argument("--gateway", help="host:port of an `edgelite serve` gateway (no model needed)")
+    c.add_argument("--user", help="your user name on the gateway")
+    c.add_argument("--user-token", help="your token on the gateway (default: $EDGELITE_USER_TOKEN)")
     c.add_argument("--plain", action="store_true", help="bare text, no live footer (default "
                                                         "when stdout is not a terminal)")
     c.set_defaults(func=cmd_chat)
@@ -140,6 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="push the layer files through the emulated Wi-Fi instead of seeding the "
                         "nodes' file caches")
     d.set_defaults(func=cmd_demo)
+
+    sv = sub.add_parser("serve", help="serve many users through the cluster (priority scheduler)")
+    _model_args(sv)
+    _gen_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=7080, help="0 = any free port (printed)")
+    sv.add_argument("--users", type=Path, required=True,
+                    help='users.json: {"users": [{"name", "token", "tier"}]}')
+    sv.add_argument("--kv-tokens", type=int, help="KV memory for the scheduler, in tokens "
+                                                  "(default: what the nodes' budgets hold)")
+    sv.add_argument("--max-requests", type=int, default=8, help="requests decoding at once")
+    sv.add_argument("--patience-s", type=float, default=2.0,
+                    help="past this wait a request outranks every new arrival")
+    sv.add_argument("--max-preemptions", type=int, default=2)
+    sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="place layers on devices (HiGHS MILP)")
     pl.add_argument("--model", required=True, type=Path, help="model folder (reads manifest.json only)")
@@ -168,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser())
     n.add_argument("--threads", type=int, default=2)
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
-    n.add_argument("--kv-budget-mb", type=int, default=512)
+    n.add_argument("--kv-budget-mb", type=float, default=512, help="KV memory of all sessions")
     n.add_argument("--memory-mb", type=float,
                    help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")

@@ -52,3 +52,14 @@ class ClientConfig:
     deploy_timeout_s: float = 120.0
     request_timeout_s: float = 10.0  # control requests (load plan, stats)
     end_timeout_s: float = 2.0  # freeing a session's KV; best effort
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 7080
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 600.0  # a client connection silent this long is closed
+    max_prompt_chars: int = 32_000
+    max_tokens_limit: int = 2048  # the most a request may ask for
+    idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do

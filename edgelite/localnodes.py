@@ -39,7 +39,7 @@ class NodeProc:
         self.proc.send_signal(signal.SIGCONT)
 
 
-def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: int = 256,
+def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: float = 256,
                timeout: float = 30.0, token: str = TOKEN, memory_mb: float | None = None,
                name: str | None = None) -> NodeProc:
     env = {**os.environ, "EDGELITE_TOKEN": token}

@@ -69,7 +69,7 @@ async def show_panel(node: Node, every_s: float = 1.0) -> None:
 def run_node(args: argparse.Namespace, ready: Callable[[Node, bool], None]) -> int:
     token, generated = resolve_token(args.token)
     cfg = NodeConfig(host=args.host, port=args.port, threads=args.threads,
-                     kv_budget_bytes=args.kv_budget_mb * 1024 * 1024,
+                     kv_budget_bytes=int(args.kv_budget_mb * 2**20),
                      memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
     args.data_dir.mkdir(parents=True, exist_ok=True)
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))

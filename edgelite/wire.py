@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,9 +115,12 @@ def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), role + nonce, hashlib.sha256).digest()
 
 
-async def server_handshake(conn: Conn, token: str, node_name: str, fingerprints: list[str],
+async def server_handshake(conn: Conn, token: str | Callable[[dict[str, Any]], str | None],
+                           node_name: str, fingerprints: list[str],
                            extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Challenge the client; returns its auth message (with the fingerprint it wants)."""
+    """Challenge the client; returns its auth message (with the fingerprint it wants). `token`
+    is the shared secret, or a function from the auth message (e.g. its `user`) to that
+    client's own secret (None: unknown client)."""
     nonce = os.urandom(32)
     await conn.send({"type": "hello", "version": PROTOCOL_VERSION, "nonce": nonce,
                      "node": node_name})
@@ -126,8 +130,13 @@ async def server_handshake(conn: Conn, token: str, node_name: str, fingerprints:
     if msg.get("version") != PROTOCOL_VERSION:
         raise AuthError(f"protocol version {msg.get('version')!r}, this node speaks {PROTOCOL_VERSION}")
     mac, cnonce = msg.get("mac"), msg.get("nonce")
+    if callable(token):
+        secret = token(msg)
+        if secret is None:
+            raise AuthError(f"unknown user {str(msg.get('user'))[:64]!r}")
+        token = secret
     if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(token, nonce, b"client")):
-        raise AuthError("wrong cluster token")
+        raise AuthError("wrong token")
     if not isinstance(cnonce, bytes) or len(cnonce) != 32:
         raise AuthError("client nonce missing")
     await conn.send({"type": "welcome", "mac": _mac(token, cnonce, b"server"), "node": node_name,
@@ -135,7 +144,8 @@ async def server_handshake(conn: Conn, token: str, node_name: str, fingerprints:
     return msg
 
 
-async def client_handshake(conn: Conn, token: str, fingerprint: str | None) -> dict[str, Any]:
+async def client_handshake(conn: Conn, token: str, fingerprint: str | None,
+                           user: str | None = None) -> dict[str, Any]:
     """Answer the node's challenge and check that the node knows the token too."""
     hello = await conn.recv()
     if hello.get("type") != "hello" or not isinstance(hello.get("nonce"), bytes):
@@ -145,7 +155,8 @@ async def client_handshake(conn: Conn, token: str, fingerprint: str | None) -> d
                         f"this client {PROTOCOL_VERSION}")
     cnonce = os.urandom(32)
     await conn.send({"type": "auth", "version": PROTOCOL_VERSION, "nonce": cnonce,
-                     "mac": _mac(token, hello["nonce"], b"client"), "fingerprint": fingerprint})
+                     "mac": _mac(token, hello["nonce"], b"client"), "fingerprint": fingerprint,
+                     **({"user": user} if user is not None else {})})
     msg = await conn.recv()
     if msg.get("type") == "error":
         raise AuthError(f"{conn.peer}: {msg.get('message')}")
@@ -156,7 +167,7 @@ async def client_handshake(conn: Conn, token: str, fingerprint: str | None) -> d
 
 
 async def connect(host: str, port: int, token: str, fingerprint: str | None, limits: WireLimits,
-                  timeout: float) -> tuple[Conn, dict[str, Any]]:
+                  timeout: float, user: str | None = None) -> tuple[Conn, dict[str, Any]]:
     """Open and authenticate a connection; (conn, the node's welcome)."""
     peer = f"{host}:{port}"
     try:
@@ -165,7 +176,7 @@ async def connect(host: str, port: int, token: str, fingerprint: str | None, lim
         raise ConnectionError(f"{peer}: cannot connect: {exc or 'timed out'}") from exc
     conn = Conn(reader, writer, limits, peer)
     try:
-        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint), timeout)
+        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint, user), timeout)
     except (TimeoutError, asyncio.IncompleteReadError, ProtocolError, AuthError, OSError):
         await conn.close()
         raise

@@ -92,7 +92,7 @@ def test_handshake_both_ways_and_wrong_token() -> None:
             conn, welcome = await wire.connect("127.0.0.1", port, "secret", "fp", LIMITS, 5)
             assert welcome["node"] == "n"
             await conn.close()
-            with pytest.raises(AuthError, match="wrong cluster token"):
+            with pytest.raises(AuthError, match="wrong token"):
                 await wire.connect("127.0.0.1", port, "guess", "fp", LIMITS, 5)
         assert results[0]["fingerprint"] == "fp"
         assert isinstance(results[1], AuthError)

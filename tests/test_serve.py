@@ -1,0 +1,92 @@
+"""`edgelite serve`: 8 concurrent clients on a 2-node cluster whose KV budget forces preemption."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from edgelite.errors import AuthError
+from edgelite.gatewayclient import GatewayClient
+from edgelite.localnodes import TOKEN
+
+pytestmark = pytest.mark.e2e
+USERS = [{"name": "free", "token": "t-free", "tier": 0}, {"name": "plus", "token": "t-plus", "tier": 1},
+         {"name": "pro", "token": "t-pro", "tier": 2}]
+PROMPTS = ["hello", "tell me a story", "what is a phone", "count to five", "the sky is",
+           "name a colour", "why", "good morning to you"]
+
+
+def _start_gateway(model: Path, nodes: list, users: Path, log) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
+           ",".join(n.addr for n in nodes), "--split", "0-0,1-2", "--token", TOKEN, "--port", "0",
+           "--users", str(users), "--threads", "1", "--patience-s", "0.5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if m := re.search(r"listening on [\d.]+:(\d+)", line):
+            return proc, int(m.group(1))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("gateway did not start (see its log)")
+
+
+async def _client(port: int, user: dict, prompt: str) -> dict:
+    c = await GatewayClient.connect("127.0.0.1", port, user["name"], user["token"])
+    try:
+        text = "".join([p async for p in c.generate([{"role": "user", "content": prompt}], 12)])
+        return {**c.last, "text": text}
+    finally:
+        await c.close()
+
+
+def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_factory,
+                                                                 tmp_path: Path) -> None:
+    model = exported["llama"]
+    nodes = [node_factory(kv_budget_mb=0.02) for _ in range(2)]  # 81 tokens on the 2-layer stage
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    log = tmp_path / "gateway.log"
+    with log.open("w") as log_file:
+        proc, port = _start_gateway(model, nodes, users, log_file)
+    try:
+        async def main() -> tuple[list[dict], dict]:
+            done = await asyncio.gather(*(_client(port, USERS[i % 3], p)
+                                          for i, p in enumerate(PROMPTS)))
+            c = await GatewayClient.connect("127.0.0.1", port, "pro", "t-pro")
+            try:
+                return list(done), await c.stats()
+            finally:
+                await c.close()
+
+        results, stats = asyncio.run(asyncio.wait_for(main(), 180))
+
+        async def intruder() -> None:
+            await GatewayClient.connect("127.0.0.1", port, "pro", "wrong")
+
+        with pytest.raises(AuthError):
+            asyncio.run(intruder())
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        solo = json.loads(run_cli("generate", "--model", str(model), "--json", "--max-tokens",
+                                  "12", prompt).stdout)
+        assert res["token_ids"] == solo["token_ids"], prompt
+    assert sum(t["preemptions"] for t in stats["tiers"].values()) >= 1, stats
+    assert "preempted" in log.read_text()
+    assert sum(t["done"] for t in stats["tiers"].values()) == len(PROMPTS)
+    assert stats["kv_tokens"]["budget"] <= 81 and stats["queues"]["running"] == 0
