@@ -159,8 +159,10 @@ async def run_demo(args: argparse.Namespace) -> int:
             if not args.json:
                 console.print(ui.probe_view(probed))
                 console.print(ui.plan_view(shown))
-            backend = await open_cluster(m, ec.addrs, assignment_of(p, plan, ec.addrs), TOKEN,
-                                         threads=args.threads, routes=ec.routes)
+            with ui.transfer_bars(console, "deploy") as progress:
+                backend = await open_cluster(m, ec.addrs, assignment_of(p, plan, ec.addrs), TOKEN,
+                                             threads=args.threads, routes=ec.routes,
+                                             progress=progress)
             chat = chatui.Chat(backend, Tokenizer(m), gen_config(args), shown, label=ec.label)
             try:
                 if args.prompt is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 from edgelite import manifest as mf
@@ -49,15 +50,23 @@ async def plan_live(args: argparse.Namespace, manifest: mf.Manifest,
 async def connect_backend(args: argparse.Namespace,
                           manifest: mf.Manifest) -> tuple[ClusterBackend, dict[str, Any] | None]:
     """Deploy --split when given, else the planner's plan; (backend, the plan's JSON or None)."""
+    from rich.console import Console
+
     from edgelite.planapp import plan_json
+    from edgelite.ui import transfer_bars
 
     token, addrs = cluster_token(args), parse_nodes(args.nodes)
+    console = Console(stderr=True)
+    live = console.is_terminal and not getattr(args, "json", False)  # bars only for people
     if args.split:
         assignment, shown = in_order(parse_split(args.split, manifest.num_layers, len(addrs))), None
     else:
-        p, plan, _ = await plan_live(args, manifest, addrs)
+        with console.status(f"probing {len(addrs)} nodes and their links") if live else nullcontext():
+            p, plan, _ = await plan_live(args, manifest, addrs)
         assignment, shown = assignment_of(p, plan, addrs), plan_json(p, plan)
         log.info("plan: %s", [(s["device"], s["first_layer"], s["last_layer"]) for s in shown["stages"]])
-    backend = await open_cluster(manifest, addrs, assignment, token, threads=args.threads,
-                                 routes=parse_routes(getattr(args, "route", None)))
+    with transfer_bars(console, "deploy") if live else nullcontext() as progress:
+        backend = await open_cluster(manifest, addrs, assignment, token, threads=args.threads,
+                                     routes=parse_routes(getattr(args, "route", None)),
+                                     progress=progress)
     return backend, shown

@@ -4,9 +4,11 @@ none owns or changes state."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -117,3 +119,20 @@ def node_panel(name: str, addr: str, stats: dict[str, Any], peers: list[str]) ->
     t.add_row("peers", ", ".join(peers) or "-")
     t.add_row("bad frames", str(stats.get("bad_frames", 0)))
     return Panel(t, title=f"edgelite node {name}", subtitle=addr)
+
+
+@contextmanager
+def transfer_bars(console: Console, title: str) -> Iterator[Callable[[str, int, int], None]]:
+    """Progress bars, one per node, fed by callbacks (name, bytes sent, bytes in all)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn(f"{title} {{task.description}}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=console, transient=True) as bars:
+        tasks: dict[str, Any] = {}
+
+        def update(name: str, sent: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bars.add_task(name, total=total)
+            bars.update(tasks[name], completed=sent, total=total)
+
+        yield update
