@@ -106,8 +106,7 @@ class Gateway:
 
     @property
     def port(self) -> int:
-        assert self.server is not None
-        return self.server.sockets[0].getsockname()[1]
+        return wire.bound_port(self.server)
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)

@@ -111,6 +111,13 @@ class Conn:
             pass
 
 
+def bound_port(server: asyncio.Server | None) -> int:
+    """The TCP port a started server listens on (port 0 picks a free one)."""
+    if server is None:
+        raise RuntimeError("the server has not been started")
+    return server.sockets[0].getsockname()[1]
+
+
 def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), role + nonce, hashlib.sha256).digest()
 
