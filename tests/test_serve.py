@@ -77,6 +77,10 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
 
         with pytest.raises(AuthError):
             asyncio.run(intruder())
+        chat = subprocess.run([sys.executable, "-m", "edgelite", "chat", "--gateway",
+                               f"127.0.0.1:{port}", "--user", "pro", "--max-tokens", "12"],
+                              input="hello\n/stats\n/quit\n", capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "EDGELITE_USER_TOKEN": "t-pro"})
     finally:
         proc.kill()
         proc.wait(10)
@@ -90,3 +94,7 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
     assert "preempted" in log.read_text()
     assert sum(t["done"] for t in stats["tiers"].values()) == len(PROMPTS)
     assert stats["kv_tokens"]["budget"] <= 81 and stats["queues"]["running"] == 0
+    # `edgelite chat --gateway`: the reply (as text), the tier from users.json, then /stats
+    assert chat.returncode == 0, chat.stderr
+    assert results[0]["text"] in chat.stdout and "tier 2]" in chat.stdout
+    assert '"tiers"' in chat.stdout
