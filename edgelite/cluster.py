@@ -149,18 +149,34 @@ class Cluster:
         self.plan_id = uuid.uuid4().hex[:16]
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.lost: dict[str, str] = {}
+        self.data_in: NodeLink | None = None  # steps go to stage 1 on this connection
+        self.sink: NodeLink | None = None  # the last stage's results come back on this one
 
     async def connect(self, addrs: list[tuple[str, int]]) -> None:
         for addr in addrs:
-            try:
-                conn, _ = await wire.connect(*addr, self.token, self.manifest.fingerprint,
-                                             self.limits, self.cfg.connect_timeout_s)
-            except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
-                raise NodeUnavailable(f"node {addr[0]}:{addr[1]}: {exc or 'handshake timed out'}",
-                                      node=f"{addr[0]}:{addr[1]}") from exc
-            link = NodeLink(addr, conn, self._on_result, self._on_lost)
-            link.start()
-            self.links.append(link)
+            self.links.append(await self._open(addr))
+
+    async def _open(self, addr: tuple[str, int]) -> NodeLink:
+        try:
+            conn, _ = await wire.connect(*addr, self.token, self.manifest.fingerprint,
+                                         self.limits, self.cfg.connect_timeout_s)
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise NodeUnavailable(f"node {addr[0]}:{addr[1]}: {exc or 'handshake timed out'}",
+                                  node=f"{addr[0]}:{addr[1]}") from exc
+        link = NodeLink(addr, conn, self._on_result, self._on_lost)
+        link.start()
+        return link
+
+    async def _data_link(self, addr: tuple[str, int], role: str) -> NodeLink:
+        """A connection the node hands to its data plane (role in: steps; sink: results)."""
+        link = await self._open(addr)
+        try:
+            await link.request({"type": "data", "plan_id": self.plan_id, "role": role},
+                               self.cfg.request_timeout_s)
+        except BaseException:
+            await link.close()
+            raise
+        return link
 
     def _on_result(self, msg: dict[str, Any]) -> None:
         fut = self.waiting.pop((msg.get("session"), msg.get("step")), None)
@@ -169,7 +185,7 @@ class Cluster:
 
     def _on_lost(self, link: NodeLink, exc: BaseException | None) -> None:
         self.lost[link.name] = repr(exc) if exc else "closed"
-        if any(link is s[0] for s in self.stages):
+        if link is self.data_in or link is self.sink or any(link is s[0] for s in self.stages):
             err = NodeUnavailable(f"node {link.name} (a stage of this plan) closed the connection",
                                   node=link.name)
             for fut in self.waiting.values():
@@ -197,8 +213,8 @@ class Cluster:
                                 "next": nxt, "manifest": self.manifest.to_json()},
                                self.cfg.deploy_timeout_s)
         if self.stages:
-            await self.stages[-1][0].request({"type": "subscribe", "plan_id": self.plan_id},
-                                             self.cfg.request_timeout_s)
+            self.sink = await self._data_link(self.stages[-1][0].addr, "sink")
+            self.data_in = await self._data_link(self.stages[0][0].addr, "in")
 
     async def push_files(self, link: NodeLink, entries: list[mf.FileEntry],
                           progress: Progress | None) -> None:
@@ -222,7 +238,7 @@ class Cluster:
 
     async def forward(self, session: str, step: int, start: int, hidden: np.ndarray) -> np.ndarray:
         """Send hidden (batch, seq, hidden) through every stage; the last stage's output."""
-        if not self.stages:
+        if not self.stages or self.data_in is None:
             raise EdgeliteError("no plan deployed")
         if self.lost and any(s[0].name in self.lost for s in self.stages):
             dead = next(s[0].name for s in self.stages if s[0].name in self.lost)
@@ -231,9 +247,9 @@ class Cluster:
         self.waiting[(session, step)] = fut
         timeout = self.cfg.step_timeout_s if hidden.shape[1] == 1 else self.cfg.prefill_timeout_s
         try:
-            await self.stages[0][0].conn.send({"type": "forward", "plan_id": self.plan_id,
-                                               "session": session, "step": step, "start": start,
-                                               "hidden": wire.encode_tensor(hidden)})
+            await self.data_in.conn.send({"type": "forward", "plan_id": self.plan_id,
+                                          "session": session, "step": step, "start": start,
+                                          "hidden": wire.encode_tensor(hidden)})
             msg = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise await self._diagnose(timeout) from None
@@ -270,7 +286,8 @@ class Cluster:
                 for link in self.links]
 
     async def close(self) -> None:
-        await asyncio.gather(*(link.close() for link in self.links))
+        data = [x for x in (self.data_in, self.sink) if x is not None]
+        await asyncio.gather(*(link.close() for link in [*self.links, *data]))
 
 
 # One stage of a plan as the client deploys it: (index into the node list, or None for the

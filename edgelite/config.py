@@ -42,6 +42,7 @@ class NodeConfig:
     forward_connect_timeout_s: float = 2.0
     forward_timeout_s: float = 30.0  # one FORWARD through the rest of the chain
     session_ttl_s: float = 1800.0  # a session unused this long frees its KV
+    shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The stage node: an asyncio TCP server holding a layer range, per-session KV, deployed files.
 
-Frames are read on the event loop; FORWARD steps go through one queue to one worker that runs
-ONNX in a thread, then the result goes straight on to the next stage (or, from the last stage,
-to the client that subscribed to the plan). A bad frame costs its sender an error reply or its
-connection, never the node or another session.
+Control requests (deploy, load, ping, stats, probes) are served on the event loop. A connection
+that asks for `data` is handed to the data plane (dataplane.py): one thread that reads steps,
+runs the stage's layers and writes each result straight on to the next stage (or, from the last
+stage, to the plan's client). A bad frame costs its sender an error reply or its connection,
+never the node or another session.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 from edgelite import prober, wire
 from edgelite.blobstore import BlobStore, check_sha
 from edgelite.config import NodeConfig, RuntimeConfig, WireLimits
+from edgelite.dataplane import DataPlane
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
-from edgelite.stage import Stage, StageStore
+from edgelite.stage import StageStore
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +38,13 @@ class Node:
     def __post_init__(self) -> None:
         self.store = StageStore(BlobStore(self.data_dir), self.cfg.kv_budget_bytes,
                                 RuntimeConfig(threads=self.cfg.threads))
-        self.queue: asyncio.Queue[tuple[Stage, dict[str, Any]]] = asyncio.Queue()
-        self.sinks: dict[str, wire.Conn] = {}  # plan_id -> the client receiving final hidden states
-        self.next_conns: dict[tuple[str, int], wire.Conn] = {}
+        self.data = DataPlane(self.name, self.store, self.cfg, self.limits)
         self.server: asyncio.Server | None = None
         self.conns: set[wire.Conn] = set()  # open client connections, closed on shutdown
         self.handlers: set[asyncio.Task] = set()  # their handler tasks (owned by the server)
         self.bad_frames = 0
-        # One long-lived thread runs every ONNX step: the same thread each time keeps ORT's
-        # per-thread state warm (measured: default-pool hops cost ~0.5 ms per stage).
-        self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="onnx")
+        # FLOP/s measurements run here, off the loop (forward steps run in the data plane)
+        self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="profile")
 
     @property
     def port(self) -> int:
@@ -61,15 +60,15 @@ class Node:
             self.udp, _ = await loop.create_datagram_endpoint(
                 lambda: prober.UdpEcho(self.token), local_addr=(self.cfg.host, 0))
         self.udp_port = self.udp.get_extra_info("sockname")[1]
+        self.data.start()
 
     async def run(self) -> None:
-        """Serve until cancelled: the server, the forward worker and the session reaper. On the
-        way out every connection is closed and its handler has finished."""
+        """Serve until cancelled: the server and the session reaper (the data plane runs in its
+        thread). On the way out every connection is closed and its handler has finished."""
         if self.server is None:
             await self.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._worker())
                 tg.create_task(self._reaper())
                 tg.create_task(self.server.serve_forever())
         finally:
@@ -79,12 +78,13 @@ class Node:
         if self.server is not None:
             self.server.close()
         self.udp.close()
-        for conn in [*self.conns, *self.next_conns.values()]:
+        for conn in self.conns:
             conn.writer.close()
         handlers = [t for t in self.handlers if t is not asyncio.current_task()]
         if handlers:
-            await asyncio.wait(handlers, timeout=self.cfg.handshake_timeout_s)
+            await asyncio.wait(handlers, timeout=self.cfg.shutdown_timeout_s)
         self.compute_pool.shutdown(wait=False)
+        await self.data.stop()
 
     # ---- connections -------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -109,9 +109,6 @@ class Node:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", peer, exc)
         finally:
-            for plan, sink in list(self.sinks.items()):
-                if sink is conn:
-                    del self.sinks[plan]
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
@@ -123,15 +120,14 @@ class Node:
             except asyncio.IncompleteReadError:
                 return  # clean close between frames
             try:
-                await self._dispatch(conn, msg, fingerprint)
+                if msg["type"] == "data":
+                    await self._data(conn, msg, fingerprint)
+                    return  # the connection now belongs to the data plane
+                await self._dispatch(conn, msg)
             except EdgeliteError as exc:  # the request was bad; the connection stays usable
                 self.bad_frames += 1
                 log.info("%s: %s request refused: %s", conn.peer, msg.get("type"), exc)
-                if msg["type"] == "forward":  # the sender waits for a result, not a reply
-                    await conn.send({"type": "result", "session": msg.get("session"),
-                                     "step": msg.get("step"), "error": f"{self.name}: {exc}"})
-                else:
-                    await conn.send({"type": "error", "id": msg.get("id"), "message": str(exc)})
+                await conn.send({"type": "error", "id": msg.get("id"), "message": str(exc)})
 
     async def _try_send(self, conn: wire.Conn, msg: dict[str, Any]) -> None:
         try:
@@ -139,46 +135,43 @@ class Node:
         except (ConnectionError, OSError):
             log.debug("%s: could not send %s", conn.peer, msg.get("type"))
 
-    async def _dispatch(self, conn: wire.Conn, msg: dict[str, Any], fingerprint: str | None) -> None:
+    async def _dispatch(self, conn: wire.Conn, msg: dict[str, Any]) -> None:
         kind, rid = msg["type"], msg.get("id")
-        if kind == "forward":
-            await self.queue.put(self._check_forward(msg, fingerprint))
-            return
         handlers = {"ping": self._ping, "stats": self._stats, "files": self._files,
                     "upload": self._upload, "load": self._load, "end": self._end,
                     "bulk": self._bulk, "profile": self._profile, "probe_link": self._probe_link}
-        if kind == "subscribe":
-            self._stage(msg)
-            self.sinks[msg["plan_id"]] = conn
-            reply: dict[str, Any] = {}
-        elif kind in handlers:
-            reply = await handlers[kind](msg)
-        else:
+        if kind == "forward":
+            raise ProtocolError("forward frames go on a data connection (send type data first)")
+        if kind not in handlers:
             raise ProtocolError(f"unknown message type {kind!r}")
+        reply = await handlers[kind](msg)
         await conn.send({"type": kind + "_ok", "id": rid, **reply})
 
-    def _check_forward(self, msg: dict[str, Any],
-                       fingerprint: str | None) -> tuple[Stage, dict[str, Any]]:
-        """Refuse a malformed step up front, on the sender's own connection."""
-        stage = self._stage(msg)
-        if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
-            raise ProtocolError(f"plan {stage.plan_id} serves model {stage.manifest.fingerprint}, "
-                                f"this connection was opened for {fingerprint}")
-        if not isinstance(msg.get("session"), str) or not isinstance(msg.get("start"), int):
-            raise ProtocolError("forward needs a string session and an integer start")
-        if "error" not in msg:
-            hidden = wire.decode_tensor(msg.get("hidden"), self.limits, "hidden")
-            if hidden.ndim != 3 or hidden.shape[2] != stage.manifest.hidden_size:
-                raise ProtocolError(f"hidden has shape {list(hidden.shape)}, expected "
-                                    f"(batch, seq, {stage.manifest.hidden_size})")
-            msg["hidden"] = hidden
-        return stage, msg
-
-    def _stage(self, msg: dict[str, Any]) -> Stage:
-        stage = self.store.stages.get(msg.get("plan_id"))  # type: ignore[arg-type]
+    async def _data(self, conn: wire.Conn, msg: dict[str, Any], fingerprint: str | None) -> None:
+        """Hand this connection to the data plane: `in` carries steps into this node, `sink`
+        takes a plan's results back to its client."""
+        role, plan_id = msg.get("role"), msg.get("plan_id")
+        stage = self.store.stages.get(plan_id)  # type: ignore[arg-type]
         if stage is None:
-            raise ProtocolError(f"plan_id {msg.get('plan_id')!r} is not loaded on this node")
-        return stage
+            raise ProtocolError(f"plan_id {plan_id!r} is not loaded on this node")
+        if role not in ("in", "sink"):
+            raise ProtocolError(f"data role must be in or sink, not {role!r}")
+        if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
+            raise ProtocolError(f"plan {plan_id} serves model {stage.manifest.fingerprint}, "
+                                f"this connection was opened for {fingerprint}")
+        if conn.reader._buffer:  # the sender must wait for data_ok before sending steps
+            raise ProtocolError("data sent before data_ok")
+        sock = wire.detach(conn.writer, self.cfg.forward_timeout_s)  # no read can slip in now
+        try:
+            sock.sendall(wire.pack({"type": "data_ok", "id": msg.get("id")}))
+        except OSError as exc:
+            sock.close()
+            log.debug("%s: gone before data_ok: %r", conn.peer, exc)
+            return
+        if role == "in":
+            self.data.add_inbound(sock, fingerprint)
+        else:
+            self.data.set_sink(str(plan_id), sock)
 
     # ---- control requests --------------------------------------------------------------
     async def _ping(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -211,7 +204,7 @@ class Node:
         return {"link": stats.to_json()}
 
     async def _stats(self, _msg: dict[str, Any]) -> dict[str, Any]:
-        return {"node": self.name, "queue": self.queue.qsize(), "bad_frames": self.bad_frames,
+        return {"node": self.name, "bad_frames": self.bad_frames + self.data.bad_frames,
                 **self.store.stats()}
 
     async def _files(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +229,7 @@ class Node:
         stage = await asyncio.to_thread(self.store.build, plan_id, msg.get("manifest") or {},
                                         first, last, next_addr)
         if next_addr:
-            await self._next_conn(next_addr, stage.manifest.fingerprint)
+            await self._connect_onward(next_addr, plan_id, stage.manifest.fingerprint)
         self.store.stages[plan_id] = stage
         log.info("loaded plan %s: layers %d-%d, next %s", plan_id, first, last, next_addr)
         return {"layers": [first, last]}
@@ -244,44 +237,19 @@ class Node:
     async def _end(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"freed": self.store.end(str(msg.get("session")))}
 
-    async def _next_conn(self, addr: tuple[str, int], fingerprint: str) -> wire.Conn:
-        conn = self.next_conns.get(addr)
-        if conn is None or conn.writer.is_closing():
-            conn, _ = await wire.connect(addr[0], addr[1], self.token, fingerprint, self.limits,
-                                         self.cfg.forward_connect_timeout_s)
-            self.next_conns[addr] = conn
-        return conn
-
-    # ---- the forward path --------------------------------------------------------------
-    async def _worker(self) -> None:
-        while True:
-            stage, msg = await self.queue.get()
-            try:
-                await self._forward(stage, msg)
-            except (TimeoutError, ConnectionError, OSError) as exc:
-                log.warning("plan %s: could not pass a step on: %r", msg.get("plan_id"), exc)
-
-    async def _forward(self, stage: Stage, msg: dict[str, Any]) -> None:
-        out = {k: msg[k] for k in ("plan_id", "session", "step") if k in msg}
+    async def _connect_onward(self, addr: tuple[str, int], plan_id: str, fingerprint: str) -> None:
+        """A data connection to the next stage (which has loaded the plan already)."""
+        conn, _ = await wire.connect(addr[0], addr[1], self.token, fingerprint, self.limits,
+                                     self.cfg.forward_connect_timeout_s)
         try:
-            if "error" in msg:
-                raise EdgeliteError(msg["error"])  # an upstream stage failed: pass it on
-            hidden, start = msg["hidden"], msg["start"]
-            kv = self.store.prepare(stage, msg["session"], start, hidden)
-            result, kv, ms = await asyncio.get_running_loop().run_in_executor(
-                self.compute_pool, self.store.compute, stage, kv, start, hidden)
-            self.store.commit(stage, msg["session"], kv, ms)
-            out.update(start=start, hidden=wire.encode_tensor(result))
-        except EdgeliteError as exc:
-            log.info("plan %s session %s: %s", msg.get("plan_id"), msg.get("session"), exc)
-            out["error"] = f"{self.name}: {exc}"
-        if stage.next_addr:
-            conn = await self._next_conn(stage.next_addr, stage.manifest.fingerprint)
-            await conn.send({"type": "forward", **out})
-        elif (sink := self.sinks.get(msg["plan_id"])) is not None:
-            await sink.send({"type": "result", **out})
-        else:
-            log.warning("plan %s: no client subscribed; result dropped", msg["plan_id"])
+            await conn.send({"type": "data", "id": 0, "plan_id": plan_id, "role": "in"})
+            reply = await asyncio.wait_for(conn.recv(), self.cfg.forward_connect_timeout_s)
+            if reply.get("type") != "data_ok":
+                raise EdgeliteError(f"next stage {addr[0]}:{addr[1]}: {reply.get('message')}")
+        except BaseException:
+            await conn.close()
+            raise
+        self.data.set_outbound(addr, wire.detach(conn.writer, self.cfg.forward_timeout_s))
 
     async def _reaper(self) -> None:
         while True:

@@ -6,6 +6,7 @@ those layers within the node's memory budget.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class StageStore:
     runs: int = 0
     run_ms_total: float = 0.0
     _ranges: dict[tuple[str, int, int], LayerRange] = field(default_factory=dict)
+    # the data plane thread steps sessions while the event loop ends, expires and reports them
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
               next_addr: tuple[str, int] | None) -> Stage:
@@ -76,15 +79,17 @@ class StageStore:
 
     def prepare(self, stage: Stage, session: str, start: int, hidden: np.ndarray) -> KVCache:
         """Check a step against the session's KV and the budget (on the event loop)."""
-        sess = self.sessions.get((stage.plan_id, session))
+        with self.lock:
+            sess = self.sessions.get((stage.plan_id, session))
+            used = self.kv_bytes
         have = sess.kv.length if sess else 0
         if start != have:
             raise EdgeliteError(f"session {session[:12]}: this node holds KV for {have} tokens but "
                                 f"the step starts at {start} (node restarted or session expired?)")
         need = stage.kv_bytes_per_token * hidden.shape[1] * hidden.shape[0]
-        if self.kv_bytes + need > self.kv_budget_bytes:
+        if used + need > self.kv_budget_bytes:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {need} more bytes, "
-                                   f"{self.kv_budget_bytes - self.kv_bytes} of the node's "
+                                   f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
         return sess.kv if sess else stage.layers.new_cache(hidden.shape[0])
 
@@ -97,9 +102,10 @@ class StageStore:
         return out, kv, (time.perf_counter() - t0) * 1e3
 
     def commit(self, stage: Stage, session: str, kv: KVCache, ms: float) -> None:
-        self.run_ms_total += ms
-        self.runs += 1
-        self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
+        with self.lock:
+            self.run_ms_total += ms
+            self.runs += 1
+            self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
 
     def measure_flops(self, hidden_size: int, layer: dict[str, Any] | None = None,
                       repeats: int = 20) -> dict[str, Any]:
@@ -134,17 +140,23 @@ class StageStore:
 
     def end(self, session: str) -> int:
         """Free a session's KV in every plan; returns bytes freed."""
-        keys = [k for k in self.sessions if k[1] == session]
-        return sum(self.sessions.pop(k).kv.nbytes for k in keys)
+        with self.lock:
+            keys = [k for k in self.sessions if k[1] == session]
+            return sum(self.sessions.pop(k).kv.nbytes for k in keys)
 
     def expire(self, ttl_s: float) -> int:
         now = time.monotonic()
-        old = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
-        for k in old:
-            del self.sessions[k]
+        with self.lock:
+            old = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
+            for k in old:
+                del self.sessions[k]
         return len(old)
 
     def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         return {"sessions": len(self.sessions), "kv_bytes": self.kv_bytes,
                 "kv_budget_bytes": self.kv_budget_bytes, "runs": self.runs,
                 "ms_per_run": self.run_ms_total / self.runs if self.runs else 0.0,

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import os
+import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from edgelite.errors import AuthError, ProtocolError
 
 PROTOCOL_VERSION = 1
 DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
-_LEN = struct.Struct(">I")
+LEN = struct.Struct(">I")  # the frame length prefix
 
 
 def encode_tensor(a: np.ndarray) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def decode_tensor(obj: Any, limits: WireLimits, name: str = "tensor") -> np.ndar
 
 def pack(msg: dict[str, Any]) -> bytes:
     body = msgpack.packb(msg, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+    return LEN.pack(len(body)) + body
 
 
 def unpack(body: bytes) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def unpack(body: bytes) -> dict[str, Any]:
 async def read_frame(reader: asyncio.StreamReader, limits: WireLimits) -> dict[str, Any]:
     """One frame; EOF before a frame starts raises asyncio.IncompleteReadError (a clean close)."""
     head = await reader.readexactly(4)
-    (n,) = _LEN.unpack(head)
+    (n,) = LEN.unpack(head)
     if n > limits.max_frame_bytes:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit {limits.max_frame_bytes}")
     try:
@@ -80,6 +81,17 @@ async def read_frame(reader: asyncio.StreamReader, limits: WireLimits) -> dict[s
     except asyncio.IncompleteReadError as exc:
         raise ProtocolError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
     return unpack(body)
+
+
+def detach(writer: asyncio.StreamWriter, timeout: float) -> socket.socket:
+    """Take a connection away from the event loop: a blocking socket for a thread of its own
+    (the loop's transport is closed; the duplicate keeps the connection open)."""
+    fd = os.dup(writer.get_extra_info("socket").fileno())
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    sock.settimeout(timeout)
+    writer.transport.abort()
+    return sock
 
 
 @dataclass(eq=False)  # identity: connections go in sets

@@ -92,6 +92,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         "single_process_decode_ms_per_token": round(med["local_ms"], 2),
         "pipeline_3_nodes_decode_ms_per_token": round(med["pipe3_ms"], 2),
         "pipeline_vs_single_ratio": round(med["pipe3_ms"] / med["local_ms"], 3),
+        # each round runs both back to back: the median of the per-round ratios is less
+        # sensitive to the machine's speed drifting between rounds
+        "pipeline_vs_single_ratio_paired_median": round(statistics.median(
+            p / q for p, q in zip(res["pipe3_ms"], res["local_ms"], strict=True)), 3),
         "per_hop_overhead_us_median": round((med["pipe3_ms"] - med["local_ms"]) * 1e3 / 4, 1),
         "ping_rtt_us_median": round(rtt, 1),
         "two_nodes_one_session_tok_s": round(med["one_tok_s"], 2),

@@ -37,6 +37,14 @@ async def _authed(port: int, fingerprint: str | None = None) -> wire.Conn:
     return conn
 
 
+async def _data(port: int, plan: str) -> wire.Conn:
+    """A data connection (steps in) for `plan`."""
+    conn = await _authed(port)
+    await conn.send({"type": "data", "id": 9, "plan_id": plan, "role": "in"})
+    assert (await conn.recv())["type"] == "data_ok"
+    return conn
+
+
 def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
     model = exported["llama"]
     node = node_factory()
@@ -66,7 +74,14 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             await conn.send({"type": "teleport", "id": 1})
             msg = await conn.recv()
             assert msg["type"] == "error" and "unknown message type" in msg["message"]
-            # 6. wrong dtype and 7. wrong shape in a forward -> error results
+            # a step on a control connection -> refused, pointing at data connections
+            await conn.send({"type": "forward", "id": 4, "plan_id": plan})
+            assert "data connection" in (await conn.recv())["message"]
+            await conn.send({"type": "ping", "id": 2, "t": 1})
+            assert (await conn.recv())["type"] == "ping_ok"
+            await conn.close()
+            # 6. wrong dtype and 7. wrong shape in a forward -> error results on a data connection
+            conn = await _data(node.port, plan)
             bad_dtype = {"dtype": "float32", "shape": [1, 1, 48], "data": b"\0" * 10}
             await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 0,
                              "start": 0, "hidden": bad_dtype})
@@ -77,16 +92,28 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
                                                                                np.float32))})
             msg = await conn.recv()
             assert "expected (batch, seq, 48)" in msg["error"]
-            await conn.send({"type": "ping", "id": 2, "t": 1})
-            assert (await conn.recv())["type"] == "ping_ok"
+            # a control request on a data connection -> error, then closed
+            await conn.send({"type": "ping", "id": 5})
+            assert "carries forward frames" in (await conn.recv())["message"]
+            with pytest.raises(asyncio.IncompleteReadError):
+                await asyncio.wait_for(conn.recv(), 10)
             await conn.close()
-            # 8. a connection opened for another model's fingerprint cannot forward
+            # 8. a connection opened for another model's fingerprint cannot carry steps
             conn = await _authed(node.port, fingerprint="0" * 32)
-            await conn.send({"type": "forward", "plan_id": plan, "session": "c", "step": 0,
-                             "start": 0, "hidden": wire.encode_tensor(np.zeros((1, 1, 48),
-                                                                               np.float32))})
+            await conn.send({"type": "data", "id": 6, "plan_id": plan, "role": "in"})
             msg = await conn.recv()
-            assert "this connection was opened for" in msg["error"]
+            assert msg["type"] == "error" and "this connection was opened for" in msg["message"]
+            await conn.close()
+            # a data connection for a plan this node never loaded
+            conn = await _authed(node.port)
+            await conn.send({"type": "data", "id": 7, "plan_id": "nope", "role": "in"})
+            assert "not loaded" in (await conn.recv())["message"]
+            await conn.close()
+            # random bytes on a data connection -> closed, the node goes on
+            conn = await _data(node.port, plan)
+            conn.writer.write(struct.pack(">I", 0xFFFFFFFF))
+            await conn.writer.drain()
+            assert "exceeds the limit" in (await conn.recv())["message"]
             await conn.close()
             # 9. a wire name used as a path is refused
             conn = await _authed(node.port)
@@ -94,10 +121,15 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
                              "offset": 0, "total": 4, "data": b"abcd"})
             assert "not a sha256" in (await conn.recv())["message"]
             await conn.close()
+            # a sender stalled mid-frame on a data connection holds up nobody
+            stalled = await _data(node.port, plan)
+            stalled.writer.write(struct.pack(">I", 1000) + b"x" * 10)
+            await stalled.writer.drain()
             # the normal session still completes, on the same cluster connection
-            assert len(await _tokens(be, [5, 6, 7], 6)) > 0
+            assert len(await asyncio.wait_for(_tokens(be, [5, 6, 7], 6), 10)) > 0
+            await stalled.close()
             stats = (await be.cluster.stats())[0]
-            assert stats["bad_frames"] >= 8
+            assert stats["bad_frames"] >= 11
         finally:
             await be.close()
         assert node.proc.poll() is None
