@@ -1,8 +1,9 @@
 """Client side of the cluster: connect, deploy, load a split, forward steps, detect failures.
 
-The client sends each step to stage 1; stages pass it along the chain; the last stage returns
-the hidden state on the client's own connection to it (subscribed by plan_id). Results are
-matched to waiting steps by (session, step), so many sessions are in flight at once.
+Control requests (deploy, load, stats, pings) use one connection per node. Steps use two data
+connections per plan: `in` to stage 1, whose data plane passes each step along the chain, and
+`sink` from the last stage, on which the results come back. Results are matched to waiting steps
+by (session, step), so many sessions are in flight at once.
 """
 
 from __future__ import annotations
