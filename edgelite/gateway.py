@@ -68,6 +68,7 @@ class Job:
     token_times: list[float] = field(default_factory=list)
     decoder: StreamDecoder | None = None
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    gone: bool = False  # the client disconnected
 
     @property
     def session(self) -> str:
@@ -142,6 +143,9 @@ class Gateway:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", peer, exc)
         finally:
+            for job in self.jobs.values():  # nobody to stream to: stop at the next token
+                if job.conn is conn:
+                    job.gone = True
             await conn.close()
 
     def _secret(self, auth: dict[str, Any]) -> str | None:
@@ -231,7 +235,7 @@ class Gateway:
             job.token_times.append(now)
             assert job.decoder is not None
             await _try_send(job.conn, {"type": "token", "id": job.rid, "text": job.decoder.push(tok)})
-        self.sched.advance(r, done=eos)
+        self.sched.advance(r, done=eos or job.gone)
         if r.queue == "finished":
             await self._finish(job)
 

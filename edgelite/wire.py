@@ -109,6 +109,8 @@ class Conn:
     async def send(self, msg: dict[str, Any]) -> None:
         data = pack(msg)
         async with self._lock:
+            if self.writer.is_closing():  # uvloop raises RuntimeError on a closed transport
+                raise ConnectionResetError(f"{self.peer}: connection closed")
             self.writer.write(data)
             await self.writer.drain()
 
