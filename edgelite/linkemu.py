@@ -179,9 +179,9 @@ class EmulatorProcess:
     def __init__(self) -> None:
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, links: list[tuple[tuple[str, int], LinkSpec]],
+    async def start(self, links: list[tuple[tuple[str, int], LinkSpec]], seed: int = 0,
                     timeout: float = 30.0) -> list[tuple[int, int]]:
-        """One emulator per (target, spec); their (TCP port, UDP port)."""
+        """One emulator per (target, spec), seeded seed, seed + 1, ...; their (TCP, UDP) ports."""
         import json
         import sys
         from dataclasses import asdict
@@ -190,7 +190,8 @@ class EmulatorProcess:
             sys.executable, "-m", "edgelite.linkemu", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        spec = [{"target": list(t), "spec": asdict(s), "seed": i} for i, (t, s) in enumerate(links)]
+        spec = [{"target": list(t), "spec": asdict(s), "seed": seed + i}
+                for i, (t, s) in enumerate(links)]
         self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
         await self.proc.stdin.drain()
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)

@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import run_cli
 from edgelite import manifest as mf
 from edgelite.clusterspec import KV_TOKENS
-from edgelite.linkemu import LinkEmulator, LinkSpec
+from edgelite.linkemu import EmulatorProcess, LinkSpec
 from edgelite.localnodes import TOKEN
 
 FAST, SLOW = LinkSpec(delay_ms=8.0), LinkSpec(delay_ms=60.0)
@@ -29,23 +29,18 @@ def _budgets(model: Path) -> tuple[float, float]:
 
 
 async def _generate_through_emulators(model: Path, ports: list[int], slow: tuple[int, int],
-                                      node_mb: float, client_mb: float) -> dict:
-    emus: list[LinkEmulator] = []
-
-    async def emu(port: int, spec: LinkSpec) -> str:
-        e = await LinkEmulator(("127.0.0.1", port), spec, seed=len(emus)).start()
-        emus.append(e)
-        return f"127.0.0.1:{e.port}/{e.udp_port}"
-
+                                      client_mb: float) -> dict:
+    n = len(ports)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    links = [(("127.0.0.1", p), FAST) for p in ports]  # the client's view of each node
+    links += [(("127.0.0.1", ports[j]), SLOW if {i, j} == set(slow) else FAST) for i, j in pairs]
+    emus = EmulatorProcess()  # its own process: the test's pauses are not link jitter
     try:
-        front = [await emu(p, FAST) for p in ports]  # the client's view of each node
-        names = [f.split("/")[0] for f in front]
+        found = await emus.start(links)
+        names = [f"127.0.0.1:{tcp}" for tcp, _ in found[:n]]
         routes = []
-        for i, _ in enumerate(ports):
-            for j, pj in enumerate(ports):
-                if i != j:
-                    spec = SLOW if {i, j} == set(slow) else FAST
-                    routes += ["--route", f"{names[i]}>{names[j]}={await emu(pj, spec)}"]
+        for (i, j), (tcp, udp) in zip(pairs, found[n:], strict=True):
+            routes += ["--route", f"{names[i]}>{names[j]}=127.0.0.1:{tcp}/{udp}"]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "edgelite", "generate", "--model", str(model), "--json",
             "--nodes", ",".join(names), *routes, "--client-memory-mb", f"{client_mb:.6f}",
@@ -55,8 +50,7 @@ async def _generate_through_emulators(model: Path, ports: list[int], slow: tuple
         assert proc.returncode == 0, err.decode()
         return {**json.loads(out), "names": names}
     finally:
-        for e in emus:
-            await e.close()
+        await emus.close()
 
 
 def test_plan_avoids_slow_link_and_predicts_decode_time(exported, node_factory) -> None:
@@ -64,8 +58,7 @@ def test_plan_avoids_slow_link_and_predicts_decode_time(exported, node_factory) 
     node_mb, client_mb = _budgets(model)
     nodes = [node_factory(memory_mb=node_mb) for _ in range(3)]
     slow = (0, 2)
-    res = asyncio.run(_generate_through_emulators(model, [n.port for n in nodes], slow,
-                                                  node_mb, client_mb))
+    res = asyncio.run(_generate_through_emulators(model, [n.port for n in nodes], slow, client_mb))
     local = json.loads(run_cli("generate", "--model", str(model), "--json", "--max-tokens", "24",
                                "hello there").stdout)
     assert res["token_ids"] == local["token_ids"]

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run_cli
 from edgelite import prober
-from edgelite.linkemu import LinkEmulator, LinkSpec
+from edgelite.linkemu import EmulatorProcess, LinkSpec
 from edgelite.localnodes import TOKEN
 from test_distributed import _cluster
 
@@ -24,14 +24,17 @@ pytestmark = pytest.mark.e2e
 
 async def _probe_via(node_a, node_b, spec: LinkSpec, seed: int = 3) -> prober.LinkStats:
     """Node A measures its link to node B through an emulator in front of B."""
-    emu = await LinkEmulator(("127.0.0.1", node_b.port), spec, seed=seed).start()
+    # in a process of its own: a garbage-collection pause of the test process (tens of ms late
+    # in the suite) would otherwise show up as link jitter
+    emu = EmulatorProcess()
+    ((tcp, udp),) = await emu.start([(("127.0.0.1", node_b.port), spec)], seed)
     try:
         import edgelite.wire as wire
 
         conn, _ = await wire.connect("127.0.0.1", node_a.port, TOKEN, None, wire.WireLimits(), 5)
         try:
-            await conn.send({"type": "probe_link", "id": 1, "host": "127.0.0.1", "port": emu.port,
-                             "udp_port": emu.udp_port, "config": {"udp_packets": 400}})
+            await conn.send({"type": "probe_link", "id": 1, "host": "127.0.0.1", "port": tcp,
+                             "udp_port": udp, "config": {"udp_packets": 400}})
             reply = await asyncio.wait_for(conn.recv(), 60)
         finally:
             await conn.close()
