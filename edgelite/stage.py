@@ -53,6 +53,7 @@ class StageStore:
     _ranges: dict[tuple[str, int, int], LayerRange] = field(default_factory=dict)
     # the data plane thread steps sessions while the event loop ends, expires and reports them
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _kv_total: int = 0
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
               next_addr: tuple[str, int] | None) -> Stage:
@@ -75,7 +76,8 @@ class StageStore:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.kv.nbytes for s in self.sessions.values())
+        """KV held by all sessions (kept as a running total: read on every step)."""
+        return self._kv_total
 
     def prepare(self, stage: Stage, session: str, start: int, hidden: np.ndarray) -> KVCache:
         """Check a step against the session's KV and the budget (on the event loop)."""
@@ -105,6 +107,8 @@ class StageStore:
         with self.lock:
             self.run_ms_total += ms
             self.runs += 1
+            old = self.sessions.get((stage.plan_id, session))
+            self._kv_total += kv.nbytes - (old.kv.nbytes if old else 0)
             self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
 
     def measure_flops(self, hidden_size: int, layer: dict[str, Any] | None = None,
@@ -142,14 +146,16 @@ class StageStore:
         """Free a session's KV in every plan; returns bytes freed."""
         with self.lock:
             keys = [k for k in self.sessions if k[1] == session]
-            return sum(self.sessions.pop(k).kv.nbytes for k in keys)
+            freed = sum(self.sessions.pop(k).kv.nbytes for k in keys)
+            self._kv_total -= freed
+            return freed
 
     def expire(self, ttl_s: float) -> int:
         now = time.monotonic()
         with self.lock:
             old = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
             for k in old:
-                del self.sessions[k]
+                self._kv_total -= self.sessions.pop(k).kv.nbytes
         return len(old)
 
     def stats(self) -> dict[str, Any]:
