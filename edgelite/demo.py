@@ -148,10 +148,11 @@ async def run_demo(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="edgelite-demo-"))
     try:
         async with EmulatedCluster(m, root, cfg, not args.deploy_over_links) as ec:
-            with console.status("probing 3 phones and 12 links"):
+            with ui.step_bar(console, "probing 3 phones and 12 links") as progress:
                 p, plan, probed = await plan_cluster(m, ec.addrs, TOKEN, ec.routes,
                                                      int(cfg.client_memory_mb * 2**20),
-                                                     threads=args.threads, probe_cfg=cfg.probe)
+                                                     threads=args.threads, probe_cfg=cfg.probe,
+                                                     progress=progress)
             shown = plan_json(p, plan)
             for s in shown["stages"]:
                 s["device"] = ec.label(s["device"])

@@ -8,7 +8,15 @@ from contextlib import nullcontext
 from typing import Any
 
 from edgelite import manifest as mf
-from edgelite.cluster import Assignment, ClusterBackend, in_order, open_cluster, parse_nodes, parse_split
+from edgelite.cluster import (
+    Assignment,
+    ClusterBackend,
+    Progress,
+    in_order,
+    open_cluster,
+    parse_nodes,
+    parse_split,
+)
 from edgelite.clusterspec import problem_from
 from edgelite.planner import Plan, Problem, solve
 from edgelite.probeapp import client_memory, cluster_spec, cluster_token, probe
@@ -27,24 +35,25 @@ def assignment_of(p: Problem, plan: Plan, addrs: list[tuple[str, int]]) -> Assig
 async def plan_cluster(manifest: mf.Manifest, addrs: list[tuple[str, int]], token: str,
                        routes: Routes | None = None, client_memory_bytes: int | None = None,
                        objective: str = "latency", client_first: bool = True,
-                       solver: str = "auto", threads: int = 2,
-                       probe_cfg: ProbeConfig | None = None) -> tuple[Problem, Plan, dict[str, Any]]:
+                       solver: str = "auto", threads: int = 2, probe_cfg: ProbeConfig | None = None,
+                       progress: Progress | None = None) -> tuple[Problem, Plan, dict[str, Any]]:
     """Probe every device and link, then solve: (problem, plan, the probe result). `threads`:
     the onnxruntime threads this client will run its layers with."""
     probed = await probe(addrs, token, manifest, probe_cfg, routes=routes,
-                         client_memory_bytes=client_memory_bytes, client_threads=threads)
+                         client_memory_bytes=client_memory_bytes, client_threads=threads,
+                         progress=progress)
     p = problem_from(manifest, cluster_spec(probed), objective, client_first=client_first)
     return p, solve(p, solver), probed
 
 
-async def plan_live(args: argparse.Namespace, manifest: mf.Manifest,
-                    addrs: list[tuple[str, int]]) -> tuple[Problem, Plan, dict[str, Any]]:
+async def plan_live(args: argparse.Namespace, manifest: mf.Manifest, addrs: list[tuple[str, int]],
+                    progress: Progress | None = None) -> tuple[Problem, Plan, dict[str, Any]]:
     """plan_cluster() with the CLI's flags."""
     return await plan_cluster(manifest, addrs, cluster_token(args),
                               parse_routes(getattr(args, "route", None)), client_memory(args),
                               getattr(args, "objective", "latency"),
                               not getattr(args, "no_client_first", False),
-                              getattr(args, "solver", "auto"), args.threads)
+                              getattr(args, "solver", "auto"), args.threads, progress=progress)
 
 
 async def connect_backend(args: argparse.Namespace,
@@ -53,7 +62,7 @@ async def connect_backend(args: argparse.Namespace,
     from rich.console import Console
 
     from edgelite.planapp import plan_json
-    from edgelite.ui import transfer_bars
+    from edgelite.ui import step_bar, transfer_bars
 
     token, addrs = cluster_token(args), parse_nodes(args.nodes)
     console = Console(stderr=True)
@@ -61,8 +70,8 @@ async def connect_backend(args: argparse.Namespace,
     if args.split:
         assignment, shown = in_order(parse_split(args.split, manifest.num_layers, len(addrs))), None
     else:
-        with console.status(f"probing {len(addrs)} nodes and their links") if live else nullcontext():
-            p, plan, _ = await plan_live(args, manifest, addrs)
+        with step_bar(console, "probe") if live else nullcontext() as progress:
+            p, plan, _ = await plan_live(args, manifest, addrs, progress)
         assignment, shown = assignment_of(p, plan, addrs), plan_json(p, plan)
         log.info("plan: %s", [(s["device"], s["first_layer"], s["last_layer"]) for s in shown["stages"]])
     with transfer_bars(console, "deploy") if live else nullcontext() as progress:

@@ -262,8 +262,10 @@ class Gateway:
 
     def stats(self) -> dict[str, Any]:
         s = self.sched
-        return {"queues": {"waiting": len(s.waiting()), "running": len(s.running),
-                           "preempted": len(s.preempted)},
+        queues = {"waiting": s.waiting(), "running": s.running, "preempted": s.preempted_list()}
+        per_tier = {str(t): {q: sum(1 for r in rs if r.tier == t) for q, rs in queues.items()}
+                    for t in sorted({u.tier for u in self.users.values()})}
+        return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}
 

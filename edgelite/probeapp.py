@@ -16,7 +16,7 @@ from typing import Any
 
 from edgelite import manifest as mf
 from edgelite import prober
-from edgelite.cluster import Cluster, NodeLink, parse_nodes
+from edgelite.cluster import Cluster, NodeLink, Progress, parse_nodes
 from edgelite.config import ClientConfig
 from edgelite.errors import EdgeliteError
 from edgelite.routes import Addr, Routes, parse_routes, route
@@ -34,18 +34,23 @@ def cluster_token(args: argparse.Namespace) -> str:
 
 async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest | None,
                 cfg: prober.ProbeConfig | None = None, repeat: int = 1, routes: Routes | None = None,
-                client_memory_bytes: int | None = None, client_threads: int = 2) -> dict[str, Any]:
+                client_memory_bytes: int | None = None, client_threads: int = 2,
+                progress: Progress | None = None) -> dict[str, Any]:
     """{"devices": [...], "links": [...]} for the client and every node (see README schema).
     Node -> node links are measured over `routes` (default: the client's address of the peer);
     `client_memory_bytes` caps what the plan may use on this device, which is timed with the
-    onnxruntime threads it will run with (`client_threads`)."""
+    onnxruntime threads it will run with (`client_threads`). `progress(what, done, total)` is
+    told of each measurement as it finishes."""
     cfg = cfg or prober.ProbeConfig()
+    n = len(addrs)
+    steps = _Steps(progress, 1 + n + max(1, repeat) * (1 + n + n * (n - 1) // 2))
     cluster = Cluster(manifest or _NoModel(), token, ClientConfig())  # type: ignore[arg-type]
     await cluster.connect(addrs)
     try:
         hidden = manifest.hidden_size if manifest else 0
         timeout = 10 * cfg.timeout_s + 30
         prof = await asyncio.to_thread(_client_profile, manifest, client_threads)
+        steps.done("profiled the client")
         client = {"name": CLIENT, "addr": None, **prof}
         if client_memory_bytes is not None:
             client["memory_budget_bytes"] = client_memory_bytes
@@ -54,11 +59,14 @@ async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest 
             for link in cluster.links:  # (cached there; a later deploy will not send it again)
                 await cluster.push_files(link, manifest.layers[:1], None)
         req = {"type": "profile", "hidden_size": hidden, "layer": _layer_desc(manifest)}
-        profiles = [await link.request(req, timeout) for link in cluster.links]
+        profiles = []
+        for link in cluster.links:
+            profiles.append(await link.request(req, timeout))
+            steps.done(f"profiled {link.name}")
         devices = [client, *({"name": link.name, "addr": link.name,
                               **{k: v for k, v in prof.items() if k not in ("type", "id")}}
                              for link, prof in zip(cluster.links, profiles, strict=True))]
-        rounds = [await _links(cluster, token, cfg, timeout, routes or {})
+        rounds = [await _links(cluster, token, cfg, timeout, routes or {}, steps)
                   for _ in range(max(1, repeat))]
         return {"devices": devices, "links": smooth(rounds)}
     finally:
@@ -66,7 +74,7 @@ async def probe(addrs: list[tuple[str, int]], token: str, manifest: mf.Manifest 
 
 
 async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig, timeout: float,
-                 routes: Routes) -> list[dict[str, Any]]:
+                 routes: Routes, steps: _Steps) -> list[dict[str, Any]]:
     """Small-packet phase for every directed link at once; then bulk transfers one node pair
     at a time (links share the air), each measuring both directions."""
     small = replace(cfg, bulk=False)
@@ -75,12 +83,15 @@ async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig, timeout:
     pairs = [(a, b, route(routes, a.name, b.name, b.addr)) for a in nodes for b in nodes if a is not b]
     direct = await asyncio.gather(*(prober.probe_peer(*n.addr, None, token, small) for n in nodes))
     peer = await asyncio.gather(*(_node_probe(a, via, small, timeout) for a, _, via in pairs))
+    steps.done("latency, jitter and loss of every link")
     rates: dict[tuple[str, str], dict[str, Any]] = {}
     for n in nodes:
         _rates(rates, CLIENT, n.name, (await prober.probe_peer(*n.addr, None, token, bulk)).to_json())
+        steps.done(f"bandwidth client <-> {n.name}")
     for a, b, via in pairs:
         if (a.name, b.name) not in rates:  # one probe per pair: a measures a -> b and b -> a
             _rates(rates, a.name, b.name, await _node_probe(a, via, bulk, timeout))
+            steps.done(f"bandwidth {a.name} <-> {b.name}")
     rows = []
     for n, st in zip(nodes, direct, strict=True):
         for src, dst in ((CLIENT, n.name), (n.name, CLIENT)):
@@ -88,6 +99,18 @@ async def _links(cluster: Cluster, token: str, cfg: prober.ProbeConfig, timeout:
     for (a, b, _), st in zip(pairs, peer, strict=True):
         rows.append(_row(a.name, b.name, _merge(st, rates[a.name, b.name])))
     return rows
+
+
+class _Steps:
+    """Counts finished measurements for a progress callback."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.count = progress, total, 0
+
+    def done(self, what: str) -> None:
+        self.count += 1
+        if self.progress is not None:
+            self.progress(what, self.count, self.total)
 
 
 def _merge(small: dict[str, Any], bulk: dict[str, Any]) -> dict[str, Any]:

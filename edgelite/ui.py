@@ -136,3 +136,18 @@ def transfer_bars(console: Console, title: str) -> Iterator[Callable[[str, int, 
             bars.update(tasks[name], completed=sent, total=total)
 
         yield update
+
+
+@contextmanager
+def step_bar(console: Console, title: str) -> Iterator[Callable[[str, int, int], None]]:
+    """One progress bar fed by callbacks (what just finished, steps done, steps in all)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def update(what: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        yield update

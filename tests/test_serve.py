@@ -104,6 +104,7 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
     assert "preempted" in log.read_text()
     assert sum(t["done"] for t in stats["tiers"].values()) == len(PROMPTS) + 1
     assert stats["kv_tokens"]["budget"] <= 81 and stats["queues"]["running"] == 0
+    assert set(stats["queues_by_tier"]) == {"0", "1", "2"}
     # `edgelite chat --gateway`: the reply (as text), the tier from users.json, then /stats
     assert chat.returncode == 0, chat.stderr
     assert results[0]["text"] in chat.stdout and "tier 2]" in chat.stdout
