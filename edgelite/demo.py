@@ -173,7 +173,10 @@ async def run_demo(args: argparse.Namespace) -> int:
                 nodes = await chat.node_stats()
             finally:
                 await backend.close()
-        result = {"reply": text, "plan": shown, **chat.last,
+        links = [{k: r[k] for k in ("src", "dst", "reachable", "latency_ms", "jitter_ms",
+                                    "jitter_trim_ms", "bandwidth_mbps", "loss") if k in r}
+                 for r in probed["links"]]
+        result = {"reply": text, "plan": shown, "links": links, **chat.last,
                   "expected_ms_per_token": shown["expected_ms_per_token"],
                   "measured_ms_per_token": 1e3 / chat.last["decode_tok_s"]
                   if chat.last.get("decode_tok_s") else None, "nodes": nodes}

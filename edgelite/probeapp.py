@@ -135,7 +135,8 @@ async def _node_probe(a: NodeLink, via: Addr, cfg: prober.ProbeConfig, timeout: 
     return reply["link"]
 
 
-SMOOTHED = ("latency_ms", "jitter_ms", "jitter_p95_p50_ms", "bandwidth_mbps", "loss")
+SMOOTHED = ("latency_ms", "jitter_ms", "jitter_p95_p50_ms", "jitter_trim_ms", "bandwidth_mbps",
+            "loss")
 
 
 def smooth(rounds: list[list[dict[str, Any]]], alpha: float = 0.3) -> list[dict[str, Any]]:
@@ -190,10 +191,16 @@ def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     devices = [{"name": d["name"], "flops": d.get("flops") or 1e9, "memory_bytes": _memory(d)}
                for d in probed["devices"]]
     links = [{"src": r["src"], "dst": r["dst"], "latency_ms": r["latency_ms"],
-              "bandwidth_mbps": r["bandwidth_mbps"], "jitter_ms": r["jitter_ms"],
+              "bandwidth_mbps": r["bandwidth_mbps"], "jitter_ms": _jitter(r),
               "loss": 0.0 if math.isnan(r["loss"]) else r["loss"]}
              for r in probed["links"] if r["reachable"]]
     return {"devices": devices, "links": links, "client": CLIENT}
+
+
+def _jitter(row: dict[str, Any]) -> float:
+    """The jitter the planner prices: the trimmed range where the probe measured one."""
+    trim = row.get("jitter_trim_ms")
+    return row["jitter_ms"] if trim is None or math.isnan(trim) else trim
 
 
 def _memory(d: dict[str, Any]) -> int:

@@ -60,6 +60,9 @@ class LinkStats:
     udp_sent: int
     udp_received: int
     bandwidth_back_mbps: float = math.nan  # from the peer (the same probe, the reverse direction)
+    # max - min without the single largest and smallest one-way delay: what the planner prices
+    # (one scheduling hiccup of a shared CPU would otherwise make a good link look worst)
+    jitter_trim_ms: float = math.nan
     measured_at: float = field(default_factory=time.time)
     reachable: bool = True
     reason: str = ""
@@ -195,6 +198,7 @@ async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token:
     p95 = ow[min(len(ow) - 1, math.ceil(0.95 * len(ow)) - 1)]
     return LinkStats(latency_ms=rtt / 2, jitter_ms=ow[-1] - ow[0],
                      jitter_p95_p50_ms=p95 - statistics.median(ow), bandwidth_mbps=bw,
+                     jitter_trim_ms=ow[-2] - ow[1] if len(ow) >= 10 else ow[-1] - ow[0],
                      bandwidth_back_mbps=back,
                      loss=one_way(lost / sent) if sent else math.nan,
                      loss_ci95=(one_way(lo), one_way(hi)) if sent else (math.nan, math.nan),
