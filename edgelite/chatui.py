@@ -33,6 +33,7 @@ class Chat:
     reprobe: Callable[[], Awaitable[dict[str, Any]]] | None = None
     history: list[dict[str, str]] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)  # the last reply's figures
+    stages: list[dict[str, Any]] = field(default_factory=list)  # node stats after the last reply
     label: Callable[[str], str] = str  # a display name for a node address
 
     async def node_stats(self) -> list[dict[str, Any]]:
@@ -66,15 +67,16 @@ async def reply(chat: Chat, console: Console, plain: bool) -> str:
         chat.last = _figures(stats)
         console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} tok/s]\n")
         return chat.tok.decode(stats.token_ids)
-    stages = await chat.node_stats()
-    with Live(Group(text, ui.footer({}, stages, chat.health())), console=console,
+    if not chat.stages:  # later replies start from the figures fetched after the last one
+        chat.stages = await chat.node_stats()
+    with Live(Group(text, ui.footer({}, chat.stages, chat.health())), console=console,
               refresh_per_second=10) as live:
         async for t in generate(chat.backend, prompt, chat.cfg, stats):
             text.append(dec.push(t))
-            live.update(Group(text, ui.footer(_figures(stats), stages, chat.health())))
+            live.update(Group(text, ui.footer(_figures(stats), chat.stages, chat.health())))
         chat.last = _figures(stats)
-        stages = await chat.node_stats()
-        live.update(Group(text, ui.footer(chat.last, stages, chat.health())))
+        chat.stages = await chat.node_stats()
+        live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
     console.line()
     return chat.tok.decode(stats.token_ids)
 

@@ -70,15 +70,9 @@ def reprobe_for(args: argparse.Namespace, manifest: mf.Manifest) -> Callable[[],
     """/probe in the chat: measure the cluster again (None when running locally)."""
     if not getattr(args, "nodes", None):
         return None
-    from edgelite.cluster import parse_nodes
-    from edgelite.probeapp import client_memory, cluster_token, probe
-    from edgelite.routes import parse_routes
+    from edgelite.probeapp import probe_args
 
-    async def again() -> dict:
-        return await probe(parse_nodes(args.nodes), cluster_token(args), manifest,
-                           routes=parse_routes(args.route), client_memory_bytes=client_memory(args))
-
-    return again
+    return lambda: probe_args(args, manifest)
 
 
 async def run_chat(args: argparse.Namespace) -> int:

@@ -35,12 +35,7 @@ log = logging.getLogger(__name__)
 def check_forward(store: StageStore, msg: dict[str, Any], fingerprint: str | None,
                   limits: WireLimits) -> Stage:
     """Refuse a malformed step up front (on the sender's connection); decodes msg["hidden"]."""
-    stage = store.stages.get(msg.get("plan_id"))  # type: ignore[arg-type]
-    if stage is None:
-        raise ProtocolError(f"plan_id {msg.get('plan_id')!r} is not loaded on this node")
-    if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
-        raise ProtocolError(f"plan {stage.plan_id} serves model {stage.manifest.fingerprint}, "
-                            f"this connection was opened for {fingerprint}")
+    stage = store.stage_for(msg.get("plan_id"), fingerprint)
     if not isinstance(msg.get("session"), str) or not isinstance(msg.get("start"), int):
         raise ProtocolError("forward needs a string session and an integer start")
     if "error" not in msg:

@@ -181,16 +181,15 @@ class Gateway:
         if isinstance(messages, list) and all(
                 isinstance(m, dict) and isinstance(m.get("content"), str)
                 and m.get("role") in ("system", "user", "assistant") for m in messages):
-            size = sum(len(m["content"]) for m in messages)
-            ids_of = lambda: self.tok.chat_prompt(messages)  # noqa: E731
+            chat = messages
         elif isinstance(text, str):
-            size = len(text)
-            ids_of = lambda: self.tok.chat_prompt([{"role": "user", "content": text}])  # noqa: E731
+            chat = [{"role": "user", "content": text}]
         else:
             raise ProtocolError("generate needs messages [{role, content}] or a prompt string")
+        size = sum(len(m["content"]) for m in chat)
         if size > self.cfg.max_prompt_chars:
             raise ProtocolError(f"prompt of {size} characters exceeds {self.cfg.max_prompt_chars}")
-        return ids_of()
+        return self.tok.chat_prompt(chat)
 
     # ---- the scheduling loop -------------------------------------------------------------
     async def _loop(self) -> None:

@@ -151,14 +151,9 @@ class Node:
         """Hand this connection to the data plane: `in` carries steps into this node, `sink`
         takes a plan's results back to its client."""
         role, plan_id = msg.get("role"), msg.get("plan_id")
-        stage = self.store.stages.get(plan_id)  # type: ignore[arg-type]
-        if stage is None:
-            raise ProtocolError(f"plan_id {plan_id!r} is not loaded on this node")
+        self.store.stage_for(plan_id, fingerprint)
         if role not in ("in", "sink"):
             raise ProtocolError(f"data role must be in or sink, not {role!r}")
-        if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
-            raise ProtocolError(f"plan {plan_id} serves model {stage.manifest.fingerprint}, "
-                                f"this connection was opened for {fingerprint}")
         if conn.reader._buffer:  # the sender must wait for data_ok before sending steps
             raise ProtocolError("data sent before data_ok")
         sock = wire.detach(conn.writer, self.cfg.forward_timeout_s)  # no read can slip in now

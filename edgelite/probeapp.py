@@ -216,15 +216,17 @@ def client_memory(args: argparse.Namespace) -> int | None:
     return None if mb is None else int(mb * 2**20)
 
 
+async def probe_args(args: argparse.Namespace, manifest: mf.Manifest | None) -> dict[str, Any]:
+    """probe() with the CLI's flags (--nodes, --token, --route, --client-memory-mb, --repeat)."""
+    return await probe(parse_nodes(args.nodes), cluster_token(args), manifest,
+                       repeat=getattr(args, "repeat", 1),
+                       routes=parse_routes(getattr(args, "route", None)),
+                       client_memory_bytes=client_memory(args))
+
+
 async def probe_cluster_spec(args: argparse.Namespace, manifest: mf.Manifest) -> dict[str, Any]:
-    probed = await probe(parse_nodes(args.nodes), cluster_token(args), manifest,
-                         routes=parse_routes(getattr(args, "route", None)),
-                         client_memory_bytes=client_memory(args))
-    return cluster_spec(probed)
+    return cluster_spec(await probe_args(args, manifest))
 
 
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
-    manifest = mf.load(args.model) if args.model else None
-    return asyncio.run(probe(parse_nodes(args.nodes), cluster_token(args), manifest,
-                             repeat=getattr(args, "repeat", 1), routes=parse_routes(args.route),
-                             client_memory_bytes=client_memory(args)))
+    return asyncio.run(probe_args(args, mf.load(args.model) if args.model else None))

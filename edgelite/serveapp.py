@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 async def kv_tokens_of(backend: ClusterBackend) -> int:
     """How many tokens of KV the cluster holds: the tightest stage's budget / its bytes per token."""
     cluster, m = backend.cluster, backend.manifest
-    budgets = {s["name"]: s["kv_budget_bytes"] for s in
-               [{**st, "name": link.name} for link, st in
-                zip(cluster.links, await cluster.stats(), strict=True)]}
+    budgets = {link.name: st["kv_budget_bytes"]
+               for link, st in zip(cluster.links, await cluster.stats(), strict=True)}
     tokens = math.inf
     for link, a, b in cluster.stages:
         per_token = sum(e.kv_bytes_per_token for e in m.layers[a:b + 1])

@@ -74,6 +74,17 @@ class StageStore:
             self._ranges[key] = LayerRange(m, first, last, cfg)
         return Stage(plan_id, m, first, last, self._ranges[key], next_addr)
 
+    def stage_for(self, plan_id: object, fingerprint: str | None) -> Stage:
+        """The loaded stage of a plan, refused when missing or when the connection asking was
+        opened for another model."""
+        stage = self.stages.get(plan_id)  # type: ignore[arg-type]
+        if stage is None:
+            raise ProtocolError(f"plan_id {plan_id!r} is not loaded on this node")
+        if fingerprint is not None and stage.manifest.fingerprint != fingerprint:
+            raise ProtocolError(f"plan {stage.plan_id} serves model {stage.manifest.fingerprint}, "
+                                f"this connection was opened for {fingerprint}")
+        return stage
+
     @property
     def kv_bytes(self) -> int:
         """KV held by all sessions (kept as a running total: read on every step)."""
