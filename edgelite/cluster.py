@@ -1,9 +1,9 @@
 """Client side of the cluster: connect, deploy, load a split, forward steps, detect failures.
 
-Control requests (deploy, load, stats, pings) use one connection per node. Steps use two data
-connections per plan: `in` to stage 1, whose data plane passes each step along the chain, and
-`sink` from the last stage, on which the results come back. Results are matched to waiting steps
-by (session, step), so many sessions are in flight at once.
+Control requests (deploy, load, stats, pings) use one connection per node, on the event loop.
+Steps use two data connections per plan, owned by the step plane's thread (stepplane.py): `in` to
+stage 1, whose data plane passes each step along the chain, and `sink` from the last stage, on
+which the results come back.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from edgelite.config import ClientConfig, WireLimits
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable
 from edgelite.routes import Routes, route
 from edgelite.runtime import KVCache, positions_for
+from edgelite.stepplane import StepPlane, StepTimeout
+from edgelite.steptrace import StepTrace
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
@@ -79,7 +83,6 @@ class NodeLink:
 
     addr: tuple[str, int]
     conn: wire.Conn
-    on_result: Callable[[dict[str, Any]], None]
     on_lost: Callable[[NodeLink, BaseException | None], None]
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=itertools.count)
@@ -98,9 +101,7 @@ class NodeLink:
         try:
             while True:
                 msg = await self.conn.recv()
-                if msg["type"] == "result":
-                    self.on_result(msg)
-                elif (fut := self.pending.pop(msg.get("id"), None)) is not None and not fut.done():
+                if (fut := self.pending.pop(msg.get("id"), None)) is not None and not fut.done():
                     fut.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, EdgeliteError) as e:
             exc = e
@@ -148,10 +149,13 @@ class Cluster:
         self.links: list[NodeLink] = []
         self.stages: list[tuple[NodeLink, int, int]] = []
         self.plan_id = uuid.uuid4().hex[:16]
-        self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.lost: dict[str, str] = {}
-        self.data_in: NodeLink | None = None  # steps go to stage 1 on this connection
-        self.sink: NodeLink | None = None  # the last stage's results come back on this one
+        self.plane: StepPlane | None = None  # the plan's data connections, once deployed
+
+    @property
+    def traces(self) -> deque[StepTrace]:
+        """Recent steps' timings (per stage, and the round trip)."""
+        return self.plane.traces if self.plane else deque()
 
     async def connect(self, addrs: list[tuple[str, int]]) -> None:
         for addr in addrs:
@@ -164,35 +168,40 @@ class Cluster:
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
             raise NodeUnavailable(f"node {addr[0]}:{addr[1]}: {exc or 'handshake timed out'}",
                                   node=f"{addr[0]}:{addr[1]}") from exc
-        link = NodeLink(addr, conn, self._on_result, self._on_lost)
+        link = NodeLink(addr, conn, self._on_lost)
         link.start()
         return link
 
-    async def _data_link(self, addr: tuple[str, int], role: str) -> NodeLink:
-        """A connection the node hands to its data plane (role in: steps; sink: results)."""
-        link = await self._open(addr)
+    async def _data_socket(self, addr: tuple[str, int], role: str) -> socket.socket:
+        """A connection the node hands to its data plane (role in: steps; sink: results), taken
+        off this event loop for the step plane."""
+        name = f"{addr[0]}:{addr[1]}"
         try:
-            await link.request({"type": "data", "plan_id": self.plan_id, "role": role},
-                               self.cfg.request_timeout_s)
+            conn, _ = await wire.connect(*addr, self.token, self.manifest.fingerprint, self.limits,
+                                         self.cfg.connect_timeout_s)
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise NodeUnavailable(f"node {name}: {exc or 'handshake timed out'}", node=name) from exc
+        try:
+            await conn.send({"type": "data", "id": 0, "plan_id": self.plan_id, "role": role})
+            reply = await asyncio.wait_for(conn.recv(), self.cfg.request_timeout_s)
+            if reply["type"] != "data_ok":
+                raise NodeError(f"node {name}: {reply.get('message')}", node=name)
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            await conn.close()
+            raise NodeUnavailable(f"node {name}: no data connection: {exc!r}", node=name) from exc
         except BaseException:
-            await link.close()
+            await conn.close()
             raise
-        return link
-
-    def _on_result(self, msg: dict[str, Any]) -> None:
-        fut = self.waiting.pop((msg.get("session"), msg.get("step")), None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        return wire.detach(conn.writer, self.cfg.prefill_timeout_s)
 
     def _on_lost(self, link: NodeLink, exc: BaseException | None) -> None:
         self.lost[link.name] = repr(exc) if exc else "closed"
-        if link is self.data_in or link is self.sink or any(link is s[0] for s in self.stages):
-            err = NodeUnavailable(f"node {link.name} (a stage of this plan) closed the connection",
-                                  node=link.name)
-            for fut in self.waiting.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self.waiting.clear()
+        if self.plane is not None and any(link is s[0] for s in self.stages):
+            self.plane.fail_all(NodeUnavailable(f"node {link.name} (a stage of this plan) closed "
+                                                f"the connection", node=link.name))
+
+    def _plane_lost(self, name: str, reason: str) -> None:
+        self.lost.setdefault(name, reason)
 
     async def deploy(self, stages: list[tuple[NodeLink, int, int]], routes: Routes | None = None,
                      progress: Progress | None = None) -> None:
@@ -200,6 +209,8 @@ class Cluster:
         the plan; each stage forwards to the next over `routes` (default: the client's address)."""
         if len({id(s[0]) for s in stages}) != len(stages):
             raise EdgeliteError("a node appears in two stages of one plan")
+        if self.plane is not None:
+            raise EdgeliteError("this cluster has deployed its plan already; open another one")
         self.stages = list(stages)
         for link, a, b in self.stages:
             await self.push_files(link, self.manifest.layers[a:b + 1], progress)
@@ -214,8 +225,16 @@ class Cluster:
                                 "next": nxt, "manifest": self.manifest.to_json()},
                                self.cfg.deploy_timeout_s)
         if self.stages:
-            self.sink = await self._data_link(self.stages[-1][0].addr, "sink")
-            self.data_in = await self._data_link(self.stages[0][0].addr, "in")
+            sink = await self._data_socket(self.stages[-1][0].addr, "sink")
+            try:
+                data_in = await self._data_socket(self.stages[0][0].addr, "in")
+            except BaseException:
+                sink.close()
+                raise
+            self.plane = StepPlane(asyncio.get_running_loop(), self.cfg, self.limits,
+                                   self.stages[0][0].name, self.stages[-1][0].name, self._plane_lost)
+            self.plane.start()
+            self.plane.attach(data_in, sink)
 
     async def push_files(self, link: NodeLink, entries: list[mf.FileEntry],
                           progress: Progress | None) -> None:
@@ -239,31 +258,25 @@ class Cluster:
 
     async def forward(self, session: str, step: int, start: int, hidden: np.ndarray) -> np.ndarray:
         """Send hidden (batch, seq, hidden) through every stage; the last stage's output."""
-        if not self.stages or self.data_in is None:
+        return await self.run_step(session, step, start, hidden.shape[1], lambda: hidden,
+                                   lambda out: out)
+
+    async def run_step(self, session: str, step: int, start: int, tokens: int,
+                       before: Callable[[], np.ndarray], after: Callable[[np.ndarray], Any]) -> Any:
+        """One step of a session through the stages: before() makes its input and after() takes
+        the last stage's output, both on the step plane's thread (the client's ONNX work)."""
+        if self.plane is None:
             raise EdgeliteError("no plan deployed")
         if self.lost and any(s[0].name in self.lost for s in self.stages):
             dead = next(s[0].name for s in self.stages if s[0].name in self.lost)
             raise NodeUnavailable(f"node {dead} is gone ({self.lost[dead]})", node=dead)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[(session, step)] = fut
-        timeout = self.cfg.step_timeout_s if hidden.shape[1] == 1 else self.cfg.prefill_timeout_s
+        fields = {"plan_id": self.plan_id, "session": session, "step": step, "start": start}
         try:
-            await self.data_in.conn.send({"type": "forward", "plan_id": self.plan_id,
-                                          "session": session, "step": step, "start": start,
-                                          "hidden": wire.encode_tensor(hidden)})
-            msg = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise await self._diagnose(timeout) from None
-        except (ConnectionError, OSError) as exc:
-            first = self.stages[0][0].name
-            raise NodeUnavailable(f"node {first}: {exc}", node=first) from exc
-        finally:
-            self.waiting.pop((session, step), None)
-        if "error" in msg:
-            raise NodeError(msg["error"])
-        return wire.decode_tensor(msg["hidden"], self.limits, "hidden")
+            return await self.plane.step(fields, tokens, before, after)
+        except StepTimeout as exc:
+            raise await self._diagnose(exc) from None
 
-    async def _diagnose(self, timeout: float) -> NodeUnavailable:
+    async def _diagnose(self, timeout: StepTimeout) -> NodeUnavailable:
         """Name the first stage that does not answer a ping."""
         ping_timeout = max(0.2, self.cfg.step_timeout_s / 2)
         for link, a, b in self.stages:
@@ -271,10 +284,9 @@ class Cluster:
                 await link.request({"type": "ping"}, ping_timeout)
             except NodeError:
                 self.lost[link.name] = "stalled"
-                return NodeUnavailable(f"node {link.name} (layers {a}-{b}) stalled: no reply "
-                                       f"within {timeout:g} s", node=link.name)
-        return NodeUnavailable(f"a step got no result within {timeout:g} s although every "
-                               f"stage answers pings")
+                return NodeUnavailable(f"node {link.name} (layers {a}-{b}) stalled: {timeout}",
+                                       node=link.name)
+        return NodeUnavailable(f"a step got {timeout} although every stage answers pings")
 
     async def end(self, session: str) -> None:
         """Free the session's KV on every stage still answering (best effort)."""
@@ -287,8 +299,9 @@ class Cluster:
                 for link in self.links]
 
     async def close(self) -> None:
-        data = [x for x in (self.data_in, self.sink) if x is not None]
-        await asyncio.gather(*(link.close() for link in [*self.links, *data]))
+        if self.plane is not None:
+            await self.plane.stop()
+        await asyncio.gather(*(link.close() for link in self.links))
 
 
 # One stage of a plan as the client deploys it: (index into the node list, or None for the
@@ -316,8 +329,9 @@ class ClusterBackend:
         self.prefix = LayerRange(self.manifest, *client_layers, cfg) if client_layers else None
         self.caches: dict[str, KVCache] = {}  # session -> KV of the client's prefix layers
         self.pos: dict[str, tuple[int, int]] = {}  # session -> (tokens held, steps sent)
-        # one long-lived thread for embedding and head, as on the nodes: the default pool
-        # hands each call to whichever thread is free, with cold ORT state (~0.5 ms a call)
+        # with stages, embedding and head run on the step plane's thread; without, on this one
+        # (long-lived: the default pool hands each call to whichever thread is free, with cold
+        # ORT state, ~0.5 ms a call)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="client-onnx")
 
     def _local(self, session: str, start: int, ids: np.ndarray) -> np.ndarray:
@@ -329,16 +343,19 @@ class ClusterBackend:
         hidden, self.caches[session] = self.prefix.run(hidden, kv, pos, mask)
         return hidden
 
+    def _head(self, hidden: np.ndarray) -> np.ndarray:
+        return self.head.run(np.ascontiguousarray(hidden[:, -1:, :]))[0, 0]
+
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
         start, step = self.pos.get(session, (0, 0))
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.pool, self._local, session, start, ids)
         if self.cluster.stages:
-            out = await self.cluster.forward(session, step, start, out)
-        logits = await loop.run_in_executor(self.pool, self.head.run,
-                                            np.ascontiguousarray(out[:, -1:, :]))
+            logits = await self.cluster.run_step(session, step, start, ids.shape[1],
+                                                 lambda: self._local(session, start, ids), self._head)
+        else:  # the client runs every layer
+            logits = await asyncio.get_running_loop().run_in_executor(
+                self.pool, lambda: self._head(self._local(session, start, ids)))
         self.pos[session] = (start + ids.shape[1], step + 1)
-        return logits[0, 0]
+        return logits
 
     async def end(self, session: str) -> None:
         self.pos.pop(session, None)

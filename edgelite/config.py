@@ -27,6 +27,7 @@ class WireLimits:
     max_tensor_elements: int = 64 * 1024 * 1024
     max_tensor_dims: int = 6
     deploy_chunk_bytes: int = 4 * 1024 * 1024
+    max_trace_stages: int = 64  # a step's per-stage timings (one pair per stage it went through)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class NodeConfig:
     forward_connect_timeout_s: float = 2.0
     forward_timeout_s: float = 30.0  # one FORWARD through the rest of the chain
     session_ttl_s: float = 1800.0  # a session unused this long frees its KV
+    queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take
 
 
@@ -53,6 +55,8 @@ class ClientConfig:
     deploy_timeout_s: float = 120.0
     request_timeout_s: float = 10.0  # control requests (load plan, stats)
     end_timeout_s: float = 2.0  # freeing a session's KV; best effort
+    trace_window: int = 256  # recent steps whose per-stage timings are kept (stats, benchmarks)
+    shutdown_timeout_s: float = 5.0  # closing: how long the step thread may take to finish
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,8 @@ class Node:
         return {"layers": [first, last]}
 
     async def _end(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"freed": self.store.end(str(msg.get("session")))}
+        session = str(msg.get("session"))
+        return {"freed": await self.data.submit(lambda: self.store.end(session))}
 
     async def _connect_onward(self, addr: tuple[str, int], plan_id: str, fingerprint: str) -> None:
         """A data connection to the next stage (which has loaded the plan already)."""

@@ -66,9 +66,12 @@ class KVCache:
 
 
 def positions_for(past: int, seq: int, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Position ids (batch, seq) and an all-ones attention mask (batch, past + seq)."""
-    pos = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
-    return np.ascontiguousarray(pos), np.ones((batch, past + seq), np.int64)
+    """Position ids (batch, seq) and an all-ones attention mask (batch, past + seq). Runs per
+    step on every stage with cold caches: C-level numpy calls only."""
+    pos = np.arange(past, past + seq, dtype=np.int64).reshape(1, seq)
+    if batch > 1:
+        pos = pos.repeat(batch, axis=0)
+    return pos, np.ones((batch, past + seq), np.int64)
 
 
 class Embedding:

@@ -6,6 +6,7 @@ those layers within the node's memory budget.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ class Stage:
     layers: LayerRange
     next_addr: tuple[str, int] | None
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> int:
         return sum(e.kv_bytes_per_token for e in self.manifest.layers[self.first:self.last + 1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
 import os
 import socket
 import struct
@@ -25,6 +26,7 @@ from edgelite.errors import AuthError, ProtocolError
 
 PROTOCOL_VERSION = 1
 DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+ITEMSIZE = {k: np.dtype(v).itemsize for k, v in DTYPES.items()}
 LEN = struct.Struct(">I")  # the frame length prefix
 
 
@@ -37,21 +39,23 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
 
 def decode_tensor(obj: Any, limits: WireLimits, name: str = "tensor") -> np.ndarray:
     """Zero-copy view of a received tensor, after checking dtype, shape and length."""
-    if not isinstance(obj, dict) or not {"dtype", "shape", "data"} <= obj.keys():
+    if not isinstance(obj, dict) or "dtype" not in obj or "shape" not in obj or "data" not in obj:
         raise ProtocolError(f"{name}: expected {{dtype, shape, data}}")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if dtype not in DTYPES:
         raise ProtocolError(f"{name}: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    if (not isinstance(shape, list) or len(shape) > limits.max_tensor_dims
-            or not all(isinstance(d, int) and 0 <= d for d in shape)):
+    if not isinstance(shape, list) or len(shape) > limits.max_tensor_dims:
         raise ProtocolError(f"{name}: bad shape {shape!r}")
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise ProtocolError(f"{name}: bad shape {shape!r}")
+    n = math.prod(shape)
     if n > limits.max_tensor_elements:
         raise ProtocolError(f"{name}: {n} elements exceed the limit {limits.max_tensor_elements}")
-    if not isinstance(data, bytes) or len(data) != n * np.dtype(DTYPES[dtype]).itemsize:
+    if not isinstance(data, bytes) or len(data) != n * ITEMSIZE[dtype]:
         got = len(data) if isinstance(data, bytes) else type(data).__name__
-        raise ProtocolError(f"{name}: shape {shape} x {dtype} needs "
-                            f"{n * np.dtype(DTYPES[dtype]).itemsize} bytes, got {got}")
+        raise ProtocolError(f"{name}: shape {shape} x {dtype} needs {n * ITEMSIZE[dtype]} bytes, "
+                            f"got {got}")
     return np.frombuffer(data, DTYPES[dtype]).reshape(shape)
 
 

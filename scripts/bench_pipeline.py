@@ -1,7 +1,13 @@
 """SmolLM2-135M: 3-node pipeline vs the single-process chain, and pipelined concurrency.
 
-All node processes run on this machine (loopback). Configurations alternate round by round.
-Prints one JSON object. Usage: python scripts/bench_pipeline.py [--rounds 3] [--tokens 48]
+All node processes run on this machine (loopback), whose speed drifts by +-10 % within seconds.
+So the single process and the pipeline decode the same prompt side by side, in alternating blocks
+of a few tokens (which one goes first alternates too): every block of one is paired with the
+other's block of the same tokens at the same context length, run a second apart. Both produce
+the same tokens (greedy), so they reach EOS together and start over together.
+Per-hop overhead comes from the steps' own timings: the client's round trip minus the time each
+stage held the step. Concurrency (4 sessions vs 1 on 2 nodes) runs in alternating rounds.
+Prints one JSON object. Usage: python scripts/bench_pipeline.py [--tokens 384] [--block 8]
 """
 
 from __future__ import annotations
@@ -17,20 +23,59 @@ from pathlib import Path
 from edgelite import manifest as mf
 from edgelite.cluster import ClusterBackend, in_order, open_cluster
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine import LocalBackend, Stats, generate
+from edgelite.engine import LocalBackend, generate
 from edgelite.localnodes import TOKEN, start_node
 from edgelite.nodeapp import install_uvloop
+from edgelite.steptrace import StepTrace, hop_summary
 from edgelite.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
-async def decode_ms(backend, prompt: list[int], n: int) -> float:
-    stats = Stats()
-    cfg = GenerationConfig(max_tokens=n)
-    async for _ in generate(backend, prompt, cfg, stats):
-        pass
-    return stats.decode_s / max(1, len(stats.token_ids) - 1) * 1e3
+async def paired_blocks(backends: list, prompt: list[int], tokens: int, block: int,
+                        per_session: int) -> list[list[float]]:
+    """ms/token of each backend per block of `block` decode tokens, the backends taking turns on
+    the same token positions; `tokens` decode tokens each in all, in sessions of at most
+    `per_session` decode tokens (the context stays as short as in a single chat reply)."""
+    out: list[list[float]] = [[] for _ in backends]
+    gens: list = []
+    done = 0
+    try:
+        while done < tokens:
+            if not gens:  # new sessions; the prefill (first token) is not timed
+                cfg = GenerationConfig(max_tokens=min(per_session, tokens - done) + 1)
+                gens = [generate(be, prompt, cfg) for be in backends]
+                firsts = [await anext(g) for g in gens]
+                assert len(set(firsts)) == 1, f"backends disagree: {firsts}"
+            order = list(range(len(backends)))
+            if len(out[0]) % 2:
+                order.reverse()
+            per, ended = {}, False
+            for i in order:
+                got = []
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    try:
+                        got.append(await anext(gens[i]))
+                    except StopAsyncIteration:
+                        ended = True
+                        break
+                per[i] = ((time.perf_counter() - t0) * 1e3 / len(got) if got else 0.0, got)
+            if len({tuple(t) for _, t in per.values()}) != 1:
+                raise AssertionError("the pipeline's tokens differ from the single process's")
+            n = len(per[0][1])
+            if n == block:  # a full pair of blocks
+                for i, (ms, _) in per.items():
+                    out[i].append(ms)
+            done += n
+            if ended:
+                for g in gens:
+                    await g.aclose()
+                gens = []
+    finally:
+        for g in gens:
+            await g.aclose()
+    return out
 
 
 async def aggregate_tok_s(backend, prompts: list[list[int]], n: int) -> float:
@@ -42,6 +87,23 @@ async def aggregate_tok_s(backend, prompts: list[list[int]], n: int) -> float:
 
     done = await asyncio.gather(*(one(p) for p in prompts))
     return sum(done) / (time.perf_counter() - t0)
+
+
+def time_layers(local: LocalBackend) -> list[float]:
+    """Record the single process's decoder-layer time per decode step (ms), to set beside the
+    stages' own compute times: the rest of each backend's time is overhead."""
+    seconds: list[float] = []
+    run = local.chain.layers.run
+
+    def timed(hidden, kv, pos, mask):
+        t0 = time.perf_counter()
+        out = run(hidden, kv, pos, mask)
+        if hidden.shape[1] == 1:
+            seconds.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    local.chain.layers.run = timed  # type: ignore[method-assign]
+    return seconds
 
 
 async def cluster(m: mf.Manifest, ports: list[int], split: list[tuple[int, int]]) -> ClusterBackend:
@@ -72,14 +134,16 @@ async def main_async(args: argparse.Namespace) -> dict:
         local = LocalBackend(m, RuntimeConfig(threads=1))
         three = await cluster(m, [n.port for n in nodes[:3]], [(0, 9), (10, 19), (20, 29)])
         two = await cluster(m, [n.port for n in nodes[3:]], [(0, 14), (15, 29)])
-        res: dict[str, list[float]] = {"local_ms": [], "pipe3_ms": [], "one_tok_s": [],
-                                       "four_tok_s": []}
+        res: dict[str, list[float]] = {"one_tok_s": [], "four_tok_s": []}
+        local_layers_ms = time_layers(local)
+        res["local_ms"], res["pipe3_ms"] = await paired_blocks(
+            [local, three], prompt, args.tokens, args.block, args.session_tokens)
+        traces: list[StepTrace] = list(three.cluster.traces)
         prompts = [prompt[:-k] if k else prompt for k in range(4)]  # 4 different sessions
-        for _ in range(args.rounds):
-            res["local_ms"].append(await decode_ms(local, prompt, args.tokens))
-            res["pipe3_ms"].append(await decode_ms(three, prompt, args.tokens))
-            res["one_tok_s"].append(await aggregate_tok_s(two, prompts[:1], args.tokens))
-            res["four_tok_s"].append(await aggregate_tok_s(two, prompts, args.tokens))
+        for r in range(args.rounds):
+            order = [("one_tok_s", prompts[:1]), ("four_tok_s", prompts)]
+            for key, ps in order if r % 2 == 0 else order[::-1]:
+                res[key].append(await aggregate_tok_s(two, ps, args.session_tokens))
         rtt = await ping_us(three)
         await three.close()
         await two.close()
@@ -87,28 +151,43 @@ async def main_async(args: argparse.Namespace) -> dict:
         for n in nodes:
             n.kill()
     med = {k: statistics.median(v) for k, v in res.items()}
+    paired = [p / q for p, q in zip(res["pipe3_ms"], res["local_ms"], strict=True)]
+    conc = [f / o for f, o in zip(res["four_tok_s"], res["one_tok_s"], strict=True)]
+    hops = hop_summary(traces)
     return {
-        "model": m.name, "tokens": args.tokens, "rounds": args.rounds, "threads_per_node": 1,
-        "single_process_decode_ms_per_token": round(med["local_ms"], 2),
-        "pipeline_3_nodes_decode_ms_per_token": round(med["pipe3_ms"], 2),
-        "pipeline_vs_single_ratio": round(med["pipe3_ms"] / med["local_ms"], 3),
-        # each round runs both back to back: the median of the per-round ratios is less
-        # sensitive to the machine's speed drifting between rounds
-        "pipeline_vs_single_ratio_paired_median": round(statistics.median(
-            p / q for p, q in zip(res["pipe3_ms"], res["local_ms"], strict=True)), 3),
-        "per_hop_overhead_us_median": round((med["pipe3_ms"] - med["local_ms"]) * 1e3 / 4, 1),
+        "model": m.name, "threads_per_node": 1, "decode_tokens_each": args.tokens,
+        "block_tokens": args.block, "block_pairs": len(paired), "session_tokens": args.session_tokens,
+        "single_process_decode_ms_per_token": round(statistics.fmean(res["local_ms"]), 2),
+        "pipeline_3_nodes_decode_ms_per_token": round(statistics.fmean(res["pipe3_ms"]), 2),
+        # total time over the same tokens (the blocks are equal in size)
+        "pipeline_vs_single_ratio": round(sum(res["pipe3_ms"]) / sum(res["local_ms"]), 3),
+        "pipeline_vs_single_ratio_paired_median": round(statistics.median(paired), 3),
+        "paired_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(paired, n=4)],
+        # per decode step, from the steps' traces: (client round trip - time held by stages) / 4
+        "per_hop_overhead_us_median": round(hops["hop_us"], 1),
+        "stage_handling_us_median": round(hops["stage_overhead_us"], 1),  # 3 stages, beyond ONNX
+        "stages_compute_ms_median": round(hops["compute_us"] / 1e3, 2),
+        "single_process_layers_ms_median": round(statistics.median(local_layers_ms), 2),
+        "step_round_trip_ms_median": round(hops["rtt_us"] / 1e3, 2),  # client sends -> result in
+        "per_hop_from_difference_us": round((statistics.fmean(res["pipe3_ms"])
+                                             - statistics.fmean(res["local_ms"])) * 1e3 / 4, 1),
         "ping_rtt_us_median": round(rtt, 1),
         "two_nodes_one_session_tok_s": round(med["one_tok_s"], 2),
         "two_nodes_four_sessions_tok_s": round(med["four_tok_s"], 2),
         "four_vs_one_session_ratio": round(med["four_tok_s"] / med["one_tok_s"], 3),
+        "four_vs_one_session_ratio_paired_median": round(statistics.median(conc), 3),
+        "concurrency_rounds": args.rounds,
         "raw": {k: [round(x, 3) for x in v] for k, v in res.items()},
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=384, help="decode tokens per backend, paired")
+    ap.add_argument("--block", type=int, default=8, help="tokens per turn when pairing")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of 1 vs 4 sessions")
+    ap.add_argument("--session-tokens", type=int, default=48,
+                    help="decode tokens per session (pairs restart their sessions after this many)")
     ap.add_argument("--models", type=Path, default=Path("models"))
     install_uvloop()  # the same event loop as `edgelite generate` and the nodes
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=1))

@@ -17,6 +17,7 @@ from edgelite.config import ClientConfig, GenerationConfig
 from edgelite.engine import LocalBackend, generate
 from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.localnodes import TOKEN
+from edgelite.steptrace import hop_summary
 
 pytestmark = pytest.mark.e2e
 
@@ -67,6 +68,10 @@ def test_concurrent_sessions_interleave_and_free_kv(exported, node_factory) -> N
             stats = await be.cluster.stats()
             assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stats), stats
             assert all(s["runs"] >= 4 * 12 for s in stats)
+            traces = list(be.cluster.traces)  # every step says where its time went, per stage
+            assert len(traces) == 4 * 12 and all(len(t.stages) == 2 for t in traces)
+            assert all(0 <= c <= h < t.rtt_us for t in traces for c, h in t.stages)
+            assert 0 < hop_summary(traces)["hop_us"] < 20_000
         finally:
             await be.close()
 

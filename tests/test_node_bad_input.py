@@ -92,6 +92,11 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
                                                                                np.float32))})
             msg = await conn.recv()
             assert "expected (batch, seq, 48)" in msg["error"]
+            for bad_trace in ("x", [[1, 2, 3]], [["a", 1]], [[0, 0]] * 64):  # per-stage timings
+                await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 2,
+                                 "start": 0, "trace": bad_trace,
+                                 "hidden": wire.encode_tensor(np.zeros((1, 1, 48), np.float32))})
+                assert "trace must be a list" in (await conn.recv())["error"]
             # a control request on a data connection -> error, then closed
             await conn.send({"type": "ping", "id": 5})
             assert "carries forward frames" in (await conn.recv())["message"]
