@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--threads", type=int, default=2)
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
     n.add_argument("--kv-budget-mb", type=float, default=512, help="KV memory of all sessions")
+    n.add_argument("--max-batch", type=int, default=8,
+                   help="decode steps of different sessions arriving together run as one batch "
+                        "of up to this many (1: never batch)")
     n.add_argument("--memory-mb", type=float,
                    help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")

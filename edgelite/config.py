@@ -43,6 +43,9 @@ class NodeConfig:
     forward_connect_timeout_s: float = 2.0
     forward_timeout_s: float = 30.0  # one FORWARD through the rest of the chain
     session_ttl_s: float = 1800.0  # a session unused this long frees its KV
+    # decode steps of several sessions that arrive together run as one batch (weights read once)
+    batch_max_steps: int = 8  # 1: never batch
+    batch_max_kv_bytes: int = 64 * 1024 * 1024  # KV a batch may copy (padding it and back)
     queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take
 

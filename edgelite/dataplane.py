@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from edgelite import wire
+from edgelite.batch import padded_bytes
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.framethread import FrameThread
@@ -50,6 +52,20 @@ def check_forward(store: StageStore, msg: dict[str, Any], fingerprint: str | Non
     return stage
 
 
+@dataclass
+class Ready:
+    """A checked step waiting for this select round's input to be all read (to batch it)."""
+
+    sock: socket.socket
+    msg: dict[str, Any]
+    t_in: float
+    stage: Stage
+
+    @property
+    def decode(self) -> bool:
+        return "error" not in self.msg and self.msg["hidden"].shape[:2] == (1, 1)
+
+
 class DataPlane(FrameThread):
     def __init__(self, name: str, store: StageStore, cfg: NodeConfig, limits: WireLimits) -> None:
         super().__init__("dataplane", limits, cfg.forward_timeout_s, cfg.queued_call_timeout_s,
@@ -58,6 +74,9 @@ class DataPlane(FrameThread):
         self.inbound: dict[socket.socket, str | None] = {}  # -> the fingerprint it was opened for
         self.outbound: dict[tuple[str, int], socket.socket] = {}  # next stages' `in` connections
         self.sinks: dict[str, socket.socket] = {}  # plan_id -> its client's sink connection
+        self.ready: list[Ready] = []  # steps read this round, run once all input is read
+        self.batches = 0  # batched runs, and the steps in them
+        self.batched_steps = 0
 
     # ---- called from the event loop (each queues work for the thread) --------------------
     def add_inbound(self, sock: socket.socket, fingerprint: str | None) -> None:
@@ -112,14 +131,63 @@ class DataPlane(FrameThread):
             self.send(sock, {"type": "result", "session": msg.get("session"),
                              "step": msg.get("step"), "error": f"{self.name}: {exc}"})
             return
-        self._forward(stage, msg, t_in)
+        self.ready.append(Ready(sock, msg, t_in, stage))
+
+    def on_idle(self) -> None:
+        """Run the steps read this round: decode steps of one plan together, up to the batch
+        size, while the KV they copy stays under the configured size."""
+        while self.ready:
+            first = self.ready.pop(0)
+            group, rest = [first], []
+            for r in self.ready:
+                if (first.decode and r.decode and r.stage is first.stage
+                        and len(group) < self.cfg.batch_max_steps
+                        and all(g.msg["session"] != r.msg["session"] for g in group)):
+                    group.append(r)
+                else:
+                    rest.append(r)
+            self.ready = rest
+            if len(group) == 1:
+                self._forward(first.stage, first.msg, first.t_in)
+            else:
+                self._forward_batch(group)
+
+    def _forward_batch(self, group: list[Ready]) -> None:
+        """Run and pass on a batch of decode steps. A step its session refuses (wrong start, no
+        KV budget) gets its own answer; the rest go on together."""
+        stage, ok, kvs = group[0].stage, [], []
+        for r in group:
+            try:
+                kvs.append(self.store.prepare(stage, r.msg["session"], r.msg["start"],
+                                              r.msg["hidden"]))
+                ok.append(r)
+            except EdgeliteError:
+                self._forward(stage, r.msg, r.t_in)  # answers with the refusal
+        if len(ok) < 2 or padded_bytes(kvs) > self.cfg.batch_max_kv_bytes:
+            for r in ok:
+                self._forward(stage, r.msg, r.t_in)
+            return
+        try:
+            outs, kvs, ms = self.store.compute_batch(stage, kvs, [r.msg["start"] for r in ok],
+                                                     [r.msg["hidden"] for r in ok])
+        except (EdgeliteError, RuntimeError, ValueError) as exc:
+            log.warning("a batch of %d steps failed (%r); running them one by one", len(ok), exc)
+            for r in ok:
+                self._forward(stage, r.msg, r.t_in)
+            return
+        self.batches += 1
+        self.batched_steps += len(ok)
+        for r, out in zip(ok, outs, strict=True):
+            self._pass_on(stage, r.msg, {"start": r.msg["start"], "hidden": wire.encode_tensor(out)},
+                          ms, r.t_in)
+        for r, kv in zip(ok, kvs, strict=True):
+            self.store.commit(stage, r.msg["session"], kv, ms / len(ok))
 
     def _forward(self, stage: Stage, msg: dict[str, Any], t_in: float) -> None:
         """Run the step and pass it on. Everything after the layers is on the critical path of
         the whole pipeline and runs with caches cold from streaming the weights (measured: 10x
         the warm cost), so it does the least first and the bookkeeping after the send."""
-        out = {"type": "forward" if stage.next_addr else "result", "plan_id": msg["plan_id"],
-               "session": msg["session"], "step": msg.get("step")}
+        fields: dict[str, Any]
         ms, kv = 0.0, None
         try:
             if "error" in msg:
@@ -127,17 +195,23 @@ class DataPlane(FrameThread):
             hidden, start = msg["hidden"], msg["start"]
             kv = self.store.prepare(stage, msg["session"], start, hidden)
             result, kv, ms = self.store.compute(stage, kv, start, hidden)
-            out["start"], out["hidden"] = start, wire.encode_tensor(result)
-        except EdgeliteError as exc:
+            fields = {"start": start, "hidden": wire.encode_tensor(result)}
+        except (EdgeliteError, RuntimeError, ValueError) as exc:  # onnxruntime raises RuntimeError
             log.info("plan %s session %s: %s", msg.get("plan_id"), msg.get("session"), exc)
-            out["error"] = f"{self.name}: {exc}"
-        # what this stage adds to the step's time: running its layers, and all of its handling
-        out["trace"] = [*msg["trace"], [round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)]]
+            fields, kv = {"error": f"{self.name}: {exc}"}, None
+        self._pass_on(stage, msg, fields, ms, t_in)
+        if kv is not None:  # the next step of this session comes after this one: commit now
+            self.store.commit(stage, msg["session"], kv, ms)
+
+    def _pass_on(self, stage: Stage, msg: dict[str, Any], fields: dict[str, Any], ms: float,
+                 t_in: float) -> None:
+        out = {"type": "forward" if stage.next_addr else "result", "plan_id": msg["plan_id"],
+               "session": msg["session"], "step": msg.get("step"), **fields,
+               # what this stage adds to the step's time: running its layers, all its handling
+               "trace": [*msg["trace"], [round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)]]}
         dest = (self.outbound.get(stage.next_addr) if stage.next_addr
                 else self.sinks.get(msg["plan_id"]))
         if dest is None:
             log.warning("plan %s: no connection onward; step dropped", msg["plan_id"])
         elif not self.send(dest, out):
             self.close_conn(dest, "broken while sending")
-        if kv is not None:  # the next step of this session comes after this one: commit now
-            self.store.commit(stage, msg["session"], kv, ms)

@@ -200,6 +200,7 @@ class Node:
 
     async def _stats(self, _msg: dict[str, Any]) -> dict[str, Any]:
         return {"node": self.name, "bad_frames": self.bad_frames + self.data.bad_frames,
+                "batches": self.data.batches, "batched_steps": self.data.batched_steps,
                 **self.store.stats()}
 
     async def _files(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -70,6 +70,7 @@ def run_node(args: argparse.Namespace, ready: Callable[[Node, bool], None]) -> i
     token, generated = resolve_token(args.token)
     cfg = NodeConfig(host=args.host, port=args.port, threads=args.threads,
                      kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+                     batch_max_steps=max(1, args.max_batch),
                      memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
     args.data_dir.mkdir(parents=True, exist_ok=True)
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))

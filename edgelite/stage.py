@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from edgelite import manifest as mf
+from edgelite.batch import run_batch
 from edgelite.blobstore import BlobStore, check_sha
 from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
@@ -114,6 +115,13 @@ class StageStore:
         t0 = time.perf_counter()
         out, kv = stage.layers.run(hidden, kv, pos, mask)
         return out, kv, (time.perf_counter() - t0) * 1e3
+
+    def compute_batch(self, stage: Stage, kvs: list[KVCache], starts: list[int],
+                      hiddens: list[np.ndarray]) -> tuple[list[np.ndarray], list[KVCache], float]:
+        """Decode steps of several sessions as one run (batch.py); like compute, per session."""
+        t0 = time.perf_counter()
+        outs, kvs = run_batch(stage.layers, hiddens, kvs, starts)
+        return outs, kvs, (time.perf_counter() - t0) * 1e3
 
     def commit(self, stage: Stage, session: str, kv: KVCache, ms: float) -> None:
         with self.lock:
