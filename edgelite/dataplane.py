@@ -26,6 +26,7 @@ from edgelite.config import NodeConfig, WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.framethread import FrameThread
 from edgelite.stage import Stage, StageStore
+from edgelite.steptrace import parse_trace
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,9 @@ def check_forward(store: StageStore, msg: dict[str, Any], fingerprint: str | Non
     stage = store.stage_for(msg.get("plan_id"), fingerprint)
     if not isinstance(msg.get("session"), str) or not isinstance(msg.get("start"), int):
         raise ProtocolError("forward needs a string session and an integer start")
-    trace = msg.setdefault("trace", [])
-    if not isinstance(trace, list) or len(trace) >= limits.max_trace_stages:
+    if parse_trace(msg.setdefault("trace", []), limits.max_trace_stages) is None:
         raise ProtocolError(f"trace must be a list of fewer than {limits.max_trace_stages} "
-                            f"[compute_us, held_us] pairs")
-    for t in trace:
-        if not (isinstance(t, list) and len(t) == 2 and type(t[0]) is int and type(t[1]) is int):
-            raise ProtocolError(f"trace must be a list of [compute_us, held_us] pairs, not {t!r}")
+                            f"[compute_us, held_us] pairs, not {str(msg['trace'])[:80]}")
     if "error" not in msg:
         hidden = wire.decode_tensor(msg.get("hidden"), limits, "hidden")
         if hidden.ndim != 3 or hidden.shape[2] != stage.manifest.hidden_size:
@@ -163,25 +160,23 @@ class DataPlane(FrameThread):
                 ok.append(r)
             except EdgeliteError:
                 self._forward(stage, r.msg, r.t_in)  # answers with the refusal
-        if len(ok) < 2 or padded_bytes(kvs) > self.cfg.batch_max_kv_bytes:
-            for r in ok:
-                self._forward(stage, r.msg, r.t_in)
-            return
-        try:
-            outs, kvs, ms = self.store.compute_batch(stage, kvs, [r.msg["start"] for r in ok],
-                                                     [r.msg["hidden"] for r in ok])
-        except (EdgeliteError, RuntimeError, ValueError) as exc:
-            log.warning("a batch of %d steps failed (%r); running them one by one", len(ok), exc)
-            for r in ok:
-                self._forward(stage, r.msg, r.t_in)
-            return
-        self.batches += 1
-        self.batched_steps += len(ok)
-        for r, out in zip(ok, outs, strict=True):
-            self._pass_on(stage, r.msg, {"start": r.msg["start"], "hidden": wire.encode_tensor(out)},
-                          ms, r.t_in)
-        for r, kv in zip(ok, kvs, strict=True):
-            self.store.commit(stage, r.msg["session"], kv, ms / len(ok))
+        if len(ok) >= 2 and padded_bytes(kvs) <= self.cfg.batch_max_kv_bytes:
+            try:
+                outs, kvs, ms = self.store.compute_batch(stage, kvs, [r.msg["start"] for r in ok],
+                                                         [r.msg["hidden"] for r in ok])
+            except (EdgeliteError, RuntimeError, ValueError) as exc:
+                log.warning("a batch of %d steps failed (%r); running them one by one", len(ok), exc)
+            else:
+                self.batches += 1
+                self.batched_steps += len(ok)
+                for r, out in zip(ok, outs, strict=True):
+                    self._pass_on(stage, r.msg, {"start": r.msg["start"],
+                                                 "hidden": wire.encode_tensor(out)}, ms, r.t_in)
+                for r, kv in zip(ok, kvs, strict=True):
+                    self.store.commit(stage, r.msg["session"], kv, ms / len(ok))
+                return
+        for r in ok:  # too few, too much KV to copy, or the batch failed
+            self._forward(stage, r.msg, r.t_in)
 
     def _forward(self, stage: Stage, msg: dict[str, Any], t_in: float) -> None:
         """Run the step and pass it on. Everything after the layers is on the critical path of

@@ -73,7 +73,7 @@ class FrameThread:
         return None
 
     def on_idle(self) -> None:
-        """Runs after every wait: timers."""
+        """Runs after every wait, once the input it brought is read: timers, queued steps."""
 
     def cleanup(self) -> None:
         """On the thread, as it ends."""

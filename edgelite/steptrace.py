@@ -22,11 +22,15 @@ class StepTrace:
         return (self.rtt_us - sum(h for _, h in self.stages)) / (len(self.stages) + 1)
 
 
-def parse_trace(obj: Any) -> tuple[tuple[int, int], ...] | None:
-    """A result's per-stage timings, or None when they are missing or malformed."""
-    if not isinstance(obj, list) or not all(
-            isinstance(t, list) and len(t) == 2 and all(isinstance(x, int) for x in t) for t in obj):
+def parse_trace(obj: Any, max_stages: int | None = None) -> tuple[tuple[int, int], ...] | None:
+    """A step's per-stage timings, or None when they are missing or malformed (not a list of
+    [int, int] pairs, or not fewer than max_stages of them). Nodes run this on every step with
+    cold caches: a plain loop."""
+    if not isinstance(obj, list) or (max_stages is not None and len(obj) >= max_stages):
         return None
+    for t in obj:
+        if not (isinstance(t, list) and len(t) == 2 and type(t[0]) is int and type(t[1]) is int):
+            return None
     return tuple((t[0], t[1]) for t in obj)
 
 
