@@ -12,8 +12,13 @@ the model status is read and reported as it is.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from edgelite.planner import Plan, Problem, Stage, value
@@ -27,10 +32,36 @@ def available() -> bool:
     return True
 
 
+_banner_lock = threading.Lock()
+_banner_shown = False
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS >= 1.16 prints a banner to file descriptor 1 when the first Highs object of a
+    process is made, before any option can silence it; it would corrupt `--json` output."""
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def _highs(time_limit_s: float) -> Any:
+    global _banner_shown
     import highspy
 
-    h = highspy.Highs()
+    with _banner_lock:
+        if _banner_shown:
+            h = highspy.Highs()
+        else:
+            with _quiet_stdout():
+                h = highspy.Highs()
+            _banner_shown = True
     h.silent()
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-9)
