@@ -1,3 +1,3 @@
-from edgelite.cli import main
+from edgelite.cli.main import main
 
 raise SystemExit(main())

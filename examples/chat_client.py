@@ -13,11 +13,11 @@ import asyncio
 from pathlib import Path
 
 from edgelite import manifest as mf
-from edgelite.cluster import open_cluster, parse_nodes
+from edgelite.cli.deploy import assignment_of, plan_cluster
+from edgelite.client.cluster import open_cluster, parse_nodes
 from edgelite.config import GenerationConfig
-from edgelite.deployapp import assignment_of, plan_cluster
-from edgelite.engine import generate
-from edgelite.tokenizer import Tokenizer
+from edgelite.engine.generate import generate
+from edgelite.engine.tokenizer import Tokenizer
 
 QUESTIONS = ["Name a planet in our solar system.", "How far is it from the Sun?"]
 

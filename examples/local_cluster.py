@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 from edgelite import manifest as mf
-from edgelite.cluster import even_split, in_order, open_cluster
+from edgelite.client.cluster import even_split, in_order, open_cluster
 from edgelite.config import GenerationConfig, NodeConfig
-from edgelite.engine import Stats, generate
-from edgelite.node import Node
-from edgelite.tokenizer import StreamDecoder, Tokenizer
+from edgelite.engine.generate import Stats, generate
+from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
+from edgelite.node.server import Node
 
 TOKEN = "example-token"
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from rich.console import Console
 
 from edgelite import manifest as mf
-from edgelite.clusterspec import problem_from
+from edgelite.cli.plan import plan_json
+from edgelite.cli.views import plan_view
 from edgelite.errors import PlanInfeasible
-from edgelite.planapp import plan_json
-from edgelite.planner import solve
-from edgelite.ui import plan_view
+from edgelite.plan.model import solve
+from edgelite.plan.spec import problem_from
 
 
 def main() -> None:

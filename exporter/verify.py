@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from edgelite.engine.runtime import LocalChain, positions_for
 from edgelite.errors import VerificationFailed
 from edgelite.manifest import Manifest
-from edgelite.runtime import LocalChain, positions_for
 
 log = logging.getLogger(__name__)
 LOGIT_TOL = 1e-3  # fp32: max abs logit diff at every step

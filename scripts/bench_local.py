@@ -16,8 +16,8 @@ import numpy as np
 
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
-from edgelite.runtime import LocalChain
-from edgelite.tokenizer import Tokenizer
+from edgelite.engine.runtime import LocalChain
+from edgelite.engine.tokenizer import Tokenizer
 
 PROMPT = "Explain briefly how phones on one Wi-Fi network can run one model together."
 

@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 from edgelite import manifest as mf
-from edgelite.cluster import ClusterBackend, in_order, open_cluster
+from edgelite.cli.localnodes import TOKEN, start_node
+from edgelite.cli.node import install_uvloop
+from edgelite.client.cluster import ClusterBackend, in_order, open_cluster
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine import LocalBackend, generate
-from edgelite.localnodes import TOKEN, start_node
-from edgelite.nodeapp import install_uvloop
-from edgelite.steptrace import StepTrace, hop_summary
-from edgelite.tokenizer import Tokenizer
+from edgelite.engine.generate import LocalBackend, generate
+from edgelite.engine.tokenizer import Tokenizer
+from edgelite.net.steptrace import StepTrace, hop_summary
 
 PROMPT = "Write a short story about a robot who learns to paint."
 

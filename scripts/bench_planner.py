@@ -12,7 +12,7 @@ import json
 import random
 import statistics
 
-from edgelite.planner import Device, Layer, Link, Problem, solve
+from edgelite.plan.model import Device, Layer, Link, Problem, solve
 
 MiB = 2**20
 

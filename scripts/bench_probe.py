@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from edgelite.localnodes import TOKEN, start_node
+from edgelite.cli.localnodes import TOKEN, start_node
 
 
 def timed_probe(addrs: str, extra: list[str]) -> tuple[float, dict]:

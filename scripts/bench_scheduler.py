@@ -15,7 +15,7 @@ import random
 import statistics
 from dataclasses import replace
 
-from edgelite.scheduler import Request, Scheduler, SchedulerConfig
+from edgelite.serve.scheduler import Request, Scheduler, SchedulerConfig
 
 TIERS = (0, 1, 2)  # 2 = top
 MIX = (0.5, 0.3, 0.2)

@@ -62,7 +62,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], 
 @pytest.fixture
 def node_factory(tmp_path: Path):
     """Start real node processes; every one is killed at the end of the test."""
-    from edgelite.localnodes import NodeProc, start_node
+    from edgelite.cli.localnodes import NodeProc, start_node
 
     started: list[NodeProc] = []
 

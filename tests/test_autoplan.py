@@ -13,9 +13,9 @@ from pathlib import Path
 
 from conftest import run_cli
 from edgelite import manifest as mf
-from edgelite.clusterspec import KV_TOKENS
-from edgelite.linkemu import EmulatorProcess, LinkSpec
-from edgelite.localnodes import TOKEN
+from edgelite.cli.localnodes import TOKEN
+from edgelite.plan.spec import KV_TOKENS
+from edgelite.probe.emulator import EmulatorProcess, LinkSpec
 
 FAST, SLOW = LinkSpec(delay_ms=8.0), LinkSpec(delay_ms=60.0)
 

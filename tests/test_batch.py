@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from edgelite import manifest as mf
-from edgelite import wire
-from edgelite.batch import run_batch
 from edgelite.config import RuntimeConfig
-from edgelite.runtime import LayerRange, positions_for
+from edgelite.engine.batch import run_batch
+from edgelite.engine.runtime import LayerRange, positions_for
+from edgelite.net import wire
 from test_distributed import _cluster
 from test_node_bad_input import LIMITS, _authed, _data
 

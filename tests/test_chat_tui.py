@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import run_cli
-from edgelite.localnodes import TOKEN
+from edgelite.cli.localnodes import TOKEN
 
 pytestmark = pytest.mark.e2e
 

@@ -12,12 +12,12 @@ import pytest
 
 from conftest import run_cli
 from edgelite import manifest as mf
-from edgelite.cluster import ClusterBackend, in_order, open_cluster
+from edgelite.cli.localnodes import TOKEN
+from edgelite.client.cluster import ClusterBackend, in_order, open_cluster
 from edgelite.config import ClientConfig, GenerationConfig
-from edgelite.engine import LocalBackend, generate
+from edgelite.engine.generate import LocalBackend, generate
 from edgelite.errors import NodeError, NodeUnavailable
-from edgelite.localnodes import TOKEN
-from edgelite.steptrace import hop_summary
+from edgelite.net.steptrace import hop_summary
 
 pytestmark = pytest.mark.e2e
 

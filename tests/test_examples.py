@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from edgelite.localnodes import TOKEN
+from edgelite.cli.localnodes import TOKEN
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 pytestmark = pytest.mark.e2e

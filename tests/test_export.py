@@ -68,7 +68,7 @@ def test_generate_matches_transformers(exported: dict[str, Path], hf_models: dic
 
 def test_dynamic_axes_batch_and_padding(exported: dict[str, Path]) -> None:
     """A layer file takes batch 3 with left padding: padded rows match unpadded runs."""
-    from edgelite.runtime import LayerRange, RuntimeConfig
+    from edgelite.engine.runtime import LayerRange, RuntimeConfig
 
     m = mf.load(exported["llama"])
     lr = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1))

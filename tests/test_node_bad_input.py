@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from edgelite import wire
+from edgelite.cli.localnodes import TOKEN
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError
-from edgelite.localnodes import TOKEN
+from edgelite.net import wire
 from test_distributed import _cluster, _tokens
 
 pytestmark = pytest.mark.e2e

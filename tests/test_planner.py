@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from edgelite import plan_dp, plan_milp
 from edgelite.errors import PlanInfeasible
-from edgelite.planner import Device, Layer, Link, Problem, Stage, predict, solve, value
+from edgelite.plan import dp as plan_dp
+from edgelite.plan import milp as plan_milp
+from edgelite.plan.model import Device, Layer, Link, Problem, Stage, predict, solve, value
 
 MiB = 2**20
 
@@ -85,7 +86,7 @@ def test_property_milp_dp_brute_force_agree() -> None:
 def _lossy_case(qos: bool) -> Problem:
     """Client C and phones A, B, D; memory needs C plus two phones. A and B are the fastest pair,
     but their link loses 5 % of packets; D is slower, its link to A is clean; B-D is down."""
-    from edgelite.planner import Weights
+    from edgelite.plan.model import Weights
 
     layer = Layer(flops=2e7, mem_bytes=100 * MiB, out_bytes=2304)
     devices = (Device("C", 1e9, 120 * MiB, beta=1.0), Device("A", 1e10, 1000 * MiB, beta=1.0),

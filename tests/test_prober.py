@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from edgelite import prober
-from edgelite.linkemu import EmulatorProcess, LinkSpec
-from edgelite.localnodes import TOKEN
+from edgelite.cli.localnodes import TOKEN
+from edgelite.probe import prober
+from edgelite.probe.emulator import EmulatorProcess, LinkSpec
 from test_distributed import _cluster
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +29,7 @@ async def _probe_via(node_a, node_b, spec: LinkSpec, seed: int = 3) -> prober.Li
     emu = EmulatorProcess()
     ((tcp, udp),) = await emu.start([(("127.0.0.1", node_b.port), spec)], seed)
     try:
-        import edgelite.wire as wire
+        import edgelite.net.wire as wire
 
         conn, _ = await wire.connect("127.0.0.1", node_a.port, TOKEN, None, wire.WireLimits(), 5)
         try:
@@ -170,7 +170,7 @@ def test_netns_veth_tbf_20mbit(tmp_path: Path) -> None:
 
 
 def test_smoothing_is_bias_corrected_and_skips_unreachable_rounds() -> None:
-    from edgelite.probeapp import smooth
+    from edgelite.probe.cluster import smooth
 
     def row(lat: float, ok: bool = True) -> dict:
         st = prober.LinkStats(lat, 1.0, 0.5, 100.0, 0.0, (0.0, 0.01), 10, 10) if ok else \

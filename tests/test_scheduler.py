@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from edgelite.scheduler import Request, Scheduler, SchedulerConfig
+from edgelite.serve.scheduler import Request, Scheduler, SchedulerConfig
 
 CFG = SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4, max_step_tokens=300,
                       kv_tokens=600, max_preemptions=2)

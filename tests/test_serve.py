@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from edgelite.cli.localnodes import TOKEN
 from edgelite.errors import AuthError
-from edgelite.gatewayclient import GatewayClient
-from edgelite.localnodes import TOKEN
+from edgelite.serve.client import GatewayClient
 
 pytestmark = pytest.mark.e2e
 USERS = [{"name": "free", "token": "t-free", "tier": 0}, {"name": "plus", "token": "t-plus", "tier": 1},

@@ -9,9 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from edgelite import wire
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError, ProtocolError
+from edgelite.net import wire
 
 LIMITS = WireLimits(max_frame_bytes=1 << 20, max_tensor_elements=1 << 16)
 

@@ -1,0 +1,136 @@
+"""The interactive chat: streams each reply with a live footer and answers slash commands.
+
+It reads state (the backend's cluster, the plan, generation stats) and renders it with the views
+in ui.py; with `plain` it writes bare text (scripts, no TTY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from edgelite.cli import views as ui
+from edgelite.config import GenerationConfig
+from edgelite.engine.generate import Backend, Stats, generate
+from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
+
+HELP = "/plan  /stats  /probe  /reset  /quit"
+
+
+@dataclass
+class Chat:
+    backend: Backend
+    tok: Tokenizer
+    cfg: GenerationConfig
+    plan: dict[str, Any] | None = None
+    reprobe: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    history: list[dict[str, str]] = field(default_factory=list)
+    last: dict[str, Any] = field(default_factory=dict)  # the last reply's figures
+    stages: list[dict[str, Any]] = field(default_factory=list)  # node stats after the last reply
+    label: Callable[[str], str] = str  # a display name for a node address
+
+    async def node_stats(self) -> list[dict[str, Any]]:
+        """Each node's stats, named by the address the client uses; [] when running locally."""
+        cluster = getattr(self.backend, "cluster", None)
+        if cluster is None:
+            return []
+        return [{**s, "name": self.label(link.name)}
+                for link, s in zip(cluster.links, await cluster.stats(), strict=True)]
+
+    def health(self) -> dict[str, str]:
+        cluster = getattr(self.backend, "cluster", None)
+        if cluster is None:
+            return {}
+        return {self.label(link.name): cluster.lost.get(link.name, "ok") for link in cluster.links}
+
+
+def _figures(stats: Stats) -> dict[str, Any]:
+    return {"tokens": len(stats.token_ids), "ttft_ms": stats.ttft_ms,
+            "decode_tok_s": stats.decode_tok_s}
+
+
+async def reply(chat: Chat, console: Console, plain: bool) -> str:
+    """Generate the answer to chat.history, streaming it; returns its text."""
+    stats, dec, text = Stats(), StreamDecoder(chat.tok), Text()
+    prompt = chat.tok.chat_prompt(chat.history)
+    if plain:
+        async for t in generate(chat.backend, prompt, chat.cfg, stats):
+            console.file.write(dec.push(t))
+            console.file.flush()
+        chat.last = _figures(stats)
+        console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} tok/s]\n")
+        return chat.tok.decode(stats.token_ids)
+    if not chat.stages:  # later replies start from the figures fetched after the last one
+        chat.stages = await chat.node_stats()
+    with Live(Group(text, ui.footer({}, chat.stages, chat.health())), console=console,
+              refresh_per_second=10) as live:
+        async for t in generate(chat.backend, prompt, chat.cfg, stats):
+            text.append(dec.push(t))
+            live.update(Group(text, ui.footer(_figures(stats), chat.stages, chat.health())))
+        chat.last = _figures(stats)
+        chat.stages = await chat.node_stats()
+        live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
+    console.line()
+    return chat.tok.decode(stats.token_ids)
+
+
+def _show(console: Console, plain: bool, data: dict[str, Any], view: Callable[[Any], Any]) -> None:
+    """A rich view, or one line of JSON when plain."""
+    if plain:
+        console.file.write(json.dumps(data) + "\n")
+    else:
+        console.print(view(data))
+
+
+async def command(chat: Chat, line: str, console: Console, plain: bool) -> bool:
+    """Run a slash command; False when the chat should end."""
+    cmd = line.split()[0]
+    if cmd in ("/quit", "/exit"):
+        return False
+    if cmd == "/reset":
+        chat.history.clear()
+        console.print("conversation reset")
+    elif cmd == "/plan":
+        if chat.plan is None:
+            console.print("no plan: every layer runs here (or --split was given)")
+        else:
+            _show(console, plain, chat.plan, ui.plan_view)
+    elif cmd == "/stats":
+        nodes = await chat.node_stats()
+        _show(console, plain, {"last": chat.last, "nodes": nodes},
+              lambda d: ui.stats_view(d["last"], d["nodes"]))
+    elif cmd == "/probe":
+        if chat.reprobe is None:
+            console.print("no nodes to probe")
+        else:
+            result = await chat.reprobe()
+            _show(console, plain, result, ui.probe_view)
+    else:
+        console.print(f"unknown command {cmd}; commands: {HELP}")
+    return True
+
+
+async def run(chat: Chat, console: Console, plain: bool = False) -> int:
+    if not plain:
+        console.print(f"[dim]commands: {HELP}[/dim]")
+    while True:
+        try:
+            line = await asyncio.to_thread(console.input, "> " if plain else "[bold cyan]> [/]")
+        except EOFError:
+            return 0
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if not await command(chat, line.strip(), console, plain):
+                return 0
+            continue
+        chat.history.append({"role": "user", "content": line})
+        answer = await reply(chat, console, plain)
+        chat.history.append({"role": "assistant", "content": answer})

@@ -1,0 +1,259 @@
+"""A thread that owns non-blocking framed connections: the hot path of steps, off the event loop.
+
+Both ends of a plan's data connections use one: a node's data plane (dataplane.py) and the
+client's step plane (stepplane.py). The thread waits on all its connections at once and handles
+each complete frame as soon as it is in; a slow or stalled sender holds up nobody, since a read
+never waits for the rest of a frame. The event loop hands it work through `call` / `submit`.
+
+Why a thread and not the event loop: a step is ONNX work plus a little framing, and each hand-off
+between the loop and a compute thread costs a wake-up of a sleeping thread with cold caches;
+on a phone-class CPU that is as much as the network hop itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from edgelite.config import WireLimits
+from edgelite.errors import ProtocolError
+from edgelite.net import wire
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class FrameThread:
+    RECV_BYTES = 64 * 1024  # per read; below malloc's mmap threshold
+
+    def __init__(self, name: str, limits: WireLimits, send_timeout_s: float,
+                 queued_call_timeout_s: float, shutdown_timeout_s: float) -> None:
+        self.limits = limits
+        self.send_timeout_s = send_timeout_s
+        self.queued_call_timeout_s = queued_call_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._todo: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.buffers: dict[socket.socket, bytearray] = {}  # bytes of frames not complete yet
+        # frames not yet taken by the kernel, and when each such connection must have moved on
+        self.outq: dict[socket.socket, deque[memoryview]] = {}
+        self.out_deadline: dict[socket.socket, float] = {}
+        self.bad_frames = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ---- for subclasses ------------------------------------------------------------------
+    def on_frame(self, sock: socket.socket, msg: dict[str, Any], t_in: float) -> None:
+        raise NotImplementedError
+
+    def on_bad_frame(self, sock: socket.socket, exc: ProtocolError) -> None:
+        """A frame that is not one: by default the sender gets an error and loses the connection."""
+        self.bad_frames += 1
+        log.warning("data connection: %s; closing", exc)
+        self.send(sock, {"type": "error", "message": str(exc)})
+        self.close_conn(sock)
+
+    def on_closed(self, sock: socket.socket, reason: str) -> None:
+        """The peer closed (or broke) the connection; it is already unregistered and closed."""
+
+    def next_timeout(self) -> float | None:
+        """How long the thread may wait for input before `on_idle` (None: until woken)."""
+        return None
+
+    def on_idle(self) -> None:
+        """Runs after every wait, once the input it brought is read: timers, queued steps."""
+
+    def cleanup(self) -> None:
+        """On the thread, as it ends."""
+
+    # ---- called from the event loop ------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the thread, in order with the frames it handles."""
+        self._todo.put(fn)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            log.debug("%s already stopped", self.thread.name)
+
+    async def submit(self, fn: Callable[[], T]) -> T:
+        """Run fn on the thread and wait for its result."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+                    fut.set_exception(exc)
+
+        self.call(run)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), self.queued_call_timeout_s)
+
+    async def stop(self) -> None:
+        if not self.thread.is_alive():
+            return
+        self._stop = True
+        self.call(lambda: None)
+        await asyncio.to_thread(self.thread.join, self.shutdown_timeout_s)
+
+    # ---- on the thread -------------------------------------------------------------------
+    def add(self, sock: socket.socket, role: str) -> None:
+        sock.setblocking(False)  # reads never wait; `send` waits only for a frame's tail
+        self.sel.register(sock, selectors.EVENT_READ, role)
+
+    def role(self, sock: socket.socket) -> str | None:
+        try:
+            return self.sel.get_key(sock).data
+        except (KeyError, ValueError):
+            return None
+
+    def send(self, sock: socket.socket, msg: dict[str, Any]) -> bool:
+        """Queue one frame; a step's activations usually go to the kernel at once. The rest of a
+        big frame goes out as the peer reads, without holding up other connections; a peer
+        that takes nothing for the send timeout loses its connection. False: broken already."""
+        data = memoryview(wire.pack(msg))
+        if (pending := self.outq.get(sock)) is not None:
+            pending.append(data)  # frames stay in order
+            return True
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            log.warning("%s: could not send a %s: %r", self.thread.name, msg.get("type"), exc)
+            return False
+        if sent < len(data):
+            self.outq[sock] = deque([data[sent:]])
+            self.out_deadline[sock] = time.monotonic() + self.send_timeout_s
+            self.sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, self.role(sock))
+        return True
+
+    def _flush(self, sock: socket.socket) -> None:
+        pending = self.outq[sock]
+        try:
+            while pending:
+                n = sock.send(pending[0])
+                pending[0] = pending[0][n:]
+                self.out_deadline[sock] = time.monotonic() + self.send_timeout_s
+                if len(pending[0]):
+                    return
+                pending.popleft()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.close_conn(sock, f"broken while sending: {exc!r}")
+            return
+        del self.outq[sock], self.out_deadline[sock]
+        self.sel.modify(sock, selectors.EVENT_READ, self.role(sock))
+
+    def _wait_s(self) -> float | None:
+        own = self.next_timeout()
+        if self.out_deadline:
+            out = max(0.0, min(self.out_deadline.values()) - time.monotonic())
+            return out if own is None else min(own, out)
+        return own
+
+    def _expire_sends(self) -> None:
+        now = time.monotonic()
+        for sock in [s for s, t in self.out_deadline.items() if t <= now]:
+            self.close_conn(sock, f"peer took nothing for {self.send_timeout_s:g} s")
+
+    def close_conn(self, sock: socket.socket, reason: str = "closed here") -> None:
+        try:
+            self.sel.unregister(sock)
+        except (KeyError, ValueError):
+            return  # closed already
+        self.buffers.pop(sock, None)
+        self.outq.pop(sock, None)
+        self.out_deadline.pop(sock, None)
+        sock.close()
+        self.on_closed(sock, reason)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                for key, events in self.sel.select(timeout=self._wait_s()):
+                    sock = key.fileobj
+                    if sock is self._wake_r:
+                        self._drain_todo()
+                        continue
+                    if events & selectors.EVENT_WRITE and sock in self.outq:
+                        self._flush(sock)  # type: ignore[arg-type]
+                    if events & selectors.EVENT_READ and self.role(sock) is not None:  # still open
+                        self._read(sock)  # type: ignore[arg-type]
+                if self.out_deadline:
+                    self._expire_sends()
+                self.on_idle()
+        except Exception:
+            log.exception("%s failed", self.thread.name)
+            raise
+        finally:
+            for key in list(self.sel.get_map().values()):
+                if key.fileobj is not self._wake_r:
+                    self.close_conn(key.fileobj, "shutting down")  # type: ignore[arg-type]
+            self.cleanup()
+            self.sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _drain_todo(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while not self._todo.empty():
+            fn = self._todo.get()
+            try:
+                fn()
+            except Exception:  # a bug in one piece of queued work must not end the thread
+                log.exception("%s: queued work failed", self.thread.name)
+
+    def _read(self, sock: socket.socket) -> None:
+        """Take what has arrived and handle each complete frame."""
+        buf = self.buffers.setdefault(sock, bytearray())
+        try:
+            chunk = sock.recv(self.RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.close_conn(sock, f"connection broken: {exc!r}")
+            return
+        if not chunk:
+            if buf:
+                self.bad_frames += 1
+                log.warning("data connection closed mid-frame (%d bytes held)", len(buf))
+            self.close_conn(sock, "connection closed" + (" mid-frame" if buf else ""))
+            return
+        buf += chunk
+        while self.buffers.get(sock) is buf and len(buf) >= 4:
+            (n,) = wire.LEN.unpack_from(buf)
+            try:
+                if n > self.limits.max_frame_bytes:
+                    raise ProtocolError(f"frame of {n} bytes exceeds the limit "
+                                        f"{self.limits.max_frame_bytes}")
+                if len(buf) < 4 + n:
+                    return
+                t_in = time.perf_counter()  # the frame is here: time spent on it starts
+                with memoryview(buf) as view:
+                    msg = wire.unpack(view[4:4 + n])
+                del buf[:4 + n]
+            except ProtocolError as exc:
+                self.on_bad_frame(sock, exc)
+                return
+            self.on_frame(sock, msg, t_in)

@@ -1,0 +1,224 @@
+"""Placement model: which device runs which decoder layers, and what that costs per token.
+
+Pure functions over data (no I/O, no clock). Time unit: milliseconds. A plan is a sequence of
+stages, each a distinct device with a contiguous layer range; the client (device 0) holds a prefix
+of the layers or none, and runs embedding and head, so a token travels
+client -> stage 1 -> ... -> stage k -> client. See shared/DESIGN.md "The planner".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgelite.errors import PlanInfeasible
+
+OBJECTIVES = ("latency", "throughput")
+
+
+@dataclass(frozen=True)
+class Weights:
+    w_c: float = 1.0  # ms per device used (complexity)
+    w_q1: float = 10.0  # x jitter (ms)
+    w_q2: float = 1.0  # x transfer time (ms) x loss
+    w_q3: float = 10000.0  # x loss^2: a 5 % loss link costs 25 ms
+    e_p: float = 0.3  # effective fraction of the nominal bandwidth
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    flops: float  # effective FLOP/s on the model's own shapes
+    memory_bytes: int
+    beta: float = 0.8  # fraction of memory the plan may use
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_ms: float
+    bandwidth_mbps: float
+    jitter_ms: float = 0.0
+    loss: float = 0.0
+
+
+@dataclass(frozen=True)
+class Layer:
+    flops: float  # per token
+    mem_bytes: int  # parameters + KV reserve
+    out_bytes: int  # activation sent to the next stage, per token
+
+
+@dataclass(frozen=True)
+class HopCost:
+    data: float  # latency + transfer
+    qos: float  # jitter, loss x transfer, loss^2 terms
+
+    @property
+    def total(self) -> float:
+        return self.data + self.qos
+
+
+@dataclass(frozen=True)
+class Problem:
+    layers: tuple[Layer, ...]
+    devices: tuple[Device, ...]  # devices[0] is the client
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)
+    weights: Weights = Weights()
+    client_first: bool = True  # the client holds layer 0 (privacy), as in the source method
+    client_reserved_bytes: int = 0  # embedding + head live on the client
+    objective: str = "latency"
+    client_fixed_flops: float = 0.0  # embedding + head per token: the same in every plan
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    @property
+    def m(self) -> int:
+        return len(self.devices)
+
+    @property
+    def identical(self) -> bool:
+        return len(set(self.layers)) == 1
+
+    def capacity(self, i: int) -> float:
+        d = self.devices[i]
+        return d.beta * d.memory_bytes - (self.client_reserved_bytes if i == 0 else 0)
+
+    def compute_ms(self, i: int, j: int) -> float:
+        return self.layers[j].flops / self.devices[i].flops * 1e3
+
+    def hop(self, i: int, k: int, out_bytes: int) -> HopCost | None:
+        """Cost of sending one token's activation from device i to k; None if unreachable."""
+        if i == k:
+            return HopCost(0.0, 0.0)
+        link = self.links.get((i, k))
+        if link is None or link.bandwidth_mbps <= 0:
+            return None
+        w = self.weights
+        t = out_bytes / (w.e_p * link.bandwidth_mbps * 125.0)  # Mbit/s -> bytes per ms
+        qos = w.w_q1 * link.jitter_ms + w.w_q2 * t * link.loss + w.w_q3 * link.loss ** 2
+        return HopCost(link.latency_ms + t, qos)
+
+    def hop_ms(self, i: int, k: int, out_bytes: int) -> float:
+        h = self.hop(i, k, out_bytes)
+        return math.inf if h is None else h.total
+
+
+Stage = tuple[int, int, int]  # (device, first layer, last layer)
+
+
+@dataclass
+class Plan:
+    stages: list[Stage]
+    objective: str
+    value: float  # the objective's value in ms
+    solver: str
+    status: str  # optimal | time_limit (gap ...) | ...
+    gap: float = 0.0
+    solve_ms: float = 0.0
+
+
+@dataclass
+class Prediction:
+    total: float
+    compute: float
+    data: float
+    qos: float
+    complexity: float
+    bottleneck: float  # the slowest stage (throughput objective)
+    per_stage: list[dict[str, Any]]
+    expected: float = math.inf  # wall ms/token: compute + data + the client's embedding and head
+
+
+def check_stages(p: Problem, stages: list[Stage]) -> None:
+    """A valid plan: contiguous cover of all layers, distinct devices, client only first."""
+    expect, seen = 0, set()
+    for pos, (d, a, b) in enumerate(stages):
+        if a != expect or b < a or d in seen or (d == 0 and pos != 0):
+            raise ValueError(f"invalid stages {stages}")
+        seen.add(d)
+        expect = b + 1
+    if expect != p.n:
+        raise ValueError(f"stages {stages} do not cover layers 0-{p.n - 1}")
+
+
+def predict(p: Problem, stages: list[Stage]) -> Prediction:
+    """ms per token of a plan, split into compute, data, QoS and complexity (math.inf if a hop
+    is unreachable or memory does not fit)."""
+    check_stages(p, stages)
+    rows, compute, data, qos = [], 0.0, 0.0, 0.0
+    prev, client_ms, stage_times = 0, 0.0, []
+    for d, a, b in stages:
+        mem = sum(p.layers[j].mem_bytes for j in range(a, b + 1))
+        c = sum(p.compute_ms(d, j) for j in range(a, b + 1))
+        hop = p.hop(prev, d, p.layers[max(a - 1, 0)].out_bytes)
+        if hop is None or mem > p.capacity(d):
+            return Prediction(math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, [])
+        rows.append({"device": p.devices[d].name, "first_layer": a, "last_layer": b,
+                     "compute_ms": c, "hop_in_ms": hop.total, "stage_ms": c + hop.total})
+        compute, data, qos, prev = compute + c, data + hop.data, qos + hop.qos, d
+        if d == 0:
+            client_ms = c
+        else:
+            stage_times.append(c + hop.total)
+    back = p.hop(prev, 0, p.layers[-1].out_bytes)
+    if back is None:
+        return Prediction(math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, [])
+    data, qos = data + back.data, qos + back.qos
+    complexity = p.weights.w_c * len(stages)
+    bottleneck = max([client_ms + back.total, *stage_times])
+    fixed = p.client_fixed_flops / p.devices[0].flops * 1e3
+    return Prediction(compute + data + qos + complexity, compute, data, qos, complexity,
+                      bottleneck, rows, compute + data + fixed)
+
+
+def value(p: Problem, stages: list[Stage]) -> float:
+    pr = predict(p, stages)
+    return pr.total if p.objective == "latency" else pr.bottleneck
+
+
+def precheck(p: Problem) -> None:
+    """Raise PlanInfeasible (with how much memory is short, and where) before any solver runs."""
+    if p.objective not in OBJECTIVES:
+        raise ValueError(f"objective {p.objective!r}: one of {', '.join(OBJECTIVES)}")
+    names = ", ".join(f"{d.name} ({p.capacity(i) / 2**20:.0f} MiB usable)"
+                      for i, d in enumerate(p.devices))
+    need = sum(L.mem_bytes for L in p.layers)
+    have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
+    if need > have:
+        raise PlanInfeasible(f"the layers need {need / 2**20:.0f} MiB, the devices offer "
+                             f"{have / 2**20:.0f} MiB: {(need - have) / 2**20:.0f} MiB short; "
+                             f"considered {names}")
+    biggest = max(p.layers, key=lambda L: L.mem_bytes).mem_bytes
+    if all(p.capacity(i) < biggest for i in range(p.m)):
+        raise PlanInfeasible(f"no device can hold one layer of {biggest / 2**20:.0f} MiB; "
+                             f"considered {names}")
+    if p.client_first and p.capacity(0) < p.layers[0].mem_bytes:
+        raise PlanInfeasible(f"the client {p.devices[0].name} must hold layer 0 "
+                             f"({p.layers[0].mem_bytes / 2**20:.0f} MiB) but has "
+                             f"{p.capacity(0) / 2**20:.0f} MiB usable")
+
+
+def solve(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
+    """Best plan. solver: auto | milp | milp-literal | milp-aggregated | dp."""
+    precheck(p)
+    from edgelite.plan import dp as plan_dp
+    from edgelite.plan import milp as plan_milp
+
+    if solver == "dp" or (solver == "auto" and not plan_milp.available()):
+        plan = plan_dp.solve(p)
+    elif solver in ("auto", "milp"):
+        plan = (plan_milp.solve_aggregated(p, time_limit_s) if p.identical
+                else plan_milp.solve_literal(p, time_limit_s))
+    elif solver == "milp-literal":
+        plan = plan_milp.solve_literal(p, time_limit_s)
+    elif solver == "milp-aggregated":
+        plan = plan_milp.solve_aggregated(p, time_limit_s)
+    else:
+        raise ValueError(f"unknown solver {solver!r}")
+    if not plan.stages:
+        raise PlanInfeasible(f"no placement fits ({plan.solver}: {plan.status}); considered "
+                             + ", ".join(d.name for d in p.devices))
+    return plan

@@ -1,0 +1,52 @@
+"""Build a planner Problem from a manifest and a cluster description (pure: dicts in, data out).
+
+cluster.json: {"devices": [{"name", "flops", "memory_bytes", "beta"?}],
+               "links": [{"src", "dst", "latency_ms", "bandwidth_mbps", "jitter_ms", "loss"}],
+               "client": name}. A missing link means unreachable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgelite.errors import EdgeliteError
+from edgelite.manifest import Manifest
+from edgelite.plan.model import Device, Layer, Link, Problem, Weights
+
+KV_TOKENS = 2048  # context each layer reserves KV memory for
+
+
+def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
+    return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
+                       mem_bytes=e.param_bytes + e.kv_bytes_per_token * kv_tokens)
+                 for e in m.layers)
+
+
+def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
+                 weights: Weights | None = None, client_first: bool = True,
+                 kv_tokens: int = KV_TOKENS) -> Problem:
+    try:
+        devs = spec["devices"]
+        names = [d["name"] for d in devs]
+        client = spec.get("client", names[0])
+        if client not in names:
+            raise EdgeliteError(f"cluster: client {client!r} is not among the devices {names}")
+        order = [client, *[n for n in names if n != client]]
+        by_name = {d["name"]: d for d in devs}
+        devices = tuple(Device(n, float(by_name[n]["flops"]), int(by_name[n]["memory_bytes"]),
+                               float(by_name[n].get("beta", 0.8))) for n in order)
+        index = {n: i for i, n in enumerate(order)}
+        links = {}
+        for link in spec.get("links", []):
+            if link["src"] not in index or link["dst"] not in index:
+                raise EdgeliteError(f"cluster: link {link['src']}->{link['dst']} names an "
+                                    f"unknown device")
+            links[index[link["src"]], index[link["dst"]]] = Link(
+                float(link["latency_ms"]), float(link["bandwidth_mbps"]),
+                float(link.get("jitter_ms", 0.0)), float(link.get("loss", 0.0)))
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EdgeliteError(f"cluster description is malformed: {exc!r}") from exc
+    reserved = m.embed.param_bytes + m.head.param_bytes
+    return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
+                   client_first=client_first, client_reserved_bytes=reserved, objective=objective,
+                   client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token))
