@@ -18,15 +18,17 @@ class GenerationConfig:
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # sampling seed (None: a fresh one each reply)
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
 
 
 @dataclass(frozen=True)
 class WireLimits:
-    max_frame_bytes: int = 256 * 1024 * 1024  # largest frame accepted (deploy chunks, activations)
+    max_frame_bytes: int = 64 * 1024 * 1024  # largest frame accepted after the handshake
+    max_handshake_frame_bytes: int = 4096  # largest frame read from a peer not yet authenticated
+    frame_body_timeout_s: float = 30.0  # a frame's body must arrive this soon after its length
     max_tensor_elements: int = 64 * 1024 * 1024
     max_tensor_dims: int = 6
-    deploy_chunk_bytes: int = 4 * 1024 * 1024
     max_trace_stages: int = 64  # a step's per-stage timings (one pair per stage it went through)
 
 
@@ -56,6 +58,7 @@ class ClientConfig:
     step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
     prefill_timeout_s: float = 60.0  # a long prompt on a slow phone may take this long
     deploy_timeout_s: float = 120.0
+    deploy_chunk_bytes: int = 4 * 1024 * 1024  # one upload frame
     request_timeout_s: float = 10.0  # control requests (load plan, stats)
     end_timeout_s: float = 2.0  # freeing a session's KV; best effort
     trace_window: int = 256  # recent steps whose per-stage timings are kept (stats, benchmarks)
@@ -71,3 +74,25 @@ class GatewayConfig:
     max_prompt_chars: int = 32_000
     max_tokens_limit: int = 2048  # the most a request may ask for
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
+    max_requests_per_user: int = 8  # waiting + running at once; more are refused
+    client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped
+    client_send_timeout_s: float = 10.0  # a client that takes no frame for this long is dropped
+    latency_window: int = 4096  # TTFT and inter-token samples kept per tier (the latest)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    context_limit: int = 2048  # L
+    a_prompt: float = 1.0
+    a_output: float = 1.0
+    a_decode: float = 1.0
+    w_tier: float = 1.0  # third term per tier level (tiers 0 = lowest)
+    patience_s: float = 2.0  # P, for tier 0
+    tier_patience_scale: float = 1.0  # tier t is overdue after P * scale**t (< 1: sooner)
+    slope: float = 1e6  # second term per overdue second: overdue beats any static difference
+    max_requests: int = 8  # running at once (one decode step serves them all)
+    max_step_tokens: int = 2048  # prefill tokens one step may admit
+    kv_tokens: int = 8192  # KV memory, in tokens, for all running requests together
+    max_preemptions: int = 2  # per request
+    interval_s: float = 0.0  # minimum time between admissions
+    finished_window: int = 1024  # finished requests kept for inspection (the latest)

@@ -6,20 +6,11 @@ Reads only the model's manifest.json. Change a phone's memory or a link's loss i
 see how the placement moves.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
-
-from edgelite import manifest as mf
-from edgelite.cli.plan import plan_json
-from edgelite.cli.views import plan_view
-from edgelite.errors import PlanInfeasible
-from edgelite.plan.model import solve
-from edgelite.plan.spec import problem_from
+import edgelite
 
 
 def main() -> None:
@@ -29,17 +20,18 @@ def main() -> None:
     ap.add_argument("--objective", choices=["latency", "throughput"], default="latency")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    m = mf.load(args.model)
-    spec = json.loads(args.cluster.read_text())
-    problem = problem_from(m, spec, args.objective)
+    cluster = json.loads(args.cluster.read_text())
     try:
-        out = plan_json(problem, solve(problem))
-    except PlanInfeasible as exc:
+        plan = edgelite.plan(edgelite.load_manifest(args.model), cluster, args.objective)
+    except edgelite.PlanInfeasible as exc:
         raise SystemExit(f"no plan: {exc}") from exc
     if args.json:
-        print(json.dumps(out))
-    else:
-        Console().print(plan_view(out))
+        print(json.dumps(plan.to_json()))
+        return
+    for s in plan.stages:
+        print(f"{s.device:>10}  layers {s.first:>2}-{s.last:<2}  compute {s.compute_ms:6.2f} ms"
+              f"  link in {s.hop_in_ms:6.2f} ms")
+    print(f"{plan.solver} ({plan.status}): {plan.predicted.expected:.1f} ms/token expected")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,14 @@ from pathlib import Path
 
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node
-from edgelite.cli.node import install_uvloop
-from edgelite.client.cluster import ClusterBackend, in_order, open_cluster
+from edgelite.cli.runner import install_uvloop
+from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.config import GenerationConfig, RuntimeConfig
 from edgelite.engine.generate import LocalBackend, generate
 from edgelite.engine.tokenizer import Tokenizer
+from edgelite.ids import NodeAddr
 from edgelite.net.steptrace import StepTrace, hop_summary
+from edgelite.planner.solve import split_plan
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -107,15 +109,19 @@ def time_layers(local: LocalBackend) -> list[float]:
 
 
 async def cluster(m: mf.Manifest, ports: list[int], split: list[tuple[int, int]]) -> ClusterBackend:
-    return await open_cluster(m, [("127.0.0.1", p) for p in ports], in_order(split), TOKEN, threads=1)
+    plan = split_plan(split, [NodeAddr("127.0.0.1", p) for p in ports], m.num_layers)
+    backend = await open_backend(m, plan, TOKEN, runtime=RuntimeConfig(threads=1))
+    assert isinstance(backend, ClusterBackend)
+    return backend
 
 
 async def ping_us(be: ClusterBackend, n: int = 200) -> float:
-    link = be.cluster.links[0]
+    addr = be.plan.stages[0].addr
+    assert addr is not None
     samples = []
     for _ in range(n):
         t0 = time.perf_counter()
-        await link.request({"type": "ping"}, 5)
+        await be.cluster.ping(addr, 5)
         samples.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(samples)
 
@@ -138,7 +144,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         local_layers_ms = time_layers(local)
         res["local_ms"], res["pipe3_ms"] = await paired_blocks(
             [local, three], prompt, args.tokens, args.block, args.session_tokens)
-        traces: list[StepTrace] = list(three.cluster.traces)
+        traces: list[StepTrace] = list(three.traces)
         prompts = [prompt[:-k] if k else prompt for k in range(4)]  # 4 different sessions
         for r in range(args.rounds):
             order = [("one_tok_s", prompts[:1]), ("four_tok_s", prompts)]

@@ -12,7 +12,8 @@ import json
 import random
 import statistics
 
-from edgelite.plan.model import Device, Layer, Link, Problem, solve
+from edgelite.planner.model import Device, Layer, Link, Problem
+from edgelite.planner.solve import solution as solve
 
 MiB = 2**20
 

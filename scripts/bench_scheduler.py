@@ -15,7 +15,8 @@ import random
 import statistics
 from dataclasses import replace
 
-from edgelite.serve.scheduler import Request, Scheduler, SchedulerConfig
+from edgelite.config import SchedulerConfig
+from edgelite.serve.scheduler import Request, Scheduler
 
 TIERS = (0, 1, 2)  # 2 = top
 MIX = (0.5, 0.3, 0.2)
@@ -51,7 +52,7 @@ def simulate(cfg: SchedulerConfig, arrivals: list[tuple[float, int, int, int]]) 
     first: dict[str, float] = {}
     late: dict[str, int] = {}  # rid -> requests ahead of it when it became overdue
     now, i, preemptions, max_step = 0.0, 0, 0, 0.0
-    while i < len(reqs) or len(s.finished) < len(reqs):
+    while i < len(reqs) or s.finished_count < len(reqs):
         while i < len(reqs) and reqs[i].arrival <= now:
             s.submit(reqs[i])
             i += 1

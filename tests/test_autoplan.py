@@ -14,8 +14,8 @@ from pathlib import Path
 from conftest import run_cli
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
-from edgelite.plan.spec import KV_TOKENS
-from edgelite.probe.emulator import EmulatorProcess, LinkSpec
+from edgelite.planner.spec import KV_TOKENS
+from edgelite.prober.emulator import EmulatorProcess, LinkSpec
 
 FAST, SLOW = LinkSpec(delay_ms=8.0), LinkSpec(delay_ms=60.0)
 

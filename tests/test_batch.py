@@ -11,9 +11,10 @@ from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.batch import run_batch
 from edgelite.engine.runtime import LayerRange, positions_for
-from edgelite.net import wire
+from edgelite.net import messages as msgs
+from edgelite.net.frames import pack
 from test_distributed import _cluster
-from test_node_bad_input import LIMITS, _authed, _data
+from test_node_bad_input import _authed, _data
 
 pytestmark = pytest.mark.e2e
 
@@ -50,8 +51,7 @@ def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
 
 
 def _frame(plan: str, session: str, step: int, start: int, hidden: np.ndarray) -> bytes:
-    return wire.pack({"type": "forward", "plan_id": plan, "session": session, "step": step,
-                      "start": start, "hidden": wire.encode_tensor(hidden)})
+    return pack(msgs.Forward(plan_id=plan, session=session, step=step, start=start, hidden=hidden))
 
 
 def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None:
@@ -69,13 +69,13 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
         plan = be.cluster.plan_id
         try:
             sink = await _authed(node.port)  # takes the plan's results over from `be`
-            await sink.send({"type": "data", "id": 1, "plan_id": plan, "role": "sink"})
-            assert (await sink.recv())["type"] == "data_ok"
+            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink"))
+            assert isinstance(await sink.recv(), msgs.DataReady)
             steps_in = await _data(node.port, plan)
             for i, p in enumerate(prompts):  # prefill each session on its own
-                await steps_in.send({"type": "forward", "plan_id": plan, "session": f"s{i}",
-                                     "step": 0, "start": 0, "hidden": wire.encode_tensor(p)})
-                assert "error" not in await asyncio.wait_for(sink.recv(), 10)
+                await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0,
+                                              hidden=p))
+                assert (await asyncio.wait_for(sink.recv(), 10)).error is None
             # all decode steps in one write, so they are read in one go; plus one with a
             # wrong start, which is refused on its own while the others run as a batch
             burst = b"".join(_frame(plan, f"s{i}", 1, n, s)
@@ -85,13 +85,13 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
             got = {}
             for _ in range(len(lengths) + 1):
                 msg = await asyncio.wait_for(sink.recv(), 10)
-                got[(msg["session"], msg.get("start"))] = msg
-            refused = [msg for msg in got.values() if "error" in msg]
-            assert len(refused) == 1 and "starts at 99" in refused[0]["error"]
+                got[(msg.session, msg.start)] = msg
+            refused = [msg for msg in got.values() if msg.error is not None]
+            assert len(refused) == 1 and "starts at 99" in refused[0].error
             for i, (p, s) in enumerate(zip(prompts, steps, strict=True)):
-                out = wire.decode_tensor(got[(f"s{i}", lengths[i])]["hidden"], LIMITS)
+                out = got[(f"s{i}", lengths[i])].hidden
                 np.testing.assert_allclose(out, _solo(layers, p, s)[0], atol=1e-5, rtol=0)
-            stats = await be.cluster.links[0].request({"type": "stats"}, 5)
+            stats = (await be.cluster.stats())[be.plan.stages[0].addr]
             assert stats["batches"] == 1 and stats["batched_steps"] == len(lengths), stats
             await sink.close()
             await steps_in.close()

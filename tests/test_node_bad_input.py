@@ -5,24 +5,40 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError
-from edgelite.net import wire
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn, read_frame
+from edgelite.net.handshake import connect
+from edgelite.net.tensors import encode_tensor
 from test_distributed import _cluster, _tokens
 
 pytestmark = pytest.mark.e2e
 LIMITS = WireLimits()
 
 
+def _frame(d: dict[str, Any]) -> bytes:
+    body = msgpack.packb(d, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+async def _send_raw(conn: Conn, d: dict[str, Any]) -> None:
+    conn.writer.write(_frame(d))
+    await conn.writer.drain()
+
+
 async def _raw(port: int, payload: bytes) -> bytes:
     """Send raw bytes after the node's hello; return whatever comes back until close."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    await wire.read_frame(r, LIMITS)  # hello
+    await read_frame(r, LIMITS.max_handshake_frame_bytes, 5)  # hello
     w.write(payload)
     await w.drain()
     try:
@@ -32,16 +48,16 @@ async def _raw(port: int, payload: bytes) -> bytes:
     return data
 
 
-async def _authed(port: int, fingerprint: str | None = None) -> wire.Conn:
-    conn, _ = await wire.connect("127.0.0.1", port, TOKEN, fingerprint, LIMITS, 5)
+async def _authed(port: int, fingerprint: str | None = None) -> Conn:
+    conn, _ = await connect(NodeAddr("127.0.0.1", port), TOKEN, fingerprint, LIMITS, 5)
     return conn
 
 
-async def _data(port: int, plan: str) -> wire.Conn:
+async def _data(port: int, plan: str) -> Conn:
     """A data connection (steps in) for `plan`."""
     conn = await _authed(port)
-    await conn.send({"type": "data", "id": 9, "plan_id": plan, "role": "in"})
-    assert (await conn.recv())["type"] == "data_ok"
+    await conn.send(m.OpenData(id=9, plan_id=plan, role="in"))
+    assert isinstance(await conn.recv(), m.DataReady)
     return conn
 
 
@@ -57,7 +73,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             await _raw(node.port, os.urandom(64))
             # 2. a truncated frame: length says 1000, 10 bytes sent, then EOF
             r, w = await asyncio.open_connection("127.0.0.1", node.port)
-            await wire.read_frame(r, LIMITS)
+            await read_frame(r, LIMITS.max_handshake_frame_bytes, 5)
             w.write(struct.pack(">I", 1000) + b"x" * 10)
             await w.drain()
             w.write_eof()
@@ -66,65 +82,69 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             # 3. a 4 GiB length prefix -> an error reply naming the limit, then closed
             reply = await _raw(node.port, struct.pack(">I", 0xFFFFFFFF))
             assert b"exceeds the limit" in reply
+            # before the handshake a frame may be only a few KiB
+            reply = await _raw(node.port, struct.pack(">I", 1 << 20))
+            assert b"exceeds the limit of 4096" in reply
             # 4. wrong token
             with pytest.raises(AuthError, match="wrong token"):
-                await wire.connect("127.0.0.1", node.port, "wrong", None, LIMITS, 5)
+                await connect(NodeAddr("127.0.0.1", node.port), "wrong", None, LIMITS, 5)
             conn = await _authed(node.port)
             # 5. unknown message type -> error reply, connection still usable
-            await conn.send({"type": "teleport", "id": 1})
+            await _send_raw(conn, {"type": "teleport", "id": 1})
             msg = await conn.recv()
-            assert msg["type"] == "error" and "unknown message type" in msg["message"]
-            # a step on a control connection -> refused, pointing at data connections
-            await conn.send({"type": "forward", "id": 4, "plan_id": plan})
-            assert "data connection" in (await conn.recv())["message"]
-            await conn.send({"type": "ping", "id": 2, "t": 1})
-            assert (await conn.recv())["type"] == "ping_ok"
+            assert isinstance(msg, m.Error) and "unknown message type" in msg.message
+            # a step on a control connection -> refused
+            await _send_raw(conn, {"type": "forward", "plan_id": plan, "session": "s", "step": 0,
+                                   "start": 0})
+            assert "not a request this node serves" in (await conn.recv()).message
+            await conn.send(m.Ping(id=2, t=1.0))
+            assert isinstance(await conn.recv(), m.Pong)
             await conn.close()
             # 6. wrong dtype and 7. wrong shape in a forward -> error results on a data connection
             conn = await _data(node.port, plan)
             bad_dtype = {"dtype": "float32", "shape": [1, 1, 48], "data": b"\0" * 10}
-            await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 0,
-                             "start": 0, "hidden": bad_dtype})
+            await _send_raw(conn, {"type": "forward", "plan_id": plan, "session": "b", "step": 0,
+                                   "start": 0, "hidden": bad_dtype})
             msg = await conn.recv()
-            assert "needs 192 bytes" in msg["error"]
-            await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 1,
-                             "start": 0, "hidden": wire.encode_tensor(np.zeros((1, 1, 5),
-                                                                               np.float32))})
+            assert isinstance(msg, m.Error) and "needs 192 bytes" in msg.message
+            await conn.send(m.Forward(plan_id=plan, session="b", step=1, start=0,
+                                      hidden=np.zeros((1, 1, 5), np.float32)))
             msg = await conn.recv()
-            assert "expected (batch, seq, 48)" in msg["error"]
-            for bad_trace in ("x", [[1, 2, 3]], [["a", 1]], [[0, 0]] * 64):  # per-stage timings
-                await conn.send({"type": "forward", "plan_id": plan, "session": "b", "step": 2,
-                                 "start": 0, "trace": bad_trace,
-                                 "hidden": wire.encode_tensor(np.zeros((1, 1, 48), np.float32))})
-                assert "trace must be a list" in (await conn.recv())["error"]
-            # a control request on a data connection -> error, then closed
-            await conn.send({"type": "ping", "id": 5})
-            assert "carries forward frames" in (await conn.recv())["message"]
-            with pytest.raises(asyncio.IncompleteReadError):
-                await asyncio.wait_for(conn.recv(), 10)
+            assert "expected float32 (batch, seq, 48)" in msg.error
+            await conn.send(m.Forward(plan_id=plan, session="b", step=1, start=0,
+                                      hidden=np.zeros((1, 1, 48), np.float16)))
+            assert "expected float32" in (await conn.recv()).error
+            for bad_trace in ("x", [[1, 2, 3]], [["a", 1]], [[0, 0]] * 65):  # per-stage timings
+                await _send_raw(conn, {"type": "forward", "plan_id": plan, "session": "b",
+                                       "step": 2, "start": 0, "trace": bad_trace,
+                                       "hidden": encode_tensor(np.zeros((1, 1, 48), np.float32))})
+                assert "forward.trace" in (await conn.recv()).message
+            # a control request on a data connection -> refused, the connection stays
+            await conn.send(m.Ping(id=5))
+            assert "carries forward frames" in (await conn.recv()).message
             await conn.close()
             # 8. a connection opened for another model's fingerprint cannot carry steps
             conn = await _authed(node.port, fingerprint="0" * 32)
-            await conn.send({"type": "data", "id": 6, "plan_id": plan, "role": "in"})
+            await conn.send(m.OpenData(id=6, plan_id=plan, role="in"))
             msg = await conn.recv()
-            assert msg["type"] == "error" and "this connection was opened for" in msg["message"]
+            assert isinstance(msg, m.Error) and "this connection was opened for" in msg.message
             await conn.close()
             # a data connection for a plan this node never loaded
             conn = await _authed(node.port)
-            await conn.send({"type": "data", "id": 7, "plan_id": "nope", "role": "in"})
-            assert "not loaded" in (await conn.recv())["message"]
+            await conn.send(m.OpenData(id=7, plan_id="nope", role="in"))
+            assert "not loaded" in (await conn.recv()).message
             await conn.close()
-            # random bytes on a data connection -> closed, the node goes on
+            # a huge length on a data connection -> refused and closed, the node goes on
             conn = await _data(node.port, plan)
             conn.writer.write(struct.pack(">I", 0xFFFFFFFF))
             await conn.writer.drain()
-            assert "exceeds the limit" in (await conn.recv())["message"]
+            assert "exceeds the limit" in (await conn.recv()).message
             await conn.close()
             # 9. a wire name used as a path is refused
             conn = await _authed(node.port)
-            await conn.send({"type": "upload", "id": 3, "sha256": "../../etc/passwd",
-                             "offset": 0, "total": 4, "data": b"abcd"})
-            assert "not a sha256" in (await conn.recv())["message"]
+            await conn.send(m.Upload(id=3, sha256="../../etc/passwd", offset=0, total=4,
+                                     data=b"abcd"))
+            assert "not a sha256" in (await conn.recv()).message
             await conn.close()
             # a sender stalled mid-frame on a data connection holds up nobody
             stalled = await _data(node.port, plan)
@@ -133,7 +153,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             # the normal session still completes, on the same cluster connection
             assert len(await asyncio.wait_for(_tokens(be, [5, 6, 7], 6), 10)) > 0
             await stalled.close()
-            stats = (await be.cluster.stats())[0]
+            stats = next(iter((await be.cluster.stats()).values()))
             assert stats["bad_frames"] >= 11
         finally:
             await be.close()

@@ -9,16 +9,17 @@ import random
 import pytest
 
 from edgelite.errors import PlanInfeasible
-from edgelite.plan import dp as plan_dp
-from edgelite.plan import milp as plan_milp
-from edgelite.plan.model import Device, Layer, Link, Problem, Stage, predict, solve, value
+from edgelite.planner import dp as plan_dp
+from edgelite.planner import milp as plan_milp
+from edgelite.planner.model import Device, Layer, Link, Problem, Span, predict, value
+from edgelite.planner.solve import solution as solve
 
 MiB = 2**20
 
 
-def brute_force(p: Problem) -> tuple[float, list[Stage]]:
+def brute_force(p: Problem) -> tuple[float, list[Span]]:
     """Every sequence of distinct devices (client only first) and every cut into ranges."""
-    best: tuple[float, list[Stage]] = (math.inf, [])
+    best: tuple[float, list[Span]] = (math.inf, [])
     others = list(range(1, p.m))
     for r in range(0, len(others) + 1):
         for seq in itertools.permutations(others, r):
@@ -56,9 +57,9 @@ def _solve_value(p: Problem, solver) -> float:
         plan = solver(p)
     except PlanInfeasible:
         return math.inf
-    if plan.stages:
-        assert plan.value == pytest.approx(value(p, plan.stages), rel=1e-9)
-    return plan.value if plan.stages else math.inf
+    if plan.spans:
+        assert plan.value == pytest.approx(value(p, plan.spans), rel=1e-9)
+    return plan.value if plan.spans else math.inf
 
 
 def test_property_milp_dp_brute_force_agree() -> None:
@@ -86,7 +87,7 @@ def test_property_milp_dp_brute_force_agree() -> None:
 def _lossy_case(qos: bool) -> Problem:
     """Client C and phones A, B, D; memory needs C plus two phones. A and B are the fastest pair,
     but their link loses 5 % of packets; D is slower, its link to A is clean; B-D is down."""
-    from edgelite.plan.model import Weights
+    from edgelite.planner.model import Weights
 
     layer = Layer(flops=2e7, mem_bytes=100 * MiB, out_bytes=2304)
     devices = (Device("C", 1e9, 120 * MiB, beta=1.0), Device("A", 1e10, 1000 * MiB, beta=1.0),
@@ -99,13 +100,13 @@ def _lossy_case(qos: bool) -> Problem:
 
 
 def test_qos_term_alone_avoids_a_lossy_link() -> None:
-    hops = lambda pl: {frozenset((a[0], b[0])) for a, b in itertools.pairwise(pl.stages)}  # noqa: E731
+    hops = lambda pl: {frozenset((a[0], b[0])) for a, b in itertools.pairwise(pl.spans)}  # noqa: E731
     blind = solve(_lossy_case(qos=False))
     aware = solve(_lossy_case(qos=True))
     assert frozenset((1, 2)) in hops(blind)  # without QoS the fast pair wins
     assert frozenset((1, 2)) not in hops(aware)  # with it, the 5 % link is avoided
-    assert {d for d, _, _ in aware.stages} == {0, 1, 3}
-    assert predict(_lossy_case(qos=True), aware.stages).qos < 1.0
+    assert {d for d, _, _ in aware.spans} == {0, 1, 3}
+    assert predict(_lossy_case(qos=True), aware.spans).qos < 1.0
     for solver in ("dp", "milp-literal"):
         assert solve(_lossy_case(qos=True), solver).value == pytest.approx(aware.value)
 
@@ -117,9 +118,9 @@ def test_memory_forces_a_third_device() -> None:
     link = Link(10, 50)
     links = {(i, k): link for i in range(3) for k in range(3) if i != k}
     plan = solve(Problem((layer,) * 9, devices, links))  # C holds 3, A 5: the 9th needs B
-    assert {d for d, _, _ in plan.stages} == {0, 1, 2}
+    assert {d for d, _, _ in plan.spans} == {0, 1, 2}
     small = Problem((layer,) * 8, devices, links)  # 8 layers fit on C + A: slow B stays out
-    assert {d for d, _, _ in solve(small).stages} == {0, 1}
+    assert {d for d, _, _ in solve(small).spans} == {0, 1}
 
 
 def test_infeasible_says_how_much_is_short() -> None:
@@ -134,10 +135,24 @@ def test_unreachable_device_is_not_used() -> None:
     layer = Layer(flops=1e8, mem_bytes=10 * MiB, out_bytes=2304)
     devices = (Device("C", 1e9, 1000 * MiB), Device("fast-but-cut-off", 1e12, 1000 * MiB))
     plan = solve(Problem((layer,) * 4, devices, {}))
-    assert plan.stages == [(0, 0, 3)]
+    assert plan.spans == [(0, 0, 3)]
 
 
 def test_solver_reports_status() -> None:
     plan = solve(_lossy_case(qos=True), "milp-aggregated")
     assert plan.status == "optimal" and plan.solver == "highs-milp-aggregated"
     assert plan_milp.available()
+
+
+def test_solve_types_the_plan_with_names_and_addresses() -> None:
+    from edgelite.ids import NodeAddr
+    from edgelite.planner.solve import solve as typed_solve
+
+    layer = Layer(flops=1e9, mem_bytes=100, out_bytes=4096)
+    devices = (Device("client", 1e9, 10_000), Device("a", 1e12, 10_000, addr=NodeAddr("h", 1)))
+    links = {(0, 1): Link(1.0, 100.0), (1, 0): Link(1.0, 100.0)}
+    plan = typed_solve(Problem((layer,) * 4, devices, links, client_first=False))
+    assert [(s.device, s.first, s.last, s.addr) for s in plan.stages] == [("a", 0, 3, NodeAddr("h", 1))]
+    assert plan.remote == plan.stages and plan.local is None
+    assert plan.to_json()["stages"][0]["addr"] == "h:1"
+    assert plan.predicted is not None and plan.predicted.total > 0

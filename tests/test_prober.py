@@ -15,8 +15,12 @@ import pytest
 
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN
-from edgelite.probe import prober
-from edgelite.probe.emulator import EmulatorProcess, LinkSpec
+from edgelite.config import WireLimits
+from edgelite.ids import NodeAddr
+from edgelite.net import linkprobe as prober
+from edgelite.net import messages as m
+from edgelite.net.handshake import connect
+from edgelite.prober.emulator import EmulatorProcess, LinkSpec
 from test_distributed import _cluster
 
 pytestmark = pytest.mark.e2e
@@ -29,19 +33,17 @@ async def _probe_via(node_a, node_b, spec: LinkSpec, seed: int = 3) -> prober.Li
     emu = EmulatorProcess()
     ((tcp, udp),) = await emu.start([(("127.0.0.1", node_b.port), spec)], seed)
     try:
-        import edgelite.net.wire as wire
-
-        conn, _ = await wire.connect("127.0.0.1", node_a.port, TOKEN, None, wire.WireLimits(), 5)
+        conn, _ = await connect(NodeAddr("127.0.0.1", node_a.port), TOKEN, None, WireLimits(), 5)
         try:
-            await conn.send({"type": "probe_link", "id": 1, "host": "127.0.0.1", "port": tcp,
-                             "udp_port": udp, "config": {"udp_packets": 400}})
+            await conn.send(m.ProbeLink(id=1, peer=NodeAddr("127.0.0.1", tcp, udp),
+                                        config={"udp_packets": 400}))
             reply = await asyncio.wait_for(conn.recv(), 60)
         finally:
             await conn.close()
     finally:
         await emu.close()
-    assert reply["type"] == "probe_link_ok", reply
-    link = reply["link"]
+    assert isinstance(reply, m.LinkReport), reply
+    link = dict(reply.link)
     link["loss_ci95"] = tuple(link["loss_ci95"])
     return prober.LinkStats(**link)
 
@@ -66,7 +68,7 @@ def test_emulated_link_measured_within_tolerance(node_factory, spec: LinkSpec) -
 def test_unreachable_peer_is_a_measurement() -> None:
     async def main() -> prober.LinkStats:
         t0 = time.monotonic()
-        st = await prober.probe_peer("127.0.0.1", 9, None, TOKEN, prober.ProbeConfig(timeout_s=1))
+        st = await prober.probe_peer(NodeAddr("127.0.0.1", 9), TOKEN, prober.ProbeConfig(timeout_s=1))
         assert time.monotonic() - t0 < 3
         return st
 
@@ -99,19 +101,17 @@ def test_layer_flops_predict_decode_time(smollm2, node_factory) -> None:
     async def main() -> tuple[float, float]:
         be = await _cluster(smollm2[0], [node.addr], [(0, 9)])
         try:
-            link = be.cluster.links[0]
-            prof = await link.request({"type": "profile"}, 30)
+            link = be.cluster.link(NodeAddr.parse(node.addr))
+            prof = (await link.request(m.ProfileRequest(id=0), m.ProfileReply, 30)).profile
             layer = be.manifest.layers[0]
             predicted_ms = layer.flops_per_token / prof["flops"] * 1e3
-            stats0 = await link.request({"type": "stats"}, 5)
             import numpy as np
 
-            h = np.zeros((1, 64, be.manifest.hidden_size), np.float32)
-            await be.cluster.forward("p", 0, 0, h)
-            stats0 = await link.request({"type": "stats"}, 5)  # decode runs only
-            for i in range(40):
-                await be.cluster.forward("p", i + 1, 64 + i, h[:, :1])
-            stats1 = await link.request({"type": "stats"}, 5)
+            await be.step("p", np.full((1, 64), 5, np.int64))
+            stats0 = (await link.request(m.StatsRequest(id=0), m.StatsReply, 5)).stats  # decode only
+            for _ in range(40):
+                await be.step("p", np.full((1, 1), 5, np.int64))
+            stats1 = (await link.request(m.StatsRequest(id=0), m.StatsReply, 5)).stats
             runs = stats1["runs"] - stats0["runs"]
             total = stats1["ms_per_run"] * stats1["runs"] - stats0["ms_per_run"] * stats0["runs"]
             return predicted_ms, total / runs / 10
@@ -170,7 +170,7 @@ def test_netns_veth_tbf_20mbit(tmp_path: Path) -> None:
 
 
 def test_smoothing_is_bias_corrected_and_skips_unreachable_rounds() -> None:
-    from edgelite.probe.cluster import smooth
+    from edgelite.prober.cluster import smooth
 
     def row(lat: float, ok: bool = True) -> dict:
         st = prober.LinkStats(lat, 1.0, 0.5, 100.0, 0.0, (0.0, 0.01), 10, 10) if ok else \
@@ -184,3 +184,23 @@ def test_smoothing_is_bias_corrected_and_skips_unreachable_rounds() -> None:
     assert 10.0 < three["latency_ms"] < 20.0
     down = smooth([[row(0, ok=False)]])[0]
     assert not down["reachable"] and down["samples"] == 0
+
+
+def test_probe_reports_a_dead_node_and_measures_the_others(node_factory) -> None:
+    import socket
+
+    nodes = [node_factory() for _ in range(2)]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    os.environ["EDGELITE_TOKEN"] = TOKEN
+    res = run_cli("probe", "--nodes", ",".join([*(n.addr for n in nodes), dead]), "--json",
+                  timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    devices = {d["name"]: d for d in out["devices"]}
+    assert not devices[dead]["reachable"] and "refused" in devices[dead]["reason"]
+    assert all(devices[n.addr]["reachable"] and devices[n.addr]["flops"] > 0 for n in nodes)
+    rows = {(r["src"], r["dst"]): r for r in out["links"]}
+    assert not rows["client", dead]["reachable"] and not rows[nodes[0].addr, dead]["reachable"]
+    assert rows["client", nodes[0].addr]["reachable"] and rows[nodes[0].addr, nodes[1].addr]["reachable"]

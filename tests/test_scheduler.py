@@ -60,7 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def each_request_in_exactly_one_queue(self) -> None:
         queues = {"waiting": self.s.waiting(), "running": self.s.running,
-                  "preempted": self.s.preempted_list(), "finished": self.s.finished}
+                  "preempted": self.s.preempted_list(), "finished": list(self.s.finished)}
         for r in self.all:
             homes = [name for name, q in queues.items() if any(x is r for x in q)]
             assert homes == [r.queue], (r.rid, homes, r.queue)
@@ -69,7 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def kv_budget_holds_and_finished_requests_hold_none(self) -> None:
         assert self.s.kv_used == sum(r.kv for r in self.s.running)
         assert self.s.kv_used <= CFG.kv_tokens
-        assert all(r.kv == 0 for r in self.s.finished + self.s.preempted_list())
+        assert all(r.kv == 0 for r in list(self.s.finished) + self.s.preempted_list())
 
     @invariant()
     def preemption_cap_holds(self) -> None:

@@ -15,7 +15,10 @@ import pytest
 
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN
-from edgelite.errors import AuthError
+from edgelite.config import GenerationConfig
+from edgelite.errors import NodeUnavailable
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
 from edgelite.serve.client import GatewayClient
 
 pytestmark = pytest.mark.e2e
@@ -43,10 +46,12 @@ def _start_gateway(model: Path, nodes: list, users: Path, log) -> tuple[subproce
 
 
 async def _client(port: int, user: dict, prompt: str) -> dict:
-    c = await GatewayClient.connect("127.0.0.1", port, user["name"], user["token"])
+    c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), user["name"], user["token"])
     try:
-        text = "".join([p async for p in c.generate([{"role": "user", "content": prompt}], 12)])
-        return {**c.last, "text": text}
+        text = "".join([p async for p in c.generate([{"role": "user", "content": prompt}],
+                                                    GenerationConfig(max_tokens=12))])
+        assert c.last is not None
+        return {"token_ids": c.last.token_ids, "text": text}
     finally:
         await c.close()
 
@@ -65,11 +70,10 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
             done = await asyncio.gather(*(_client(port, USERS[i % 3], p)
                                           for i, p in enumerate(PROMPTS)))
             # a client that asks and hangs up: its request stops instead of running on
-            quitter = await GatewayClient.connect("127.0.0.1", port, "free", "t-free")
-            await quitter.conn.send({"type": "generate", "id": 1, "prompt": "bye",
-                                     "max_tokens": 60})
+            quitter = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "free", "t-free")
+            await quitter.conn.send(m.GenerateRequest(id=1, prompt="bye", max_tokens=60))
             await quitter.close()
-            c = await GatewayClient.connect("127.0.0.1", port, "pro", "t-pro")
+            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
             try:
                 for _ in range(100):
                     stats = await c.stats()
@@ -83,9 +87,9 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
         results, stats = asyncio.run(asyncio.wait_for(main(), 180))
 
         async def intruder() -> None:
-            await GatewayClient.connect("127.0.0.1", port, "pro", "wrong")
+            await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "wrong")
 
-        with pytest.raises(AuthError):
+        with pytest.raises(NodeUnavailable, match="wrong token"):
             asyncio.run(intruder())
         chat = subprocess.run([sys.executable, "-m", "edgelite", "chat", "--gateway",
                                f"127.0.0.1:{port}", "--user", "pro", "--max-tokens", "12"],

@@ -1,4 +1,4 @@
-"""Wire codec and handshake, in memory and over real loopback sockets."""
+"""Wire codec, message schema and handshake, in memory and over real loopback sockets."""
 
 from __future__ import annotations
 
@@ -11,17 +11,40 @@ import pytest
 
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError, ProtocolError
-from edgelite.net import wire
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn, pack, read_frame, unpack
+from edgelite.net.handshake import connect, server_handshake
+from edgelite.net.tensors import decode_tensor
 
 LIMITS = WireLimits(max_frame_bytes=1 << 20, max_tensor_elements=1 << 16)
 
 
+def _roundtrip(msg: m.Message) -> m.Message:
+    return m.parse(unpack(pack(msg)[4:]), LIMITS)
+
+
 def test_tensor_roundtrip_zero_copy() -> None:
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    msg = wire.unpack(wire.pack({"type": "t", "x": wire.encode_tensor(a)})[4:])
-    b = wire.decode_tensor(msg["x"], LIMITS)
-    np.testing.assert_array_equal(a, b)
-    assert not b.flags.owndata  # a view on the received bytes
+    got = _roundtrip(m.Forward(plan_id="p", session="s", step=1, start=0, hidden=a, trace=[(1, 2)]))
+    assert isinstance(got, m.Forward)
+    np.testing.assert_array_equal(a, got.hidden)
+    assert not got.hidden.flags.owndata  # a view on the received bytes
+    assert got.trace == [(1, 2)]
+
+
+def test_every_message_type_roundtrips() -> None:
+    samples = [
+        m.Error(message="no", id=3), m.Ping(id=1, t=2.5), m.Pong(id=1, rt=3.0),
+        m.Load(id=2, plan_id="p", first=0, last=3, next=NodeAddr("h", 7), manifest={"a": 1}),
+        m.Upload(id=4, sha256="a" * 64, offset=0, total=3, data=b"abc"),
+        m.OpenData(id=5, plan_id="p", role="sink"),
+        m.GenerateRequest(id=6, messages=[m.ChatMessage(role="user", content="hi")], seed=3),
+        m.ProbeLink(id=7, peer=NodeAddr("h", 9, 10), config={}),
+        m.Result(plan_id="p", session="s", step=2, start=5, error="boom", trace=[(3, 4)]),
+    ]
+    for msg in samples:
+        assert _roundtrip(msg) == msg
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -29,20 +52,43 @@ def test_tensor_roundtrip_zero_copy() -> None:
     ({"dtype": "float32", "shape": [2, 2], "data": b"\0" * 15}, "needs 16 bytes, got 15"),
     ({"dtype": "float32", "shape": [1 << 20], "data": b""}, "exceed the limit"),
     ({"dtype": "float32", "shape": [-1], "data": b""}, "bad shape"),
-    ({"dtype": "float32", "shape": "3", "data": b""}, "bad shape"),
-    ({"dtype": "float32", "shape": [1]}, "expected"),
+    ({"dtype": "float32", "shape": [True], "data": b"\0" * 4}, "bad shape"),
+    ({"dtype": "float32", "shape": "3", "data": b""}, "shape must be a list"),
+    ({"dtype": ["float32"], "shape": [1], "data": b"\0" * 4}, "unknown dtype"),
+    ({"dtype": "float32", "shape": [1]}, "expected a tensor"),
     ({"dtype": "float32", "shape": [1], "data": "abcd"}, "got str"),
 ])
 def test_tensor_limits(bad: dict, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
-        wire.decode_tensor(bad, LIMITS)
+        decode_tensor(bad, LIMITS)
 
 
-def test_frame_must_be_a_typed_map() -> None:
-    with pytest.raises(ProtocolError, match="string 'type'"):
-        wire.unpack(msgpack.packb([1, 2]))
+@pytest.mark.parametrize("frame, match", [
+    ({"type": "nope"}, "unknown message type"),
+    ({"type": ["forward"]}, "unknown message type"),
+    ({"type": "ping"}, "missing field 'id'"),
+    ({"type": "ping", "id": True}, r"ping.id: expected an integer, got True"),
+    ({"type": "ping", "id": 1, "extra": 1}, "unknown field 'extra'"),
+    ({"type": "forward", "plan_id": ["p"], "session": "s", "step": 0, "start": 0},
+     "forward.plan_id: expected a string"),
+    ({"type": "forward", "plan_id": "p", "session": "s", "step": 0, "start": False},
+     "forward.start: expected an integer, got False"),
+    ({"type": "forward", "plan_id": "p", "session": "s", "step": 0, "start": -1}, "outside"),
+    ({"type": "data", "id": 0, "plan_id": "p", "role": "out"}, "is not one of in, sink"),
+    ({"type": "generate", "id": 0, "temperature": float("nan")}, "not finite"),
+    ({"type": "load", "id": 0, "plan_id": "p", "first": 0, "last": 1, "next": {"host": "h"},
+      "manifest": {}}, "missing field 'port'"),
+])
+def test_schema_refuses_malformed_messages(frame: dict, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        m.parse(frame, LIMITS)
+
+
+def test_frame_must_be_a_map() -> None:
+    with pytest.raises(ProtocolError, match="not a map"):
+        unpack(msgpack.packb([1, 2]))
     with pytest.raises(ProtocolError, match="not valid msgpack"):
-        wire.unpack(b"\xc1\xc1")
+        unpack(b"\xc1\xc1")
 
 
 async def _pair(handler):
@@ -57,7 +103,7 @@ def test_oversized_length_prefix_rejected_before_reading() -> None:
 
         async def handler(r, w):
             try:
-                await wire.read_frame(r, LIMITS)
+                await read_frame(r, LIMITS.max_frame_bytes, 5)
             except ProtocolError as exc:
                 got.append(exc)
             w.close()
@@ -79,22 +125,22 @@ def test_handshake_both_ways_and_wrong_token() -> None:
         results: list[object] = []
 
         async def handler(r, w):
-            conn = wire.Conn(r, w, LIMITS)
+            conn = Conn(r, w, LIMITS)
             try:
-                results.append(await wire.server_handshake(conn, "secret", "n", []))
+                results.append(await server_handshake(conn, "secret", "n", []))
             except AuthError as exc:
                 results.append(exc)
-                await conn.send({"type": "error", "message": str(exc)})
+                await conn.send(m.Error(message=str(exc)))
             await conn.close()
 
         server, port = await _pair(handler)
         async with server:
-            conn, welcome = await wire.connect("127.0.0.1", port, "secret", "fp", LIMITS, 5)
-            assert welcome["node"] == "n"
+            conn, welcome = await connect(NodeAddr("127.0.0.1", port), "secret", "fp", LIMITS, 5)
+            assert welcome.node == "n"
             await conn.close()
             with pytest.raises(AuthError, match="wrong token"):
-                await wire.connect("127.0.0.1", port, "guess", "fp", LIMITS, 5)
-        assert results[0]["fingerprint"] == "fp"
+                await connect(NodeAddr("127.0.0.1", port), "guess", "fp", LIMITS, 5)
+        assert isinstance(results[0], m.Auth) and results[0].fingerprint == "fp"
         assert isinstance(results[1], AuthError)
 
     asyncio.run(main())

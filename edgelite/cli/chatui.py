@@ -17,18 +17,16 @@ from rich.live import Live
 from rich.text import Text
 
 from edgelite.cli import views as ui
-from edgelite.config import GenerationConfig
-from edgelite.engine.generate import Backend, Stats, generate
-from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
+from edgelite.client.backend import ClusterBackend
+from edgelite.client.llm import LLM
+from edgelite.engine.generate import Stats
 
 HELP = "/plan  /stats  /probe  /reset  /quit"
 
 
 @dataclass
 class Chat:
-    backend: Backend
-    tok: Tokenizer
-    cfg: GenerationConfig
+    llm: LLM
     plan: dict[str, Any] | None = None
     reprobe: Callable[[], Awaitable[dict[str, Any]]] | None = None
     history: list[dict[str, str]] = field(default_factory=list)
@@ -38,17 +36,15 @@ class Chat:
 
     async def node_stats(self) -> list[dict[str, Any]]:
         """Each node's stats, named by the address the client uses; [] when running locally."""
-        cluster = getattr(self.backend, "cluster", None)
-        if cluster is None:
-            return []
-        return [{**s, "name": self.label(link.name)}
-                for link, s in zip(cluster.links, await cluster.stats(), strict=True)]
+        return [{**s, "name": self.label(str(addr))}
+                for addr, s in (await self.llm.node_stats()).items()]
 
     def health(self) -> dict[str, str]:
-        cluster = getattr(self.backend, "cluster", None)
-        if cluster is None:
+        backend = self.llm.backend
+        if not isinstance(backend, ClusterBackend):
             return {}
-        return {self.label(link.name): cluster.lost.get(link.name, "ok") for link in cluster.links}
+        cluster = backend.cluster
+        return {self.label(str(a)): cluster.lost.get(a, "ok") for a in cluster.links}
 
 
 def _figures(stats: Stats) -> dict[str, Any]:
@@ -58,27 +54,27 @@ def _figures(stats: Stats) -> dict[str, Any]:
 
 async def reply(chat: Chat, console: Console, plain: bool) -> str:
     """Generate the answer to chat.history, streaming it; returns its text."""
-    stats, dec, text = Stats(), StreamDecoder(chat.tok), Text()
-    prompt = chat.tok.chat_prompt(chat.history)
+    answer = chat.llm.chat(chat.history)
+    stats, text = answer.stats, Text()
     if plain:
-        async for t in generate(chat.backend, prompt, chat.cfg, stats):
-            console.file.write(dec.push(t))
+        async for piece in answer:
+            console.file.write(piece.text)
             console.file.flush()
         chat.last = _figures(stats)
         console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} tok/s]\n")
-        return chat.tok.decode(stats.token_ids)
+        return answer.text
     if not chat.stages:  # later replies start from the figures fetched after the last one
         chat.stages = await chat.node_stats()
     with Live(Group(text, ui.footer({}, chat.stages, chat.health())), console=console,
               refresh_per_second=10) as live:
-        async for t in generate(chat.backend, prompt, chat.cfg, stats):
-            text.append(dec.push(t))
+        async for piece in answer:
+            text.append(piece.text)
             live.update(Group(text, ui.footer(_figures(stats), chat.stages, chat.health())))
         chat.last = _figures(stats)
         chat.stages = await chat.node_stats()
         live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
     console.line()
-    return chat.tok.decode(stats.token_ids)
+    return answer.text
 
 
 def _show(console: Console, plain: bool, data: dict[str, Any], view: Callable[[Any], Any]) -> None:

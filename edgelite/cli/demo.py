@@ -21,12 +21,13 @@ from typing import Any
 from rich.console import Console
 
 from edgelite import manifest as mf
-from edgelite.cli import views as ui
+from edgelite.cli import views
 from edgelite.cli.localnodes import TOKEN, NodeProc, start_node
 from edgelite.errors import EdgeliteError
-from edgelite.net.routes import Addr, Routes
-from edgelite.probe.emulator import EmulatorProcess, LinkSpec
-from edgelite.probe.prober import ProbeConfig
+from edgelite.ids import NodeAddr
+from edgelite.net.linkprobe import ProbeConfig
+from edgelite.net.routes import Routes
+from edgelite.prober.emulator import EmulatorProcess, LinkSpec
 
 NAMES = ("phone-a", "phone-b", "phone-c")
 
@@ -55,7 +56,7 @@ class EmulatedCluster:
         self.model, self.root, self.cfg, self.seed_files = model, root, cfg, seed_files
         self.nodes: list[NodeProc] = []
         self.emulators = EmulatorProcess()
-        self.addrs: list[tuple[str, int]] = []
+        self.addrs: list[NodeAddr] = []
         self.routes: Routes = {}
 
     async def __aenter__(self) -> EmulatedCluster:
@@ -82,14 +83,13 @@ class EmulatedCluster:
         links += [(("127.0.0.1", self.nodes[j].port), self.cfg.special_links.get((i, j), self.cfg.peer_link))
                   for i, j in pairs]
         ports = await self.emulators.start(links)
-        self.addrs = [("127.0.0.1", tcp) for tcp, _ in ports[:n]]
-        names = [f"127.0.0.1:{p}" for _, p in self.addrs]
+        self.addrs = [NodeAddr("127.0.0.1", tcp) for tcp, _ in ports[:n]]
         for (i, j), (tcp, udp) in zip(pairs, ports[n:], strict=True):
-            self.routes[names[i], names[j]] = Addr("127.0.0.1", tcp, udp)
+            self.routes[self.addrs[i], self.addrs[j]] = NodeAddr("127.0.0.1", tcp, udp)
 
     def label(self, device: str) -> str:
         """phone-x for a node address as the plan names it."""
-        names = {f"{h}:{p}": n for (h, p), n in zip(self.addrs, NAMES, strict=False)}
+        names = {str(a): n for a, n in zip(self.addrs, NAMES, strict=False)}
         return names.get(device, device)
 
     async def close(self) -> None:
@@ -133,13 +133,36 @@ def ensure_model(model_dir: Path, console: Console) -> mf.Manifest:
     return mf.load(model_dir)
 
 
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    from edgelite.cli import options
+
+    d = sub.add_parser("demo", parents=parents, formatter_class=options.HelpFormatter,
+                       help="three emulated phones on this machine: probe, plan, deploy, chat")
+    d.add_argument("--model", type=Path, default=Path("models/smollm2-135m"),
+                   help="SmolLM2-135M export (made here on the first run)")
+    d.add_argument("--prompt", help="answer this, print the plan and stats, and exit")
+    d.add_argument("--threads", type=int, default=DemoConfig.threads,
+                   help="onnxruntime threads per node")
+    options.generation_flags(d)
+    d.set_defaults(max_tokens=96)
+    d.add_argument("--plain", action="store_true", help="bare text (default without a terminal)")
+    d.add_argument("--json", action="store_true", help="with --prompt: one JSON object")
+    d.add_argument("--svg", type=Path, help="with --prompt: save the screen as an SVG picture")
+    d.add_argument("--deploy-over-links", action="store_true",
+                   help="push the layer files through the emulated Wi-Fi instead of seeding the "
+                        "nodes' file caches")
+    d.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgelite.cli import runner
+
+    return runner.run(run_demo(args))
+
+
 async def run_demo(args: argparse.Namespace) -> int:
-    from edgelite.cli import chatui
-    from edgelite.cli.deploy import assignment_of, plan_cluster
-    from edgelite.cli.generate import gen_config
-    from edgelite.cli.plan import plan_json
-    from edgelite.client.cluster import open_cluster
-    from edgelite.engine.tokenizer import Tokenizer
+    import edgelite
+    from edgelite.cli import chatui, options
 
     plain = args.plain or args.json or not (sys.stdout.isatty() or args.svg)
     console = Console(stderr=True) if args.json else Console(record=bool(args.svg))
@@ -148,31 +171,28 @@ async def run_demo(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="edgelite-demo-"))
     try:
         async with EmulatedCluster(m, root, cfg, not args.deploy_over_links) as ec:
-            with ui.step_bar(console, "probing 3 phones and 12 links") as progress:
-                p, plan, probed = await plan_cluster(m, ec.addrs, TOKEN, ec.routes,
-                                                     int(cfg.client_memory_mb * 2**20),
-                                                     threads=args.threads, probe_cfg=cfg.probe,
-                                                     progress=progress)
-            shown = plan_json(p, plan)
-            for s in shown["stages"]:
-                s["device"] = ec.label(s["device"])
-            probed = _labelled(probed, ec)
-            if not args.json:
-                console.print(ui.probe_view(probed))
-                console.print(ui.plan_view(shown))
-            with ui.transfer_bars(console, "deploy") as progress:
-                backend = await open_cluster(m, ec.addrs, assignment_of(p, plan, ec.addrs), TOKEN,
-                                             threads=args.threads, routes=ec.routes,
+            planning = edgelite.PlanOptions(client_memory_bytes=int(cfg.client_memory_mb * 2**20),
+                                            probe=cfg.probe)
+            with views.connect_bars(console, live=not args.json) as progress:
+                llm = await edgelite.connect(m, ec.addrs, TOKEN, routes=ec.routes, planning=planning,
+                                             runtime=edgelite.RuntimeConfig(threads=args.threads),
+                                             generation=options.generation_config(args),
                                              progress=progress)
-            chat = chatui.Chat(backend, Tokenizer(m), gen_config(args), shown, label=ec.label)
-            try:
+            async with llm:
+                assert llm.plan is not None and llm.probed is not None
+                shown = llm.plan.to_json()
+                for st in shown["stages"]:
+                    st["device"] = ec.label(st["device"])
+                probed = _labelled(llm.probed, ec)
+                if not args.json:
+                    console.print(views.probe_view(probed))
+                    console.print(views.plan_view(shown))
+                chat = chatui.Chat(llm, shown, label=ec.label)
                 if args.prompt is None:
                     return await chatui.run(chat, console, plain)
                 chat.history.append({"role": "user", "content": args.prompt})
                 text = await chatui.reply(chat, console, plain or args.json)
                 nodes = await chat.node_stats()
-            finally:
-                await backend.close()
         links = [{k: r[k] for k in ("src", "dst", "reachable", "latency_ms", "jitter_ms",
                                     "jitter_trim_ms", "bandwidth_mbps", "loss") if k in r}
                  for r in probed["links"]]
@@ -183,7 +203,7 @@ async def run_demo(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            console.print(ui.stats_view(chat.last, nodes))
+            console.print(views.stats_view(chat.last, nodes))
             console.print(f"measured {result['measured_ms_per_token'] or 0:.1f} ms/token, plan "
                           f"expected {result['expected_ms_per_token']:.1f}")
             if args.svg:

@@ -1,93 +1,56 @@
-"""What `edgelite generate` and `edgelite chat` do: pick a backend, tokenize, stream."""
+"""`edgelite generate`: one reply to one prompt, streamed (or one JSON object)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
-from edgelite import manifest as mf
-from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.generate import Backend, LocalBackend, Stats, generate
-from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
+import edgelite
+from edgelite.cli import options, runner, views
 
 
-def gen_config(args: argparse.Namespace) -> GenerationConfig:
-    return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    g = sub.add_parser("generate", parents=parents, formatter_class=options.HelpFormatter,
+                       help="generate a reply to one prompt")
+    options.model_flags(g)
+    options.generation_flags(g)
+    options.cluster_flags(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("prompt")
+    g.set_defaults(func=run)
 
 
-async def open_backend(args: argparse.Namespace,
-                       manifest: mf.Manifest) -> tuple[Backend, dict[str, Any] | None]:
-    """(backend, the plan's JSON when the planner chose one)."""
-    if getattr(args, "nodes", None):
-        from edgelite.cli.deploy import connect_backend
-
-        return await connect_backend(args, manifest)
-    return LocalBackend(manifest, RuntimeConfig(threads=args.threads)), None
-
-
-def show_plan(plan: dict[str, Any] | None) -> None:
-    if plan is not None:
-        from edgelite.cli.plan import show
-
-        show(plan, stderr=True)
+def run(args: argparse.Namespace) -> int:
+    result = runner.run(generate(args, None if args.json else sys.stdout))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+    return 0
 
 
-async def reply(backend: Backend, tok: Tokenizer, prompt: list[int], cfg: GenerationConfig,
-                stream: TextIO | None) -> Stats:
-    stats = Stats()
-    dec = StreamDecoder(tok)
-    async for t in generate(backend, prompt, cfg, stats):
+async def generate(args: argparse.Namespace, stream: TextIO | None) -> dict[str, Any]:
+    console = views.stderr_console()
+    with views.connect_bars(console, live=console.is_terminal and stream is not None) as progress:
+        llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+    async with llm:
         if stream is not None:
-            stream.write(dec.push(t))
-            stream.flush()
-    return stats
-
-
-async def run_generate(args: argparse.Namespace, stream: TextIO | None) -> dict:
-    manifest = mf.load(args.model)
-    tok = Tokenizer(manifest)
-    prompt = (tok.encode(args.prompt) if args.raw
-              else tok.chat_prompt([{"role": "user", "content": args.prompt}]))
-    backend, plan = await open_backend(args, manifest)
-    if stream is not None:
-        show_plan(plan)
-    try:
-        stats = await reply(backend, tok, prompt, gen_config(args), stream)
-    finally:
-        await backend.close()
-    out = {"text": tok.decode(stats.token_ids), "token_ids": stats.token_ids,
-           "prompt_tokens": stats.prompt_tokens, "ttft_ms": round(stats.ttft_ms, 2),
-           "decode_tok_s": round(stats.decode_tok_s, 2), "finish": stats.finish}
-    if stats.decode_s > 0 and len(stats.token_ids) > 1:
-        out["decode_ms_per_token"] = round(stats.decode_s / (len(stats.token_ids) - 1) * 1e3, 3)
-    return out if plan is None else {**out, "plan": plan}
-
-
-def reprobe_for(args: argparse.Namespace, manifest: mf.Manifest) -> Callable[[], Awaitable[dict]] | None:
-    """/probe in the chat: measure the cluster again (None when running locally)."""
-    if not getattr(args, "nodes", None):
-        return None
-    from edgelite.probe.cluster import probe_args
-
-    return lambda: probe_args(args, manifest)
-
-
-async def run_chat(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from edgelite.cli import chatui
-
-    manifest = mf.load(args.model)
-    plain = args.plain or not sys.stdout.isatty()
-    backend, plan = await open_backend(args, manifest)
-    if not plain:
-        show_plan(plan)
-    chat = chatui.Chat(backend, Tokenizer(manifest), gen_config(args), plan,
-                       reprobe_for(args, manifest))
-    try:
-        return await chatui.run(chat, Console(), plain)
-    finally:
-        await backend.close()
+            views.explain_plan(console, llm.plan)
+        reply = (llm.complete(args.prompt) if args.raw
+                 else llm.chat([{"role": "user", "content": args.prompt}]))
+        async for piece in reply:
+            if stream is not None:
+                stream.write(piece.text)
+                stream.flush()
+    st = reply.stats
+    out: dict[str, Any] = {"text": reply.text, "token_ids": st.token_ids,
+                           "prompt_tokens": st.prompt_tokens, "ttft_ms": round(st.ttft_ms, 2),
+                           "decode_tok_s": round(st.decode_tok_s, 2), "finish": st.finish}
+    if st.decode_s > 0 and len(st.token_ids) > 1:
+        out["decode_ms_per_token"] = round(st.decode_s / (len(st.token_ids) - 1) * 1e3, 3)
+    if llm.plan is not None and llm.plan.solver != "local":
+        out["plan"] = llm.plan.to_json()
+    return out

@@ -1,4 +1,4 @@
-"""`edgelite node`: configure and run one stage node until Ctrl-C."""
+"""`edgelite node`: run one stage node until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from edgelite.cli import options, runner
 from edgelite.config import NodeConfig
 from edgelite.node.server import Node
 
@@ -22,15 +25,6 @@ def resolve_token(explicit: str | None) -> tuple[str, bool]:
     """(token, generated?) from --token, $EDGELITE_TOKEN, or a fresh random one."""
     token = explicit or os.environ.get("EDGELITE_TOKEN")
     return (token, False) if token else (secrets.token_urlsafe(16), True)
-
-
-def install_uvloop() -> bool:
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
 
 
 async def serve(node: Node, ready: Callable[[Node], None], panel: bool = False) -> None:
@@ -66,7 +60,30 @@ async def show_panel(node: Node, every_s: float = 1.0) -> None:
             live.update(view())
 
 
-def run_node(args: argparse.Namespace, ready: Callable[[Node, bool], None]) -> int:
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    c = NodeConfig
+    n = sub.add_parser("node", parents=parents, formatter_class=options.HelpFormatter,
+                       help="run a stage node")
+    n.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    n.add_argument("--port", type=int, default=c.port, help="0 = any free port (printed)")
+    n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser(),
+                   help="where deployed layer files are kept")
+    n.add_argument("--threads", type=int, default=c.threads, help="onnxruntime threads")
+    n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
+    n.add_argument("--kv-budget-mb", type=float, default=c.kv_budget_bytes / 2**20,
+                   help="KV memory of all sessions")
+    n.add_argument("--max-batch", type=int, default=c.batch_max_steps,
+                   help="decode steps of different sessions arriving together run as one batch "
+                        "of up to this many (1: never batch)")
+    n.add_argument("--memory-mb", type=float,
+                   help="memory plans may use on this device (default: its free memory)")
+    n.add_argument("--name", help="device name shown to the client")
+    n.add_argument("--plain", action="store_true", help="log lines only, no live panel (default "
+                                                        "when stdout is not a terminal)")
+    n.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
     cfg = NodeConfig(host=args.host, port=args.port, threads=args.threads,
                      kv_budget_bytes=int(args.kv_budget_mb * 2**20),
@@ -75,9 +92,12 @@ def run_node(args: argparse.Namespace, ready: Callable[[Node, bool], None]) -> i
     args.data_dir.mkdir(parents=True, exist_ok=True)
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))
     panel = not args.plain and sys.stdout.isatty()
-    fast = install_uvloop()
-    log.info("event loop: %s", "uvloop" if fast else "asyncio")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(node, lambda n: ready(n, generated), panel))
-    return 0
 
+    def ready(n: Node) -> None:
+        if generated:
+            print(f"cluster token (pass it to the client as --token or EDGELITE_TOKEN): {n.token}")
+        print(f"edgelite node {n.name} listening on {n.cfg.host}:{n.port}", flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        runner.run(serve(node, ready, panel))
+    return 0

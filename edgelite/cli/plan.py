@@ -1,4 +1,4 @@
-"""`edgelite plan`: read the manifest and a cluster (file or live probe), solve, show the plan."""
+"""`edgelite plan`: place a model's layers on a cluster (a cluster.json or a live probe)."""
 
 from __future__ import annotations
 
@@ -6,54 +6,49 @@ import argparse
 import json
 from typing import Any
 
-from edgelite import manifest as mf
+import edgelite
+from edgelite.cli import options, runner, views
 from edgelite.errors import EdgeliteError
-from edgelite.plan.model import Plan, Problem, predict, solve
-from edgelite.plan.spec import problem_from
+from edgelite.planner.spec import KV_TOKENS
+from edgelite.prober.cluster import cluster_spec
 
 
-def plan_json(p: Problem, plan: Plan) -> dict[str, Any]:
-    pr = predict(p, plan.stages)
-    return {"objective": plan.objective, "solver": plan.solver, "status": plan.status,
-            "solve_ms": round(plan.solve_ms, 2), "value_ms": round(plan.value, 4),
-            "stages": [{"device": p.devices[d].name, "first_layer": a, "last_layer": b,
-                        "compute_ms": round(r["compute_ms"], 4), "hop_in_ms": round(r["hop_in_ms"], 4)}
-                       for (d, a, b), r in zip(plan.stages, pr.per_stage, strict=True)],
-            "predicted_ms": {"total": round(pr.total, 4), "compute": round(pr.compute, 4),
-                             "data": round(pr.data, 4), "qos": round(pr.qos, 4),
-                             "complexity": round(pr.complexity, 4),
-                             "bottleneck": round(pr.bottleneck, 4)},
-            "expected_ms_per_token": round(pr.expected, 4)}
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    pl = sub.add_parser("plan", parents=parents, formatter_class=options.HelpFormatter,
+                        help="place layers on devices (HiGHS MILP, or the exact DP)")
+    pl.add_argument("--model", required=True, help="model folder (reads manifest.json only)")
+    pl.add_argument("--cluster", help="cluster.json: devices and links (offline what-if)")
+    pl.add_argument("--nodes", help="HOST:PORT,... to probe live")
+    pl.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    options.planning_flags(pl)
+    pl.add_argument("--kv-tokens", type=int, default=KV_TOKENS, help="context to reserve KV memory for")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    pl.set_defaults(func=run)
 
 
-def show(out: dict[str, Any], stderr: bool = False) -> None:
-    from rich.console import Console
-
-    from edgelite.cli.views import plan_view
-
-    Console(stderr=stderr).print(plan_view(out))
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    m = mf.load(args.model)
+def run(args: argparse.Namespace) -> int:
+    m = edgelite.load_manifest(args.model)
     if args.cluster:
         try:
-            spec = json.loads(args.cluster.read_text())
+            with open(args.cluster) as f:
+                spec = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             raise EdgeliteError(f"{args.cluster}: {exc}") from exc
     elif args.nodes:
-        import asyncio
+        from edgelite.net.routes import parse_routes
 
-        from edgelite.probe.cluster import probe_cluster_spec
-
-        spec = asyncio.run(probe_cluster_spec(args, m))
+        probed = runner.run(edgelite.probe(options.nodes(args), options.token(args, required=True),
+                                           m, routes=parse_routes(args.route),
+                                           client_memory_bytes=options.client_memory(args)))
+        spec = cluster_spec(probed)
     else:
-        raise EdgeliteError("give --cluster cluster.json or --nodes host:port,...")
-    p = problem_from(m, spec, args.objective, client_first=not args.no_client_first,
-                     kv_tokens=args.kv_tokens)
-    out = plan_json(p, solve(p, args.solver))
+        raise EdgeliteError("give --cluster cluster.json or --nodes HOST:PORT,...")
+    plan = edgelite.plan(m, spec, args.objective, args.solver, not args.no_client_first,
+                         args.kv_tokens)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(plan.to_json()))
     else:
-        show(out)
+        from rich.console import Console
+
+        Console().print(views.plan_view(plan.to_json()))
     return 0

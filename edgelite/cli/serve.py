@@ -1,99 +1,82 @@
-"""`edgelite serve` and `edgelite chat --gateway`."""
+"""`edgelite serve`: a gateway feeding many users' requests through one model or cluster."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import math
-import os
-import sys
-from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from edgelite import manifest as mf
-from edgelite.client.cluster import ClusterBackend
-from edgelite.config import GatewayConfig
-from edgelite.engine.tokenizer import Tokenizer
-from edgelite.errors import EdgeliteError
+import edgelite
+from edgelite.cli import options, runner, views
+from edgelite.client.backend import ClusterBackend
+from edgelite.client.llm import LLM
+from edgelite.config import GatewayConfig, SchedulerConfig
 from edgelite.serve.gateway import Gateway, load_users
-from edgelite.serve.scheduler import Scheduler, SchedulerConfig
+from edgelite.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+LOCAL_KV_TOKENS = 8192  # the scheduler's KV budget when every layer runs here
 
 
-async def kv_tokens_of(backend: ClusterBackend) -> int:
-    """How many tokens of KV the cluster holds: the tightest stage's budget / its bytes per token."""
-    cluster, m = backend.cluster, backend.manifest
-    budgets = {link.name: st["kv_budget_bytes"]
-               for link, st in zip(cluster.links, await cluster.stats(), strict=True)}
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    s, g = SchedulerConfig, GatewayConfig
+    sv = sub.add_parser("serve", parents=parents, formatter_class=options.HelpFormatter,
+                        help="serve many users through the cluster (priority scheduler)")
+    options.model_flags(sv)
+    options.generation_flags(sv)  # the defaults of requests that do not say
+    options.cluster_flags(sv)
+    sv.add_argument("--host", default=g.host, help="address to listen on")
+    sv.add_argument("--port", type=int, default=g.port, help="0 = any free port (printed)")
+    sv.add_argument("--users", type=Path, required=True,
+                    help='users.json: {"users": [{"name", "token", "tier"}]}')
+    sv.add_argument("--kv-tokens", type=int, help="KV memory for the scheduler, in tokens "
+                                                  "(default: what the nodes' budgets hold)")
+    sv.add_argument("--max-requests", type=int, default=s.max_requests,
+                    help="requests decoding at once")
+    sv.add_argument("--patience-s", type=float, default=s.patience_s,
+                    help="past this wait a request outranks every new arrival")
+    sv.add_argument("--max-preemptions", type=int, default=s.max_preemptions,
+                    help="how often one request may be preempted")
+    sv.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return runner.run(serve(args))
+
+
+async def kv_tokens_of(llm: LLM) -> int | None:
+    """How many tokens of KV the cluster holds: the tightest stage's budget / its bytes per
+    token (None when every layer runs here)."""
+    backend = llm.backend
+    if not isinstance(backend, ClusterBackend):
+        return None
+    stats = await backend.cluster.stats()
     tokens = math.inf
-    for link, a, b in cluster.stages:
-        per_token = sum(e.kv_bytes_per_token for e in m.layers[a:b + 1])
-        tokens = min(tokens, budgets[link.name] // max(1, per_token))
-    return int(tokens) if tokens != math.inf else 1 << 30
+    for st in backend.plan.remote:
+        per_token = sum(e.kv_bytes_per_token for e in llm.manifest.layers[st.first:st.last + 1])
+        tokens = min(tokens, stats[st.addr]["kv_budget_bytes"] // max(1, per_token))  # type: ignore[index]
+    return None if tokens == math.inf else int(tokens)
 
 
-async def run_serve(args: argparse.Namespace, ready: Callable[[Gateway], None]) -> int:
-    from edgelite.cli.generate import open_backend
-
+async def serve(args: argparse.Namespace) -> int:
     users = load_users(args.users)
-    manifest = mf.load(args.model)
-    backend, _plan = await open_backend(args, manifest)
-    try:
-        cluster_kv = (await kv_tokens_of(backend) if isinstance(backend, ClusterBackend)
-                      else args.kv_tokens or 8192)
+    console = views.stderr_console()
+    with views.connect_bars(console, live=console.is_terminal) as progress:
+        llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+    async with llm:
+        cluster_kv = await kv_tokens_of(llm) or args.kv_tokens or LOCAL_KV_TOKENS
         kv = min(cluster_kv, args.kv_tokens or cluster_kv)
-        sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions,
-                                          kv_tokens=kv, max_requests=args.max_requests,
+        sched = Scheduler(SchedulerConfig(context_limit=llm.manifest.max_positions, kv_tokens=kv,
+                                          max_requests=args.max_requests,
                                           patience_s=args.patience_s,
                                           max_preemptions=args.max_preemptions))
         log.info("scheduler: %d KV tokens (cluster %d), %d requests at once", kv, cluster_kv,
                  args.max_requests)
-        gw = Gateway(backend, Tokenizer(manifest), users, sched,
-                     GatewayConfig(host=args.host, port=args.port))
+        gw = Gateway(llm.backend, llm.tokenizer, users, sched,
+                     GatewayConfig(host=args.host, port=args.port), llm.generation)
         await gw.start()
-        ready(gw)
+        print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
         await gw.run()
-    finally:
-        await backend.close()
     return 0
-
-
-async def run_gateway_chat(args: argparse.Namespace) -> int:
-    from edgelite.client.cluster import parse_nodes
-    from edgelite.serve.client import GatewayClient
-
-    token = args.user_token or os.environ.get("EDGELITE_USER_TOKEN")
-    if not token or not args.user:
-        raise EdgeliteError("chat --gateway needs --user and --user-token (or EDGELITE_USER_TOKEN)")
-    (host, port), = parse_nodes(args.gateway)
-    client = await GatewayClient.connect(host, port, args.user, token)
-    history: list[dict[str, str]] = []
-    try:
-        while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                return 0
-            cmd = line.strip()
-            if cmd in ("/quit", "/exit"):
-                return 0
-            if cmd == "/reset":
-                history.clear()
-                continue
-            if cmd == "/stats":
-                print(json.dumps(await client.stats()))
-                continue
-            history.append({"role": "user", "content": line})
-            parts = []
-            async for piece in client.generate(history, args.max_tokens, args.temperature):
-                parts.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            history.append({"role": "assistant", "content": "".join(parts)})
-            f = client.last
-            sys.stdout.write(f"\n[{f.get('ttft_ms') or 0:.0f} ms to first token, "
-                             f"{f.get('decode_tok_s', 0):.1f} tok/s, tier {f.get('tier')}]\n")
-    finally:
-        await client.close()

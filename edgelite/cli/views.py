@@ -71,6 +71,9 @@ def probe_view(result: dict[str, Any]) -> Group:
             t.add_row(a, *row)
         parts.append(t)
     for d in result["devices"]:
+        if not d.get("reachable", True):
+            parts.append(Text(f"{d['name']}: unreachable ({d.get('reason', '')})", "red"))
+            continue
         mem = d.get("memory_budget_bytes") or d.get("memory_available_bytes") or 0
         parts.append(Text(f"{d['name']}: {d.get('flops', 0) / 1e9:.1f} GFLOP/s "
                           f"({d.get('flops_source', '?')}), {mem / 2**20:.0f} MiB for the plan"))
@@ -151,3 +154,41 @@ def step_bar(console: Console, title: str) -> Iterator[Callable[[str, int, int],
             bar.update(task, completed=done, total=total, description=what)
 
         yield update
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+@contextmanager
+def connect_bars(console: Console, live: bool) -> Iterator[Callable[[str, str, int, int], None] | None]:
+    """Progress while connecting: one bar for probing, one per node for the deploy. Yields the
+    callback `edgelite.connect(progress=...)` takes (None when not `live`)."""
+    if not live:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+                  console=console, transient=True) as bars:
+        tasks: dict[tuple[str, str], Any] = {}
+
+        def update(phase: str, what: str, done: int, total: int) -> None:
+            key = (phase, "" if phase == "probe" else what)
+            if key not in tasks:
+                tasks[key] = bars.add_task(f"{phase} {key[1]}".strip(), total=total, detail="")
+            detail = (f"{done}/{total} {what}" if phase == "probe"
+                      else f"{done / 1e6:.1f}/{total / 1e6:.1f} MB")
+            bars.update(tasks[key], completed=done, total=total, detail=detail)
+
+        yield update
+
+
+def explain_plan(console: Console, plan: Any) -> None:
+    """Show a probed plan (on stderr for generate/chat); nothing for a local run or a --split."""
+    if plan is None or plan.predicted is None:
+        return
+    console.print(plan_view(plan.to_json()))
+    if not plan.remote:
+        console.print("[yellow]the plan runs every layer on this device: with the measured "
+                      "links and devices that is predicted to be fastest[/yellow]")

@@ -1,14 +1,17 @@
-"""The client's end of a plan's data connections: one thread sends steps and takes results.
+"""The client's end of a plan's steps: one thread that owns the data connections and every
+session's client-side state, and runs the client's part of each step.
 
-Like a node's data plane, this thread owns the plan's two data connections: `in` to stage 1 and
-`sink` from the last stage. A step is handed over once: the thread runs the client's part before
-the stages (embedding, prefix layers), sends, and when the result comes back runs the part after
-(the head) and only then wakes the event loop. That is one hand-off each way per token, as for
-the single-process engine; going through the loop in between cost two more wake-ups per token.
-
-Each step's timer starts when it is sent (time waiting behind another session's prefill on this
-thread does not count against a stage). Results are matched by (session, step), so many sessions
-are in flight at once.
+A step's life, in order, all on this thread:
+1. `_begin`: the client's part before the stages (embedding, its own prefix layers) on the new
+   ids at the session's position, then a Forward frame to the first node stage;
+2. the stages pass it along the chain (node/dataplane.py) and the last one sends the Result back
+   on the sink connection;
+3. `on_frame`: the head on the result, the session's position advances, the caller's future
+   gets the logits. That is one hand-off from the event loop and one back per token.
+Failure: a step not answered within its deadline fails with StepTimeout (the caller finds out
+which node stalled); a data connection that closes fails every step in flight with
+NodeUnavailable; a refused step fails with NodeError. The session's position advances only when
+its step succeeded, so a retry starts where the last good step ended.
 """
 
 from __future__ import annotations
@@ -18,44 +21,64 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from edgelite.config import ClientConfig, WireLimits
+from edgelite.engine.runtime import ClientPart
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable, ProtocolError
-from edgelite.net import wire
+from edgelite.ids import NodeAddr, PlanId, SessionId
+from edgelite.net import messages as m
 from edgelite.net.framethread import FrameThread
-from edgelite.net.steptrace import StepTrace, parse_trace
+from edgelite.net.schema import Message
+from edgelite.net.steptrace import StepTrace
 
 log = logging.getLogger(__name__)
 
 
 class StepTimeout(EdgeliteError):
-    """No result within the step's timeout (the caller finds out which stage is to blame)."""
+    """No result within the step's deadline (the caller finds out which stage is to blame)."""
 
 
 @dataclass
-class Waiter:
-    fut: asyncio.Future
-    after: Callable[[np.ndarray], Any]
+class SessionState:
+    """A session as the client's side of the pipeline sees it (touched on the thread only)."""
+
+    position: int = 0  # tokens the stages hold KV for
+    steps: int = 0  # steps sent (each step's number is its key in flight)
+
+
+@dataclass
+class InFlight:
+    session: SessionId
+    step: int
     tokens: int
+    fut: asyncio.Future[np.ndarray]
     t0: float  # perf_counter when sent
     timeout_s: float
     deadline: float  # monotonic
 
 
+@dataclass
+class Job:
+    """A step asked for by the event loop, waiting for the thread."""
+
+    session: SessionId
+    ids: np.ndarray  # (1, seq) int64
+    fut: asyncio.Future[np.ndarray]
+
+
 class StepPlane(FrameThread):
-    def __init__(self, loop: asyncio.AbstractEventLoop, cfg: ClientConfig, limits: WireLimits,
-                 first: str, last: str, on_lost: Callable[[str, str], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, part: ClientPart, plan_id: PlanId,
+                 first: NodeAddr, last: NodeAddr, cfg: ClientConfig, limits: WireLimits) -> None:
         super().__init__("client-steps", limits, cfg.prefill_timeout_s, cfg.request_timeout_s,
                          cfg.shutdown_timeout_s)
-        self.loop, self.cfg, self.on_lost = loop, cfg, on_lost
-        self.names = {"in": first, "sink": last}  # the stage each connection goes to
+        self.loop, self.part, self.plan_id, self.cfg = loop, part, plan_id, cfg
+        self.first, self.last = first, last  # the nodes at each end of the data connections
         self.data_in: socket.socket | None = None
-        self.waiting: dict[tuple[str, int], Waiter] = {}
+        self.sessions: dict[SessionId, SessionState] = {}
+        self.in_flight: dict[tuple[SessionId, int], InFlight] = {}
         self.gone: NodeUnavailable | None = None
         self.traces: deque[StepTrace] = deque(maxlen=cfg.trace_window)
 
@@ -63,18 +86,15 @@ class StepPlane(FrameThread):
     def attach(self, data_in: socket.socket, sink: socket.socket) -> None:
         self.call(lambda: self._attach(data_in, sink))
 
-    async def step(self, fields: dict[str, Any], tokens: int, before: Callable[[], np.ndarray],
-                   after: Callable[[np.ndarray], Any]) -> Any:
-        """Run before() here, send its output as the step `fields` describe (plan_id, session,
-        step, start), and return after(the last stage's output)."""
-        fut = self.loop.create_future()
-        key = (fields["session"], fields["step"])
-        self.call(lambda: self._start(key, fields, tokens, before, after, fut))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self.call(lambda: self.waiting.pop(key, None))
-            raise
+    async def step(self, session: SessionId, ids: np.ndarray) -> np.ndarray:
+        """Append ids (1, seq) to the session; the logits (vocab,) of its last position."""
+        job = Job(session, ids, self.loop.create_future())
+        self.call(lambda: self._begin(job))
+        return await job.fut
+
+    async def end(self, session: SessionId) -> None:
+        """Forget the session here (the stages are told by the cluster)."""
+        await self.submit(lambda: self._end(session))
 
     def fail_all(self, exc: Exception) -> None:
         self.call(lambda: self._fail_all(exc))
@@ -85,11 +105,18 @@ class StepPlane(FrameThread):
         self.add(data_in, "in")  # read too: stage 1 answers a malformed step on it
         self.add(sink, "sink")
 
-    def _settle(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    def _end(self, session: SessionId) -> None:
+        self.sessions.pop(session, None)
+        self.part.end(session)
+        for key in [k for k in self.in_flight if k[0] == session]:
+            self._settle(self.in_flight.pop(key).fut, exc=EdgeliteError("the session was ended"))
+
+    def _settle(self, fut: asyncio.Future[np.ndarray], result: np.ndarray | None = None,
+                exc: BaseException | None = None) -> None:
         def settle() -> None:
             if not fut.done():
                 if exc is None:
-                    fut.set_result(result)
+                    fut.set_result(result)  # type: ignore[arg-type]
                 else:
                     fut.set_exception(exc)
 
@@ -98,75 +125,83 @@ class StepPlane(FrameThread):
         except RuntimeError:
             log.debug("event loop closed; a step's outcome is dropped")
 
-    def _start(self, key: tuple[str, int], fields: dict[str, Any], tokens: int,
-               before: Callable[[], np.ndarray], after: Callable[[np.ndarray], Any],
-               fut: asyncio.Future) -> None:
-        if fut.done():
+    def _begin(self, job: Job) -> None:
+        if job.fut.done():
             return  # cancelled while queued
         if self.gone is not None or self.data_in is None:
-            self._settle(fut, exc=self.gone or EdgeliteError("the plan has no data connections"))
+            self._settle(job.fut, exc=self.gone or EdgeliteError("the plan has no data connections"))
+            return
+        state = self.sessions.setdefault(job.session, SessionState())
+        if any(k[0] == job.session for k in self.in_flight):
+            self._settle(job.fut, exc=EdgeliteError(f"session {job.session[:12]} has a step in "
+                                                    f"flight already"))
             return
         try:
-            frame = {"type": "forward", **fields, "hidden": wire.encode_tensor(before())}
-        except Exception as exc:  # noqa: BLE001 - the caller's own work failed: it gets the error
-            self._settle(fut, exc=exc)
+            hidden = self.part.front(job.session, state.position, job.ids)
+        except Exception as exc:  # noqa: BLE001 - the client's own layers failed: the caller's
+            self._settle(job.fut, exc=exc)
             return
+        tokens = int(job.ids.shape[1])
         timeout = self.cfg.step_timeout_s if tokens == 1 else self.cfg.prefill_timeout_s
-        t0 = time.perf_counter()
-        self.waiting[key] = Waiter(fut, after, tokens, t0, timeout, time.monotonic() + timeout)
+        step = state.steps
+        state.steps += 1
+        self.in_flight[job.session, step] = InFlight(job.session, step, tokens, job.fut,
+                                                     time.perf_counter(), timeout,
+                                                     time.monotonic() + timeout)
+        frame = m.Forward(plan_id=self.plan_id, session=job.session, step=step,
+                          start=state.position, hidden=hidden)
         if not self.send(self.data_in, frame):
             self.close_conn(self.data_in, "broken while sending")
 
-    def on_frame(self, sock: socket.socket, msg: dict[str, Any], t_in: float) -> None:
-        if msg["type"] == "error":  # the node refused a frame and closes the connection
-            self.close_conn(sock, f"refused: {msg.get('message')}")
+    def on_frame(self, sock: socket.socket, msg: Message, t_in: float) -> None:
+        if isinstance(msg, m.Error):  # the node refused a frame
+            log.warning("node %s refused a frame: %s", self.first, msg.message)
             return
-        if msg["type"] != "result":
-            self.on_bad_frame(sock, ProtocolError(f"unexpected {msg['type']!r} frame"))
+        if not isinstance(msg, m.Result):
+            self.on_bad_frame(sock, ProtocolError(f"unexpected {msg.TYPE} frame"), fatal=False)
             return
-        w = self.waiting.pop((msg.get("session"), msg.get("step")), None)  # type: ignore[arg-type]
+        w = self.in_flight.pop((SessionId(msg.session), msg.step), None)
         if w is None:
             return  # its step timed out or was cancelled
-        if "error" in msg:
-            self._settle(w.fut, exc=NodeError(str(msg["error"])))
+        if msg.error is not None or msg.hidden is None:
+            self._settle(w.fut, exc=NodeError(msg.error or "a stage returned no hidden state"))
             return
         try:
-            hidden = wire.decode_tensor(msg.get("hidden"), self.limits, "hidden")
-            if (stages := parse_trace(msg.get("trace"))) is not None:
-                self.traces.append(StepTrace(w.tokens, round((t_in - w.t0) * 1e6), stages))
-            self._settle(w.fut, w.after(hidden))
+            logits = self.part.head(msg.hidden)
         except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the caller's
             self._settle(w.fut, exc=exc)
+            return
+        state = self.sessions.get(w.session)
+        if state is not None:
+            state.position += w.tokens
+        self.traces.append(StepTrace(w.tokens, round((t_in - w.t0) * 1e6), tuple(msg.trace)))
+        self._settle(w.fut, logits)
 
     def on_closed(self, sock: socket.socket, reason: str) -> None:
         if self._stop:
             self._fail_all(EdgeliteError("the plan was closed"))
             return
-        name = self.names["in"] if sock is self.data_in else self.names["sink"]
-        self.gone = NodeUnavailable(f"node {name} (a stage of this plan) closed the data "
-                                    f"connection: {reason}", node=name)
+        node = self.first if sock is self.data_in else self.last
+        self.gone = NodeUnavailable(f"node {node} (a stage of this plan) closed the data "
+                                    f"connection: {reason}", node=str(node))
         self._fail_all(self.gone)
-        try:
-            self.loop.call_soon_threadsafe(self.on_lost, name, reason)
-        except RuntimeError:
-            log.debug("event loop closed")
 
     def _fail_all(self, exc: Exception) -> None:
-        for w in self.waiting.values():
+        for w in self.in_flight.values():
             self._settle(w.fut, exc=exc)
-        self.waiting.clear()
+        self.in_flight.clear()
 
     def next_timeout(self) -> float | None:
-        if not self.waiting:
+        if not self.in_flight:
             return None
-        return max(0.0, min(w.deadline for w in self.waiting.values()) - time.monotonic())
+        return max(0.0, min(w.deadline for w in self.in_flight.values()) - time.monotonic())
 
     def on_idle(self) -> None:
-        if not self.waiting:
+        if not self.in_flight:
             return
         now = time.monotonic()
-        for key in [k for k, w in self.waiting.items() if w.deadline <= now]:
-            w = self.waiting.pop(key)
+        for key in [k for k, w in self.in_flight.items() if w.deadline <= now]:
+            w = self.in_flight.pop(key)
             self._settle(w.fut, exc=StepTimeout(f"no result within {w.timeout_s:g} s"))
 
     def cleanup(self) -> None:

@@ -7,8 +7,8 @@ KV cache wherever its layers live. The engine owns no UI.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,9 +79,9 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
     """Yield generated token ids until EOS or max_tokens; fills `stats` as it goes."""
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
-    session = session or uuid.uuid4().hex
+    session = session or secrets.token_hex(16)
     eos = set(backend.manifest.eos_token_ids)
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(cfg.seed if cfg.seed is not None else secrets.randbits(64))
     t0 = time.perf_counter()
     ids = np.array([prompt], np.int64)
     try:

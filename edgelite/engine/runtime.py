@@ -130,3 +130,32 @@ class LocalChain:
         pos, mask = positions_for(kv.length, ids.shape[1], ids.shape[0])
         hidden, kv = self.layers.run(self.embed.run(ids), kv, pos, mask)
         return self.head.run(hidden[:, -1:, :])[:, 0, :], kv
+
+
+class ClientPart:
+    """What the client runs of a plan: the embedding, its own prefix of the layers (if any)
+    and the head. Per-session KV of the prefix layers lives here; one thread uses it."""
+
+    def __init__(self, manifest: Manifest, cfg: RuntimeConfig,
+                 layers: tuple[int, int] | None = None) -> None:
+        self.manifest = manifest
+        self.embed, self.head_ = Embedding(manifest, cfg), Head(manifest, cfg)
+        self.prefix = LayerRange(manifest, *layers, cfg) if layers else None
+        self.caches: dict[str, KVCache] = {}
+
+    def front(self, session: str, start: int, ids: np.ndarray) -> np.ndarray:
+        """ids (1, seq) at position `start` -> the hidden state the first node stage takes."""
+        hidden = self.embed.run(ids)
+        if self.prefix is None:
+            return hidden
+        pos, mask = positions_for(start, ids.shape[1], ids.shape[0])
+        kv = self.caches.get(session) or self.prefix.new_cache(ids.shape[0])
+        hidden, self.caches[session] = self.prefix.run(hidden, kv, pos, mask)
+        return hidden
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""
+        return self.head_.run(np.ascontiguousarray(hidden[:, -1:, :]))[0, 0]
+
+    def end(self, session: str) -> None:
+        self.caches.pop(session, None)

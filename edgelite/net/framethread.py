@@ -22,11 +22,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from edgelite.config import WireLimits
 from edgelite.errors import ProtocolError
-from edgelite.net import wire
+from edgelite.net import messages as m
+from edgelite.net.frames import LEN, pack, unpack
+from edgelite.net.schema import Message, parse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,20 +52,24 @@ class FrameThread:
         # frames not yet taken by the kernel, and when each such connection must have moved on
         self.outq: dict[socket.socket, deque[memoryview]] = {}
         self.out_deadline: dict[socket.socket, float] = {}
+        self.partial_since: dict[socket.socket, float] = {}  # when a frame began and is not whole
         self.bad_frames = 0
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- for subclasses ------------------------------------------------------------------
-    def on_frame(self, sock: socket.socket, msg: dict[str, Any], t_in: float) -> None:
+    def on_frame(self, sock: socket.socket, msg: Message, t_in: float) -> None:
         raise NotImplementedError
 
-    def on_bad_frame(self, sock: socket.socket, exc: ProtocolError) -> None:
-        """A frame that is not one: by default the sender gets an error and loses the connection."""
+    def on_bad_frame(self, sock: socket.socket, exc: ProtocolError, fatal: bool) -> None:
+        """A frame that is not a valid message: the sender gets an error naming what was wrong.
+        `fatal`: the stream cannot be followed any further (a length over the limit), so the
+        connection is closed too."""
         self.bad_frames += 1
-        log.warning("data connection: %s; closing", exc)
-        self.send(sock, {"type": "error", "message": str(exc)})
-        self.close_conn(sock)
+        log.info("%s: bad frame: %s%s", self.thread.name, exc, "; closing" if fatal else "")
+        self.send(sock, m.Error(message=str(exc)))
+        if fatal:
+            self.close_conn(sock, f"bad frame: {exc}")
 
     def on_closed(self, sock: socket.socket, reason: str) -> None:
         """The peer closed (or broke) the connection; it is already unregistered and closed."""
@@ -122,11 +128,11 @@ class FrameThread:
         except (KeyError, ValueError):
             return None
 
-    def send(self, sock: socket.socket, msg: dict[str, Any]) -> bool:
+    def send(self, sock: socket.socket, msg: Message) -> bool:
         """Queue one frame; a step's activations usually go to the kernel at once. The rest of a
         big frame goes out as the peer reads, without holding up other connections; a peer
         that takes nothing for the send timeout loses its connection. False: broken already."""
-        data = memoryview(wire.pack(msg))
+        data = memoryview(pack(msg))
         if (pending := self.outq.get(sock)) is not None:
             pending.append(data)  # frames stay in order
             return True
@@ -135,7 +141,7 @@ class FrameThread:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            log.warning("%s: could not send a %s: %r", self.thread.name, msg.get("type"), exc)
+            log.warning("%s: could not send a %s: %r", self.thread.name, msg.TYPE, exc)
             return False
         if sent < len(data):
             self.outq[sock] = deque([data[sent:]])
@@ -162,16 +168,24 @@ class FrameThread:
         self.sel.modify(sock, selectors.EVENT_READ, self.role(sock))
 
     def _wait_s(self) -> float | None:
-        own = self.next_timeout()
+        waits = [w for w in (self.next_timeout(),) if w is not None]
+        now = time.monotonic()
         if self.out_deadline:
-            out = max(0.0, min(self.out_deadline.values()) - time.monotonic())
-            return out if own is None else min(own, out)
-        return own
+            waits.append(max(0.0, min(self.out_deadline.values()) - now))
+        if self.partial_since:
+            body_s = self.limits.frame_body_timeout_s
+            waits.append(max(0.0, min(self.partial_since.values()) + body_s - now))
+        return min(waits) if waits else None
 
-    def _expire_sends(self) -> None:
+    def _expire(self) -> None:
+        """Close connections whose peer stopped reading our frames, or stopped mid-frame."""
         now = time.monotonic()
         for sock in [s for s, t in self.out_deadline.items() if t <= now]:
             self.close_conn(sock, f"peer took nothing for {self.send_timeout_s:g} s")
+        body_s = self.limits.frame_body_timeout_s
+        for sock in [s for s, t in self.partial_since.items() if t + body_s <= now]:
+            self.bad_frames += 1
+            self.close_conn(sock, f"a frame stayed incomplete for {body_s:g} s")
 
     def close_conn(self, sock: socket.socket, reason: str = "closed here") -> None:
         try:
@@ -179,6 +193,7 @@ class FrameThread:
         except (KeyError, ValueError):
             return  # closed already
         self.buffers.pop(sock, None)
+        self.partial_since.pop(sock, None)
         self.outq.pop(sock, None)
         self.out_deadline.pop(sock, None)
         sock.close()
@@ -196,8 +211,8 @@ class FrameThread:
                         self._flush(sock)  # type: ignore[arg-type]
                     if events & selectors.EVENT_READ and self.role(sock) is not None:  # still open
                         self._read(sock)  # type: ignore[arg-type]
-                if self.out_deadline:
-                    self._expire_sends()
+                if self.out_deadline or self.partial_since:
+                    self._expire()
                 self.on_idle()
         except Exception:
             log.exception("%s failed", self.thread.name)
@@ -242,18 +257,22 @@ class FrameThread:
             return
         buf += chunk
         while self.buffers.get(sock) is buf and len(buf) >= 4:
-            (n,) = wire.LEN.unpack_from(buf)
-            try:
-                if n > self.limits.max_frame_bytes:
-                    raise ProtocolError(f"frame of {n} bytes exceeds the limit "
-                                        f"{self.limits.max_frame_bytes}")
-                if len(buf) < 4 + n:
-                    return
-                t_in = time.perf_counter()  # the frame is here: time spent on it starts
-                with memoryview(buf) as view:
-                    msg = wire.unpack(view[4:4 + n])
-                del buf[:4 + n]
-            except ProtocolError as exc:
-                self.on_bad_frame(sock, exc)
+            (n,) = LEN.unpack_from(buf)
+            if n > self.limits.max_frame_bytes:
+                self.on_bad_frame(sock, ProtocolError(f"frame of {n} bytes exceeds the limit "
+                                                      f"{self.limits.max_frame_bytes}"), fatal=True)
                 return
+            if len(buf) < 4 + n:
+                self.partial_since.setdefault(sock, time.monotonic())
+                return
+            self.partial_since.pop(sock, None)
+            t_in = time.perf_counter()  # the frame is here: time spent on it starts
+            try:
+                with memoryview(buf) as view:
+                    msg = parse(unpack(view[4:4 + n]), self.limits)
+            except ProtocolError as exc:  # a whole frame that is wrong: refuse it, read on
+                del buf[:4 + n]
+                self.on_bad_frame(sock, exc, fatal=False)
+                continue
+            del buf[:4 + n]
             self.on_frame(sock, msg, t_in)

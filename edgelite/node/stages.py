@@ -17,10 +17,10 @@ import numpy as np
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.batch import run_batch
-from edgelite.engine.runtime import KVCache, LayerRange, open_session, positions_for
+from edgelite.engine.runtime import KVCache, LayerRange, positions_for
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
-from edgelite.node.blobs import BlobStore, check_sha
-from edgelite.probe.prober import gemv_flops, gemv_seconds, layer_decode_seconds
+from edgelite.ids import NodeAddr
+from edgelite.node.blobs import BlobStore
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Stage:
     first: int
     last: int
     layers: LayerRange
-    next_addr: tuple[str, int] | None
+    next_addr: NodeAddr | None
 
     @functools.cached_property
     def kv_bytes_per_token(self) -> int:
@@ -58,7 +58,7 @@ class StageStore:
     _kv_total: int = 0
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
-              next_addr: tuple[str, int] | None) -> Stage:
+              next_addr: NodeAddr | None) -> Stage:
         """Open a stage from deployed blobs (blocking: call in a thread)."""
         raw = dict(manifest_json)
         for key in ("embed", "head"):  # the node never needs these; point them at a blob name
@@ -130,37 +130,6 @@ class StageStore:
             old = self.sessions.get((stage.plan_id, session))
             self._kv_total += kv.nbytes - (old.kv.nbytes if old else 0)
             self.sessions[(stage.plan_id, session)] = Session(kv, time.monotonic())
-
-    def measure_flops(self, hidden_size: int, layer: dict[str, Any] | None = None,
-                      repeats: int = 20) -> dict[str, Any]:
-        """Effective FLOP/s on decode shapes (blocking: run in the compute thread), timed on the
-        first that applies: a loaded stage's layer; the client's named layer file when it is in
-        the blob store; a numpy GEMV over as many weight bytes as that layer (cold cache); a GEMV
-        of the hidden size."""
-        stage = next(iter(self.stages.values()), None)
-        if stage is not None:
-            m, j = stage.manifest, stage.first
-            secs = layer_decode_seconds(stage.layers.sessions[0], m.hidden_size, m.num_kv_heads,
-                                        m.head_dim, repeats=repeats)
-            return {"flops": m.layers[j].flops_per_token / secs, "flops_source": f"layer {j}",
-                    "layer_ms": secs * 1e3}
-        if layer is not None:
-            try:
-                sha, flops = check_sha(layer.get("sha256")), int(layer["flops_per_token"])
-                shape = (int(layer["hidden_size"]), int(layer["num_kv_heads"]), int(layer["head_dim"]))
-                weight_bytes = int(layer["param_bytes"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"profile: bad layer description: {exc!r}") from exc
-            if self.blobs.has(sha):
-                sess = open_session(self.blobs.path(sha), RuntimeConfig(self.runtime.threads))
-                secs = layer_decode_seconds(sess, *shape, repeats=repeats)
-                source = f"layer file {sha[:12]}"
-            else:
-                secs = gemv_seconds(shape[0], weight_bytes, repeats)
-                source = f"numpy gemv over {weight_bytes / 2**20:.1f} MiB (cold cache)"
-            return {"flops": flops / secs, "flops_source": source, "layer_ms": secs * 1e3}
-        h = hidden_size or 2048
-        return {"flops": gemv_flops(h, repeats), "flops_source": f"numpy gemv {h}"}
 
     def end(self, session: str) -> int:
         """Free a session's KV in every plan; returns bytes freed."""

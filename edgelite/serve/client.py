@@ -1,4 +1,4 @@
-"""Talk to an `edgelite serve` gateway: stream a reply, read its stats, or chat."""
+"""Talk to an `edgelite serve` gateway: stream a reply, read its stats."""
 
 from __future__ import annotations
 
@@ -6,53 +6,64 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from edgelite.config import ClientConfig, WireLimits
-from edgelite.errors import NodeError
-from edgelite.net import wire
+from edgelite.config import ClientConfig, GenerationConfig, WireLimits
+from edgelite.errors import AuthError, NodeError, NodeUnavailable
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn
+from edgelite.net.handshake import connect
 
 
 class GatewayClient:
     """One authenticated connection to a gateway; requests on it run one at a time."""
 
-    def __init__(self, conn: wire.Conn) -> None:
+    def __init__(self, conn: Conn) -> None:
         self.conn = conn
         self.ids = itertools.count()
-        self.last: dict[str, Any] = {}  # the last reply's `done` figures
+        self.last: m.Done | None = None  # the last reply's figures
 
     @classmethod
-    async def connect(cls, host: str, port: int, user: str, token: str,
+    async def connect(cls, addr: NodeAddr, user: str, token: str,
                       cfg: ClientConfig | None = None) -> GatewayClient:
         cfg = cfg or ClientConfig()
-        conn, _ = await wire.connect(host, port, token, None, WireLimits(), cfg.connect_timeout_s,
-                                     user=user)
+        try:
+            conn, _ = await connect(addr, token, None, WireLimits(), cfg.connect_timeout_s, user=user)
+        except (ConnectionError, AuthError) as exc:
+            raise NodeUnavailable(f"gateway {exc}", node=str(addr)) from exc
         return cls(conn)
 
-    async def generate(self, messages: list[dict[str, str]], max_tokens: int = 128,
-                       temperature: float = 0.0) -> AsyncIterator[str]:
+    async def generate(self, messages: list[dict[str, str]],
+                       cfg: GenerationConfig | None = None) -> AsyncIterator[str]:
         """Yield the reply's text pieces; afterwards `last` holds the gateway's figures."""
+        cfg = cfg or GenerationConfig()
         rid = next(self.ids)
-        await self.conn.send({"type": "generate", "id": rid, "messages": messages,
-                              "max_tokens": max_tokens, "temperature": temperature})
+        await self.conn.send(m.GenerateRequest(
+            id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed))
         while True:
             msg = await self.conn.recv()
-            if msg.get("id") != rid:
+            if getattr(msg, "id", None) != rid:
                 continue
-            if msg["type"] == "token":
-                yield msg["text"]
-            elif msg["type"] == "done":
+            if isinstance(msg, m.TokenPiece):
+                yield msg.text
+            elif isinstance(msg, m.Done):
                 self.last = msg
                 return
             else:
-                raise NodeError(f"gateway: {msg.get('message', msg['type'])}")
+                raise NodeError(f"gateway: {getattr(msg, 'message', msg.TYPE)}")
 
     async def stats(self) -> dict[str, Any]:
         rid = next(self.ids)
-        await self.conn.send({"type": "stats", "id": rid})
-        while (msg := await self.conn.recv()).get("id") != rid:
-            pass
-        if msg["type"] == "error":
-            raise NodeError(f"gateway: {msg.get('message')}")
-        return {k: v for k, v in msg.items() if k not in ("type", "id")}
+        await self.conn.send(m.GatewayStatsRequest(id=rid))
+        while True:
+            msg = await self.conn.recv()
+            if getattr(msg, "id", None) == rid:
+                break
+        if isinstance(msg, m.Error):
+            raise NodeError(f"gateway: {msg.message}")
+        if not isinstance(msg, m.GatewayStats):
+            raise NodeError(f"gateway answered stats with {msg.TYPE}")
+        return msg.stats
 
     async def close(self) -> None:
         await self.conn.close()

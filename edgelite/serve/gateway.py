@@ -1,9 +1,13 @@
-"""`edgelite serve`: many users' requests through one cluster, ordered by the scheduler.
+"""`edgelite serve`: many users' requests through one model, ordered by the scheduler.
 
 Clients speak the wire protocol and authenticate as a user from users.json (HMAC with that
-user's own token); the user's tier comes from the file, never from the client. A request is
-{type: generate, id, messages | prompt, max_tokens, temperature?}; the gateway streams
-{type: token, id, text} frames and ends with {type: done, id, ...figures} or {type: error, id}.
+user's own token); the user's tier comes from the file, never from the client. A request is a
+GenerateRequest (messages or a prompt, and its own sampling settings); the gateway streams
+TokenPiece frames and ends with Done or an Error.
+
+Each client connection has its own writer task fed through a bounded queue: the scheduling loop
+never waits on a client's socket, so a client that stops reading holds up nobody (it is dropped
+once its queue is full or a send stalls). A client's requests end when it disconnects.
 
 Each scheduler step becomes backend calls: admitted requests prefill their prompt, resumed ones
 recompute prompt + generated tokens (their KV was dropped when they were preempted), running
@@ -13,22 +17,29 @@ ones decode one token; all of a step's calls go through the pipeline at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import secrets
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgelite.config import GatewayConfig, WireLimits
+from edgelite.config import GatewayConfig, GenerationConfig, WireLimits
 from edgelite.engine.generate import Backend
 from edgelite.engine.sampling import sample
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
-from edgelite.net import wire
+from edgelite.ids import SessionId, new_session_id
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn, bound_port
+from edgelite.net.handshake import server_handshake
+from edgelite.net.schema import Message
 from edgelite.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
@@ -54,36 +65,69 @@ def load_users(path: Path) -> dict[str, User]:
     return {u.name: u for u in users}
 
 
+class Client:
+    """One connected client: its user, and a bounded queue of frames its writer task sends."""
+
+    def __init__(self, conn: Conn, user: User, cfg: GatewayConfig) -> None:
+        self.conn, self.user, self.cfg = conn, user, cfg
+        self.queue: asyncio.Queue[Message] = asyncio.Queue(cfg.client_queue_frames)
+        self.gone = False
+
+    def post(self, msg: Message) -> None:
+        """Queue a frame without waiting; a client this far behind is dropped."""
+        if self.gone:
+            return
+        try:
+            self.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.warning("%s (%s) reads nothing: %d frames queued; dropping the client",
+                        self.conn.peer, self.user.name, self.queue.qsize())
+            self.drop()
+
+    def drop(self) -> None:
+        self.gone = True
+        self.conn.writer.close()
+
+    async def write(self) -> None:
+        """The writer task: send queued frames; a send that stalls drops the client."""
+        while not self.gone:
+            msg = await self.queue.get()
+            try:
+                await asyncio.wait_for(self.conn.send(msg), self.cfg.client_send_timeout_s)
+            except (TimeoutError, ConnectionError, OSError):
+                log.info("%s: a send stalled or failed; dropping the client", self.conn.peer)
+                self.drop()
+
+
 @dataclass(eq=False)
 class Job:
     """One client request: the scheduler's Request plus what the gateway needs to serve it."""
 
     req: Request
-    conn: wire.Conn
-    rid: Any
-    user: User
+    client: Client
+    rid: int
     prompt: list[int]
-    temperature: float
+    gen: GenerationConfig
+    decoder: StreamDecoder
+    session: SessionId = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    decoder: StreamDecoder | None = None
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
-    gone: bool = False  # the client disconnected
-
-    @property
-    def session(self) -> str:
-        return f"gw-{self.req.rid}"
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
 
 @dataclass
 class TierStats:
-    ttft_ms: list[float] = field(default_factory=list)
-    itl_ms: list[float] = field(default_factory=list)
+    window: int
+    ttft_ms: deque[float] = field(init=False)
+    itl_ms: deque[float] = field(init=False)
     preemptions: int = 0
     done: int = 0
 
+    def __post_init__(self) -> None:
+        self.ttft_ms, self.itl_ms = deque(maxlen=self.window), deque(maxlen=self.window)
+
     def to_json(self) -> dict[str, Any]:
-        def pct(xs: list[float], q: float) -> float:
+        def pct(xs: deque[float], q: float) -> float:
             return round(float(np.percentile(xs, q)), 2) if xs else 0.0
 
         return {"done": self.done, "preemptions": self.preemptions,
@@ -95,19 +139,19 @@ class TierStats:
 class Gateway:
     def __init__(self, backend: Backend, tok: Tokenizer, users: dict[str, User],
                  scheduler: Scheduler, cfg: GatewayConfig | None = None,
-                 limits: WireLimits | None = None) -> None:
+                 defaults: GenerationConfig | None = None, limits: WireLimits | None = None) -> None:
         self.backend, self.tok, self.users, self.sched = backend, tok, users, scheduler
         self.cfg, self.limits = cfg or GatewayConfig(), limits or WireLimits()
+        self.defaults = defaults or GenerationConfig()  # for what a request does not say
         self.jobs: dict[str, Job] = {}  # scheduler rid -> job
         self.tiers: dict[int, TierStats] = {}
         self.wake = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.eos = set(backend.manifest.eos_token_ids)
-        self._ids = 0
 
     @property
     def port(self) -> int:
-        return wire.bound_port(self.server)
+        return bound_port(self.server)
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)
@@ -115,6 +159,7 @@ class Gateway:
     async def run(self) -> None:
         if self.server is None:
             await self.start()
+        assert self.server is not None
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.server.serve_forever())
             tg.create_task(self._loop())
@@ -122,71 +167,84 @@ class Gateway:
     # ---- clients -------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
-        conn = wire.Conn(reader, writer, self.limits, peer)
+        conn = Conn(reader, writer, self.limits, peer)
+        client: Client | None = None
         try:
             auth = await asyncio.wait_for(
-                wire.server_handshake(conn, self._secret, "edgelite-gateway", [
-                    self.backend.manifest.fingerprint]), self.cfg.handshake_timeout_s)
-            user = self.users[auth["user"]]
-            while True:
-                try:
-                    msg = await asyncio.wait_for(conn.recv(), self.cfg.idle_timeout_s)
-                except asyncio.IncompleteReadError:
-                    return
-                try:
-                    await self._request(conn, user, msg)
-                except EdgeliteError as exc:
-                    await conn.send({"type": "error", "id": msg.get("id"), "message": str(exc)})
+                server_handshake(conn, self._secret, "edgelite-gateway",
+                                 [self.backend.manifest.fingerprint]), self.cfg.handshake_timeout_s)
+            client = Client(conn, self.users[str(auth.user)], self.cfg)
+            writing = asyncio.get_running_loop().create_task(client.write(), name=f"to {peer}")
+            try:
+                await self._read(client)
+            finally:
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
         except (AuthError, ProtocolError) as exc:
             log.warning("%s: %s; closing", peer, exc)
-            await _try_send(conn, {"type": "error", "message": str(exc)})
+            with contextlib.suppress(ConnectionError, OSError):
+                await conn.send(m.Error(message=str(exc)))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", peer, exc)
         finally:
-            for job in self.jobs.values():  # nobody to stream to: stop at the next token
-                if job.conn is conn:
-                    job.gone = True
+            if client is not None:
+                client.gone = True  # its requests stop at their next step
             await conn.close()
 
-    def _secret(self, auth: dict[str, Any]) -> str | None:
-        user = self.users.get(auth.get("user"))  # type: ignore[arg-type]
+    async def _read(self, client: Client) -> None:
+        while not client.gone:
+            try:
+                frame = await asyncio.wait_for(client.conn.recv_frame(), self.cfg.idle_timeout_s)
+            except asyncio.IncompleteReadError:
+                return
+            rid = frame.get("id") if type(frame.get("id")) is int else None
+            try:
+                msg = m.parse(frame, self.limits)
+                if isinstance(msg, m.GatewayStatsRequest):
+                    client.post(m.GatewayStats(id=msg.id, stats=self.stats()))
+                elif isinstance(msg, m.GenerateRequest):
+                    self._submit(client, msg)
+                else:
+                    raise ProtocolError(f"{msg.TYPE} is not a gateway request")
+            except EdgeliteError as exc:
+                client.post(m.Error(message=str(exc), id=rid))
+
+    def _secret(self, auth: m.Auth) -> str | None:
+        user = self.users.get(auth.user) if auth.user is not None else None
         return user.token if user else None
 
-    async def _request(self, conn: wire.Conn, user: User, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "stats":
-            await conn.send({"type": "stats_ok", "id": msg.get("id"), **self.stats()})
-            return
-        if kind != "generate":
-            raise ProtocolError(f"unknown message type {kind!r}")
+    def _submit(self, client: Client, msg: m.GenerateRequest) -> None:
+        user, d = client.user, self.defaults
+        max_tokens = msg.max_tokens if msg.max_tokens is not None else d.max_tokens
+        if max_tokens > self.cfg.max_tokens_limit:
+            raise ProtocolError(f"max_tokens must be at most {self.cfg.max_tokens_limit}")
+        mine = sum(1 for j in self.jobs.values() if j.client.user is user)
+        if mine >= self.cfg.max_requests_per_user:
+            raise EdgeliteError(f"user {user.name} has {mine} requests queued or running; the "
+                                f"limit is {self.cfg.max_requests_per_user}")
         prompt = self._prompt(msg)
-        max_tokens = msg.get("max_tokens", 128)
-        temperature = msg.get("temperature", 0.0)
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
-            raise ProtocolError(f"max_tokens must be 1-{self.cfg.max_tokens_limit}")
-        if not isinstance(temperature, int | float) or not 0 <= temperature <= 5:
-            raise ProtocolError("temperature must be a number in 0-5")
-        self._ids += 1
-        req = Request(f"{user.name}-{self._ids}", user.tier, len(prompt), max_tokens, time.monotonic())
+        seed = msg.seed if msg.seed is not None else d.seed
+        gen = GenerationConfig(
+            max_tokens=max_tokens, seed=seed,
+            temperature=msg.temperature if msg.temperature is not None else d.temperature,
+            top_p=msg.top_p if msg.top_p is not None else d.top_p)
+        req = Request(new_session_id(), user.tier, len(prompt), max_tokens, time.monotonic())
         try:
             self.sched.submit(req)
         except ValueError as exc:
             raise EdgeliteError(str(exc)) from exc
-        self.jobs[req.rid] = Job(req, conn, msg.get("id"), user, prompt, float(temperature),
-                                 decoder=StreamDecoder(self.tok))
+        rng = np.random.default_rng(seed if seed is not None else secrets.randbits(64))
+        self.jobs[req.rid] = Job(req, client, msg.id, prompt, gen, StreamDecoder(self.tok), rng=rng)
         self.wake.set()
 
-    def _prompt(self, msg: dict[str, Any]) -> list[int]:
-        messages, text = msg.get("messages"), msg.get("prompt")
-        if isinstance(messages, list) and all(
-                isinstance(m, dict) and isinstance(m.get("content"), str)
-                and m.get("role") in ("system", "user", "assistant") for m in messages):
-            chat = messages
-        elif isinstance(text, str):
-            chat = [{"role": "user", "content": text}]
+    def _prompt(self, msg: m.GenerateRequest) -> list[int]:
+        if msg.messages is not None:
+            chat = [{"role": c.role, "content": c.content} for c in msg.messages]
+        elif msg.prompt is not None:
+            chat = [{"role": "user", "content": msg.prompt}]
         else:
             raise ProtocolError("generate needs messages [{role, content}] or a prompt string")
-        size = sum(len(m["content"]) for m in chat)
+        size = sum(len(c["content"]) for c in chat)
         if size > self.cfg.max_prompt_chars:
             raise ProtocolError(f"prompt of {size} characters exceeds {self.cfg.max_prompt_chars}")
         return self.tok.chat_prompt(chat)
@@ -199,14 +257,12 @@ class Gateway:
                 job = self.jobs[r.rid]
                 self._tier(job).preemptions += 1
                 log.info("preempted %s (tier %d) after %d tokens; its KV is dropped and will "
-                         "be recomputed", r.rid, r.tier, r.generated)
+                         "be recomputed", r.rid[:12], r.tier, r.generated)
                 await self.backend.end(job.session)
             if d.idle:
                 self.wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.cfg.idle_poll_s)
-                except TimeoutError:
-                    pass
                 continue
             work = ([(r, self.jobs[r.rid].prompt) for r in d.admit]
                     + [(r, self.jobs[r.rid].prompt + self.jobs[r.rid].tokens) for r in d.resume]
@@ -222,23 +278,21 @@ class Gateway:
         if isinstance(logits, BaseException):
             if not isinstance(logits, EdgeliteError):
                 raise logits
-            log.warning("request %s failed: %s", r.rid, logits)
+            log.warning("request %s failed: %s", r.rid[:12], logits)
             self.sched.advance(r, done=True)
             await self._finish(job, error=str(logits))
             return
-        tok = sample(logits, job.temperature, 1.0, job.rng)
-        now = time.monotonic()
+        tok = sample(logits, job.gen.temperature, job.gen.top_p, job.rng)
         eos = tok in self.eos
         if not eos:
             job.tokens.append(tok)
-            job.token_times.append(now)
-            assert job.decoder is not None
-            await _try_send(job.conn, {"type": "token", "id": job.rid, "text": job.decoder.push(tok)})
-        self.sched.advance(r, done=eos or job.gone)
+            job.token_times.append(time.monotonic())
+            job.client.post(m.TokenPiece(id=job.rid, text=job.decoder.push(tok), token_id=tok))
+        self.sched.advance(r, done=eos or job.client.gone)
         if r.queue == "finished":
-            await self._finish(job)
+            await self._finish(job, finish="eos" if eos else "length")
 
-    async def _finish(self, job: Job, error: str | None = None) -> None:
+    async def _finish(self, job: Job, error: str | None = None, finish: str = "length") -> None:
         del self.jobs[job.req.rid]
         await self.backend.end(job.session)
         st = self._tier(job)
@@ -248,16 +302,16 @@ class Gateway:
             st.itl_ms.extend(float(x) * 1e3 for x in np.diff(t))
         st.done += 1
         if error is not None:
-            await _try_send(job.conn, {"type": "error", "id": job.rid, "message": error})
+            job.client.post(m.Error(message=error, id=job.rid))
             return
-        await _try_send(job.conn, {
-            "type": "done", "id": job.rid, "token_ids": job.tokens, "tier": job.user.tier,
-            "ttft_ms": round((t[0] - job.req.arrival) * 1e3, 2) if t else None,
-            "preemptions": job.req.preemptions,
-            "decode_tok_s": round((len(t) - 1) / (t[-1] - t[0]), 2) if len(t) > 1 and t[-1] > t[0] else 0.0})
+        job.client.post(m.Done(
+            id=job.rid, token_ids=job.tokens, tier=job.client.user.tier, finish=finish,
+            ttft_ms=round((t[0] - job.req.arrival) * 1e3, 2) if t else None,
+            preemptions=job.req.preemptions,
+            decode_tok_s=round((len(t) - 1) / (t[-1] - t[0]), 2) if len(t) > 1 and t[-1] > t[0] else 0.0))
 
     def _tier(self, job: Job) -> TierStats:
-        return self.tiers.setdefault(job.user.tier, TierStats())
+        return self.tiers.setdefault(job.client.user.tier, TierStats(self.cfg.latency_window))
 
     def stats(self) -> dict[str, Any]:
         s = self.sched
@@ -267,10 +321,3 @@ class Gateway:
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}
-
-
-async def _try_send(conn: wire.Conn, msg: dict[str, Any]) -> None:
-    try:
-        await conn.send(msg)
-    except (ConnectionError, OSError):
-        log.debug("%s: client gone; %s dropped", conn.peer, msg.get("type"))

@@ -33,24 +33,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    context_limit: int = 2048  # L
-    a_prompt: float = 1.0
-    a_output: float = 1.0
-    a_decode: float = 1.0
-    w_tier: float = 1.0  # third term per tier level (tiers 0 = lowest)
-    patience_s: float = 2.0  # P, for tier 0
-    tier_patience_scale: float = 1.0  # tier t is overdue after P * scale**t (< 1: sooner)
-    slope: float = 1e6  # second term per overdue second: overdue beats any static difference
-    max_requests: int = 8  # running at once (one decode step serves them all)
-    max_step_tokens: int = 2048  # prefill tokens one step may admit
-    kv_tokens: int = 8192  # KV memory, in tokens, for all running requests together
-    max_preemptions: int = 2  # per request
-    interval_s: float = 0.0  # minimum time between admissions
+from edgelite.config import SchedulerConfig
 
 
 @dataclass(eq=False)
@@ -100,7 +86,8 @@ class Scheduler:
         self.deadlines: list[tuple[float, int, Request]] = []  # fresh requests by deadline
         self.running: list[Request] = []
         self.preempted: list[tuple[float, int, Request]] = []  # key: -decode priority
-        self.finished: list[Request] = []
+        self.finished: deque[Request] = deque(maxlen=self.cfg.finished_window)  # the latest
+        self.finished_count = 0
         self.kv_used = 0
         self.last_admit = -float("inf")
         self._seq = itertools.count()
@@ -255,6 +242,7 @@ class Scheduler:
             self.kv_used -= r.kv
             r.kv, r.queue = 0, "finished"
             self.finished.append(r)
+            self.finished_count += 1
 
     def wait_bound_steps(self, ahead: int, max_output: int) -> int:
         """Steps after its patience deadline within which a request with `ahead` requests in

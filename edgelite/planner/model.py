@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgelite.errors import PlanInfeasible
+from edgelite.ids import NodeAddr
 
 OBJECTIVES = ("latency", "throughput")
 
@@ -32,6 +32,7 @@ class Device:
     flops: float  # effective FLOP/s on the model's own shapes
     memory_bytes: int
     beta: float = 0.8  # fraction of memory the plan may use
+    addr: NodeAddr | None = None  # where a node listens (None: the client itself)
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,14 @@ class Problem:
         return math.inf if h is None else h.total
 
 
-Stage = tuple[int, int, int]  # (device, first layer, last layer)
+Span = tuple[int, int, int]  # a stage inside the solvers: (device index, first layer, last layer)
 
 
 @dataclass
-class Plan:
-    stages: list[Stage]
+class Solution:
+    """What a solver returns (spans over device indices); solve.py makes it a Plan."""
+
+    spans: list[Span]
     objective: str
     value: float  # the objective's value in ms
     solver: str
@@ -132,7 +135,7 @@ class Prediction:
     expected: float = math.inf  # wall ms/token: compute + data + the client's embedding and head
 
 
-def check_stages(p: Problem, stages: list[Stage]) -> None:
+def check_spans(p: Problem, stages: list[Span]) -> None:
     """A valid plan: contiguous cover of all layers, distinct devices, client only first."""
     expect, seen = 0, set()
     for pos, (d, a, b) in enumerate(stages):
@@ -144,10 +147,10 @@ def check_stages(p: Problem, stages: list[Stage]) -> None:
         raise ValueError(f"stages {stages} do not cover layers 0-{p.n - 1}")
 
 
-def predict(p: Problem, stages: list[Stage]) -> Prediction:
+def predict(p: Problem, stages: list[Span]) -> Prediction:
     """ms per token of a plan, split into compute, data, QoS and complexity (math.inf if a hop
     is unreachable or memory does not fit)."""
-    check_stages(p, stages)
+    check_spans(p, stages)
     rows, compute, data, qos = [], 0.0, 0.0, 0.0
     prev, client_ms, stage_times = 0, 0.0, []
     for d, a, b in stages:
@@ -174,51 +177,66 @@ def predict(p: Problem, stages: list[Stage]) -> Prediction:
                       bottleneck, rows, compute + data + fixed)
 
 
-def value(p: Problem, stages: list[Stage]) -> float:
+def value(p: Problem, stages: list[Span]) -> float:
     pr = predict(p, stages)
     return pr.total if p.objective == "latency" else pr.bottleneck
 
 
-def precheck(p: Problem) -> None:
-    """Raise PlanInfeasible (with how much memory is short, and where) before any solver runs."""
-    if p.objective not in OBJECTIVES:
-        raise ValueError(f"objective {p.objective!r}: one of {', '.join(OBJECTIVES)}")
-    names = ", ".join(f"{d.name} ({p.capacity(i) / 2**20:.0f} MiB usable)"
-                      for i, d in enumerate(p.devices))
-    need = sum(L.mem_bytes for L in p.layers)
-    have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
-    if need > have:
-        raise PlanInfeasible(f"the layers need {need / 2**20:.0f} MiB, the devices offer "
-                             f"{have / 2**20:.0f} MiB: {(need - have) / 2**20:.0f} MiB short; "
-                             f"considered {names}")
-    biggest = max(p.layers, key=lambda L: L.mem_bytes).mem_bytes
-    if all(p.capacity(i) < biggest for i in range(p.m)):
-        raise PlanInfeasible(f"no device can hold one layer of {biggest / 2**20:.0f} MiB; "
-                             f"considered {names}")
-    if p.client_first and p.capacity(0) < p.layers[0].mem_bytes:
-        raise PlanInfeasible(f"the client {p.devices[0].name} must hold layer 0 "
-                             f"({p.layers[0].mem_bytes / 2**20:.0f} MiB) but has "
-                             f"{p.capacity(0) / 2**20:.0f} MiB usable")
+@dataclass(frozen=True)
+class Stage:
+    """One device's part of a plan: decoder layers first..last, and what the plan predicts for
+    them. `addr` None: the client itself runs these layers."""
+
+    device: str
+    first: int
+    last: int
+    addr: NodeAddr | None = None
+    compute_ms: float = 0.0
+    hop_in_ms: float = 0.0  # the link into this stage
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.last + 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "addr": None if self.addr is None else str(self.addr),
+                "first_layer": self.first, "last_layer": self.last,
+                "compute_ms": round(self.compute_ms, 4), "hop_in_ms": round(self.hop_in_ms, 4)}
 
 
-def solve(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
-    """Best plan. solver: auto | milp | milp-literal | milp-aggregated | dp."""
-    precheck(p)
-    from edgelite.plan import dp as plan_dp
-    from edgelite.plan import milp as plan_milp
+@dataclass(frozen=True)
+class Plan:
+    """Where each decoder layer runs, how the plan was found, and what it predicts per token
+    (ms). The stages are in chain order; the client runs embedding and head either way."""
 
-    if solver == "dp" or (solver == "auto" and not plan_milp.available()):
-        plan = plan_dp.solve(p)
-    elif solver in ("auto", "milp"):
-        plan = (plan_milp.solve_aggregated(p, time_limit_s) if p.identical
-                else plan_milp.solve_literal(p, time_limit_s))
-    elif solver == "milp-literal":
-        plan = plan_milp.solve_literal(p, time_limit_s)
-    elif solver == "milp-aggregated":
-        plan = plan_milp.solve_aggregated(p, time_limit_s)
-    else:
-        raise ValueError(f"unknown solver {solver!r}")
-    if not plan.stages:
-        raise PlanInfeasible(f"no placement fits ({plan.solver}: {plan.status}); considered "
-                             + ", ".join(d.name for d in p.devices))
-    return plan
+    stages: tuple[Stage, ...]
+    objective: str
+    solver: str
+    status: str
+    value_ms: float = 0.0
+    solve_ms: float = 0.0
+    predicted: Prediction | None = None
+
+    @property
+    def remote(self) -> tuple[Stage, ...]:
+        """The stages that run on nodes (not on the client)."""
+        return tuple(s for s in self.stages if s.addr is not None)
+
+    @property
+    def local(self) -> Stage | None:
+        """The client's own stage, when the plan gives it layers."""
+        return next((s for s in self.stages if s.addr is None), None)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"objective": self.objective, "solver": self.solver,
+                               "status": self.status, "solve_ms": round(self.solve_ms, 2),
+                               "value_ms": round(self.value_ms, 4),
+                               "stages": [s.to_json() for s in self.stages]}
+        pr = self.predicted
+        if pr is not None:
+            out["predicted_ms"] = {"total": round(pr.total, 4), "compute": round(pr.compute, 4),
+                                   "data": round(pr.data, 4), "qos": round(pr.qos, 4),
+                                   "complexity": round(pr.complexity, 4),
+                                   "bottleneck": round(pr.bottleneck, 4)}
+            out["expected_ms_per_token"] = round(pr.expected, 4)
+        return out

@@ -15,12 +15,12 @@ from functools import cache
 
 import numpy as np
 
-from edgelite.plan.model import Plan, Problem, Stage, value
+from edgelite.planner.model import Problem, Solution, Span, value
 
 INF = math.inf
 
 
-def solve(p: Problem, general: bool = False) -> Plan:
+def solve(p: Problem, general: bool = False) -> Solution:
     """general=True forces the (small-m) general DP even where the fast path applies."""
     t0 = time.perf_counter()
     if p.identical and p.objective == "latency" and not general:
@@ -29,15 +29,15 @@ def solve(p: Problem, general: bool = False) -> Plan:
         stages = solve_general(p)
     ms = (time.perf_counter() - t0) * 1e3
     if not stages:
-        return Plan([], p.objective, INF, "dp", "infeasible", solve_ms=ms)
-    return Plan(stages, p.objective, value(p, stages), "dp", "optimal", solve_ms=ms)
+        return Solution([], p.objective, INF, "dp", "infeasible", solve_ms=ms)
+    return Solution(stages, p.objective, value(p, stages), "dp", "optimal", solve_ms=ms)
 
 
 def _range_ok(p: Problem, d: int, a: int, b: int, mem_prefix: list[int]) -> bool:
     return mem_prefix[b + 1] - mem_prefix[a] <= p.capacity(d)
 
 
-def solve_general(p: Problem) -> list[Stage]:
+def solve_general(p: Problem) -> list[Span]:
     n, m, lat = p.n, p.m, p.objective == "latency"
     mem = [0]
     for L in p.layers:
@@ -47,11 +47,11 @@ def solve_general(p: Problem) -> list[Stage]:
 
     def best_from(client_ms: float):
         @cache
-        def f(j: int, mask: int, last: int) -> tuple[float, tuple[Stage, ...]]:
+        def f(j: int, mask: int, last: int) -> tuple[float, tuple[Span, ...]]:
             if j == n:
                 back = p.hop_ms(last, 0, p.layers[-1].out_bytes)
                 return (back if lat else client_ms + back), ()
-            best: tuple[float, tuple[Stage, ...]] = (INF, ())
+            best: tuple[float, tuple[Span, ...]] = (INF, ())
             out = p.layers[j - 1].out_bytes if j else p.layers[0].out_bytes
             for d in range(1, m):
                 if mask >> d & 1:
@@ -129,7 +129,7 @@ def _fill(p: Problem, members: list[int], lower: dict[int, int],
     return counts if left == 0 else None
 
 
-def solve_identical_latency(p: Problem) -> list[Stage]:
+def solve_identical_latency(p: Problem) -> list[Span]:
     layer, k, w_c = p.layers[0], p.m - 1, p.weights.w_c
     cap = {d: min(p.n, int(p.capacity(d) // layer.mem_bytes)) if p.capacity(d) > 0 else 0
            for d in range(p.m)}

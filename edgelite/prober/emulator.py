@@ -187,7 +187,7 @@ class EmulatorProcess:
         from dataclasses import asdict
 
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "edgelite.probe.emulator", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "edgelite.prober.emulator", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         spec = [{"target": list(t), "spec": asdict(s), "seed": seed + i}

@@ -1,4 +1,5 @@
-"""Device and link measurement. A peer that fails is a measurement ("unreachable"), not an error.
+"""Measuring one link, from either end. A peer that fails is a measurement ("unreachable"), not
+an error.
 
 Link metrics between an endpoint and a peer node (run by whichever end the client asks):
 - latency: median RTT/2 over N small round trips;
@@ -19,18 +20,19 @@ import hashlib
 import hmac
 import math
 import os
-import platform
 import statistics
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError, ProtocolError
-from edgelite.net import wire
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn
+from edgelite.net.handshake import connect
+from edgelite.net.schema import Message
 
 _UDP = struct.Struct(">Q8s16s")  # seq, nonce, tag
 
@@ -141,22 +143,22 @@ async def udp_loss(host: str, port: int, token: str, cfg: ProbeConfig) -> tuple[
     return cfg.udp_packets, len(proto.got)
 
 
-async def _request(conn: wire.Conn, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+async def _request(conn: Conn, msg: Message, timeout: float) -> Message:
     await conn.send(msg)
     reply = await asyncio.wait_for(conn.recv(), timeout)
-    if reply.get("type") == "error":
-        raise ConnectionError(str(reply.get("message")))
+    if isinstance(reply, m.Error):
+        raise ConnectionError(reply.message)
     return reply
 
 
-async def _bulk_seconds(conn: wire.Conn, cfg: ProbeConfig, up: int, down: int) -> float:
+async def _bulk_seconds(conn: Conn, cfg: ProbeConfig, up: int, down: int) -> float:
     t0 = time.perf_counter()
-    await _request(conn, {"type": "bulk", "id": -1, "data": bytes(up), "reply_bytes": down},
+    await _request(conn, m.Bulk(id=-1, data=bytes(up), reply_bytes=down),
                    cfg.timeout_s + (up + down) / 1e5)
     return time.perf_counter() - t0
 
 
-async def _bulk_rates(conn: wire.Conn, cfg: ProbeConfig, rtt_s: float) -> tuple[float, float]:
+async def _bulk_rates(conn: Conn, cfg: ProbeConfig, rtt_s: float) -> tuple[float, float]:
     """(to the peer, from the peer) in Mbit/s. Each direction starts with 1 MB; when that is over
     in under bulk_min_seconds, one transfer sized from the first rate to last that long follows
     (capped at bulk_max_bytes: on loopback-fast links it may end sooner)."""
@@ -173,7 +175,7 @@ async def _bulk_rates(conn: wire.Conn, cfg: ProbeConfig, rtt_s: float) -> tuple[
     return rates[0], rates[1]
 
 
-async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token: str,
+async def measure_link(conn: Conn, udp_addr: tuple[str, int] | None, token: str,
                        cfg: ProbeConfig) -> LinkStats:
     """Measure the link behind an authenticated connection to a node (and its UDP echo)."""
     udp = asyncio.ensure_future(udp_loss(*udp_addr, token, cfg)) if udp_addr and cfg.small else None
@@ -181,10 +183,10 @@ async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token:
         rtts, owd = [], []  # owd: one-way delay + an unknown constant clock offset
         for i in range(cfg.pings if cfg.small else 3):
             t0, sent_at = time.perf_counter(), time.monotonic()
-            reply = await _request(conn, {"type": "ping", "id": i}, cfg.timeout_s)
+            reply = await _request(conn, m.Ping(id=i), cfg.timeout_s)
             rtts.append((time.perf_counter() - t0) * 1e3)
-            if isinstance(reply.get("rt"), float):
-                owd.append((reply["rt"] - sent_at) * 1e3)
+            if isinstance(reply, m.Pong):
+                owd.append((reply.rt - sent_at) * 1e3)
         sent, got = (await udp) if udp else (0, 0)
     finally:
         if udp is not None and not udp.done():
@@ -205,132 +207,26 @@ async def measure_link(conn: wire.Conn, udp_addr: tuple[str, int] | None, token:
                      udp_sent=sent, udp_received=got)
 
 
-async def probe_peer(host: str, port: int, udp_port: int | None, token: str,
-                     cfg: ProbeConfig) -> LinkStats:
-    """Connect to a node and measure the link; never raises for a bad peer."""
+async def probe_peer(peer: NodeAddr, token: str, cfg: ProbeConfig) -> LinkStats:
+    """Connect to a node and measure the link; never raises for a bad peer. `peer.udp_port`:
+    its loss-probe port when known (else the node's welcome says)."""
     try:
-        conn, welcome = await wire.connect(host, port, token, None, WireLimits(), cfg.timeout_s)
-    except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, AuthError,
-            ProtocolError) as exc:
-        return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
+        conn, welcome = await connect(peer, token, None, WireLimits(), cfg.timeout_s)
+    except (ConnectionError, AuthError) as exc:
+        return unreachable(str(exc))
     try:
-        uport = udp_port or _udp_port(welcome, port)
-        return await measure_link(conn, (host, uport) if uport else None, token, cfg)
+        uport = peer.udp_port or _udp_port(welcome, peer.port)
+        return await measure_link(conn, (peer.host, uport) if uport else None, token, cfg)
     except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
-        return unreachable(f"{host}:{port}: {exc or type(exc).__name__}")
+        return unreachable(f"{peer}: {exc or type(exc).__name__}")
     finally:
         await conn.close()
 
 
-def _udp_port(welcome: dict[str, Any], dialed: int) -> int | None:
+def _udp_port(welcome: m.Welcome, dialed: int) -> int | None:
     """The node's UDP echo port as seen from here. A node whose echo shares its TCP port number
     is reached on the number we dialed, so a proxy (the link emulator) that follows the same
     convention carries the loss probe too."""
-    udp = welcome.get("udp_port")
-    if not isinstance(udp, int):
+    if welcome.udp_port is None:
         return None
-    return dialed if udp == welcome.get("port") else udp
-
-
-@dataclass
-class EMA:
-    """Bias-corrected exponential moving average (as hivemind's PerformanceEMA)."""
-
-    alpha: float = 0.3
-    value: float = 0.0
-    weight: float = 0.0
-
-    def update(self, x: float) -> float:
-        self.value = (1 - self.alpha) * self.value + self.alpha * x
-        self.weight = (1 - self.alpha) * self.weight + self.alpha
-        return self.value / self.weight
-
-
-def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
-    out = {}
-    try:
-        for line in path.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
-
-
-def battery() -> dict[str, Any]:
-    """Battery level/charging/temperature where the kernel exposes them (Android does); else {}."""
-    base = Path("/sys/class/power_supply/battery")
-    out: dict[str, Any] = {}
-    for key, name, conv in (("capacity", "battery_percent", int), ("status", "charging", str),
-                            ("temp", "battery_temp_c", lambda v: int(v) / 10)):
-        try:
-            raw = (base / key).read_text().strip()
-        except OSError:
-            continue
-        out[name] = raw == "Charging" if key == "status" else conv(raw)
-    return out
-
-
-def host_profile() -> dict[str, Any]:
-    mem = meminfo()
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "machine": platform.machine(), "memory_total_bytes": mem.get("MemTotal"),
-            "memory_available_bytes": mem.get("MemAvailable"), **battery()}
-
-
-EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
-                   inner: int = 1) -> float:
-    """Median wall time of fn() over `repeats` samples (each `inner` calls) after one warm-up;
-    `before` runs untimed ahead of each sample."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
-
-
-def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim: int,
-                         past: int = 64, repeats: int = 20) -> float:
-    """Median time of one decode step of a layer session (blocking). In real decoding a layer's
-    weights were evicted by everything run since its last step, so every timed run starts with
-    a cold cache."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    kv = rng.standard_normal((1, kv_heads, past, head_dim)).astype(np.float32)
-    feed = {"hidden": rng.standard_normal((1, 1, hidden_size)).astype(np.float32),
-            "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
-            "attention_mask": np.ones((1, past + 1), np.int64)}
-    evict = np.zeros(EVICT_BYTES // 4, np.float32)
-    return median_seconds(lambda: session.run(None, feed), repeats,
-                          before=lambda: np.add(evict, 1.0, out=evict))
-
-
-def gemv_seconds(hidden_size: int, weight_bytes: int, repeats: int = 20) -> float:
-    """Median time of a (1, h) x (h, weight_bytes / 4h) float32 product with a cold cache: a
-    decode step's memory traffic when no layer file is at hand."""
-    import numpy as np
-
-    cols = max(1, weight_bytes // (4 * hidden_size))
-    a = np.ones((1, hidden_size), np.float32)
-    w = np.ones((hidden_size, cols), np.float32)
-    evict = np.zeros(EVICT_BYTES // 4, np.float32)
-    return median_seconds(lambda: a @ w, repeats, before=lambda: np.add(evict, 1.0, out=evict))
-
-
-def gemv_flops(hidden_size: int, repeats: int = 20) -> float:
-    """FLOP/s of a (1, h) x (h, 4h) numpy product: the fallback when no layer is deployed."""
-    import numpy as np
-
-    a = np.ones((1, hidden_size), np.float32)
-    w = np.ones((hidden_size, 4 * hidden_size), np.float32)
-    return 2 * hidden_size * 4 * hidden_size / median_seconds(lambda: a @ w, repeats, inner=2)
+    return dialed if welcome.udp_port == welcome.port else welcome.udp_port

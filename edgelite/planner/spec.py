@@ -1,6 +1,6 @@
 """Build a planner Problem from a manifest and a cluster description (pure: dicts in, data out).
 
-cluster.json: {"devices": [{"name", "flops", "memory_bytes", "beta"?}],
+cluster.json: {"devices": [{"name", "flops", "memory_bytes", "beta"?, "addr"?}],
                "links": [{"src", "dst", "latency_ms", "bandwidth_mbps", "jitter_ms", "loss"}],
                "client": name}. A missing link means unreachable.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from edgelite.errors import EdgeliteError
+from edgelite.ids import NodeAddr
 from edgelite.manifest import Manifest
-from edgelite.plan.model import Device, Layer, Link, Problem, Weights
+from edgelite.planner.model import Device, Layer, Link, Problem, Weights
 
 KV_TOKENS = 2048  # context each layer reserves KV memory for
 
@@ -20,6 +21,11 @@ def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
     return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
                        mem_bytes=e.param_bytes + e.kv_bytes_per_token * kv_tokens)
                  for e in m.layers)
+
+
+def _addr(device: dict[str, Any]) -> NodeAddr | None:
+    addr = device.get("addr")
+    return None if addr is None else NodeAddr.parse(str(addr))
 
 
 def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
@@ -34,7 +40,9 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
         order = [client, *[n for n in names if n != client]]
         by_name = {d["name"]: d for d in devs}
         devices = tuple(Device(n, float(by_name[n]["flops"]), int(by_name[n]["memory_bytes"]),
-                               float(by_name[n].get("beta", 0.8))) for n in order)
+                               float(by_name[n].get("beta", 0.8)),
+                               None if n == client else _addr(by_name[n]))
+                        for n in order)
         index = {n: i for i, n in enumerate(order)}
         links = {}
         for link in spec.get("links", []):

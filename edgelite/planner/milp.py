@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from edgelite.plan.model import Plan, Problem, Stage, value
+from edgelite.planner.model import Problem, Solution, Span, value
 
 
 def available() -> bool:
@@ -93,16 +93,16 @@ def _binary(h: Any, obj: float = 0.0) -> Any:
     return h.addVariable(lb=0, ub=1, obj=obj, type=highspy.HighsVarType.kInteger)
 
 
-def _finish(p: Problem, h: Any, solver: str, t0: float, stages_fn) -> Plan:
+def _finish(p: Problem, h: Any, solver: str, t0: float, stages_fn) -> Solution:
     status, gap, has = _status(h)
     ms = (time.perf_counter() - t0) * 1e3
     if not has:
-        return Plan([], p.objective, math.inf, solver, status, gap, ms)
+        return Solution([], p.objective, math.inf, solver, status, gap, ms)
     stages = stages_fn(h.getSolution().col_value)
-    return Plan(stages, p.objective, value(p, stages), solver, status, gap, ms)
+    return Solution(stages, p.objective, value(p, stages), solver, status, gap, ms)
 
 
-def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Plan:
+def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Solution:
     t0 = time.perf_counter()
     h = _highs(time_limit_s)
     n, m, lat = p.n, p.m, p.objective == "latency"
@@ -162,9 +162,9 @@ def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Plan:
             h.addConstr(T >= sum(x[i, j] * p.compute_ms(i, j) for j in range(n)) + sum(incoming[i]))
     h.run()
 
-    def stages(col: list[float]) -> list[Stage]:
+    def stages(col: list[float]) -> list[Span]:
         owner = [max(range(m), key=lambda i: col[x[i, j].index]) for j in range(n)]
-        out: list[Stage] = []
+        out: list[Span] = []
         for j, d in enumerate(owner):
             if out and out[-1][0] == d:
                 out[-1] = (d, out[-1][1], j)
@@ -175,7 +175,7 @@ def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Plan:
     return _finish(p, h, "highs-milp-literal", t0, stages)
 
 
-def solve_aggregated(p: Problem, time_limit_s: float = 10.0) -> Plan:
+def solve_aggregated(p: Problem, time_limit_s: float = 10.0) -> Solution:
     """Identical layers: counts c[i], used u[i], hop choices z[i,k] forming one tour from the client."""
     import highspy
 
@@ -222,7 +222,7 @@ def solve_aggregated(p: Problem, time_limit_s: float = 10.0) -> Plan:
                                                      if (k, i) in z))
     h.run()
 
-    def stages(col: list[float]) -> list[Stage]:
+    def stages(col: list[float]) -> list[Span]:
         counts = {i: round(col[c[i].index]) for i in range(m)}
         order, cur = [], 0
         for _ in range(m):

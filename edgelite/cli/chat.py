@@ -1,0 +1,95 @@
+"""`edgelite chat`: an interactive chat with the model (local, on nodes, or through a gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+import edgelite
+from edgelite.cli import chatui, options, runner, views
+from edgelite.errors import EdgeliteError
+from edgelite.ids import NodeAddr
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("chat", parents=parents, formatter_class=options.HelpFormatter,
+                       help="interactive chat")
+    options.model_flags(c, required=False)
+    options.generation_flags(c)
+    options.cluster_flags(c)
+    c.add_argument("--gateway", help="HOST:PORT of an `edgelite serve` gateway (no model needed)")
+    c.add_argument("--user", help="your user name on the gateway")
+    c.add_argument("--user-token", help="your token on the gateway (default: $EDGELITE_USER_TOKEN)")
+    c.add_argument("--plain", action="store_true", help="bare text, no live footer (default "
+                                                        "when stdout is not a terminal)")
+    c.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return runner.run(gateway_chat(args))
+    if args.model is None:
+        raise EdgeliteError("chat needs --model DIR (or --gateway HOST:PORT)")
+    return runner.run(chat(args))
+
+
+async def chat(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    plain = args.plain or not sys.stdout.isatty()
+    console = views.stderr_console()
+    with views.connect_bars(console, live=not plain and console.is_terminal) as progress:
+        llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+    async with llm:
+        if not plain:
+            views.explain_plan(console, llm.plan)
+        reprobe = None
+        if addrs := options.nodes(args):
+            token = options.token(args, required=True)
+            assert token is not None
+            reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731
+        shown = llm.plan.to_json() if llm.plan is not None and llm.plan.predicted else None
+        return await chatui.run(chatui.Chat(llm, shown, reprobe), Console(), plain)
+
+
+async def gateway_chat(args: argparse.Namespace) -> int:
+    from edgelite.serve.client import GatewayClient
+
+    token = args.user_token or os.environ.get("EDGELITE_USER_TOKEN")
+    if not token or not args.user:
+        raise EdgeliteError("chat --gateway needs --user and --user-token (or EDGELITE_USER_TOKEN)")
+    client = await GatewayClient.connect(NodeAddr.parse(args.gateway), args.user, token)
+    history: list[dict[str, str]] = []
+    cfg = options.generation_config(args)
+    try:
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                return 0
+            cmd = line.strip()
+            if cmd in ("/quit", "/exit"):
+                return 0
+            if cmd == "/reset":
+                history.clear()
+                continue
+            if cmd == "/stats":
+                print(json.dumps(await client.stats()))
+                continue
+            history.append({"role": "user", "content": line})
+            parts = []
+            async for piece in client.generate(history, cfg):
+                parts.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            history.append({"role": "assistant", "content": "".join(parts)})
+            f = client.last
+            assert f is not None
+            sys.stdout.write(f"\n[{f.ttft_ms or 0:.0f} ms to first token, "
+                             f"{f.decode_tok_s:.1f} tok/s, tier {f.tier}]\n")
+    finally:
+        await client.close()

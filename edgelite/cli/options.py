@@ -1,0 +1,124 @@
+"""Flags shared by several commands, and their translation into the library's config objects.
+
+Defaults come from the config dataclasses (stated once, there); `--help` shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from edgelite.client.llm import PlanOptions
+from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
+from edgelite.errors import EdgeliteError
+from edgelite.ids import NodeAddr, parse_nodes
+from edgelite.net.routes import parse_routes
+from edgelite.planner.model import OBJECTIVES
+from edgelite.planner.solve import SOLVERS
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default (when it has one and its text does not say it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, d = action.help or "", action.default
+        quiet = d is None or d is False or d == argparse.SUPPRESS
+        if action.option_strings and not quiet and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, type=Path, help="folder written by edgelite-export")
+    p.add_argument("--threads", type=int, default=RuntimeConfig.threads,
+                   help="onnxruntime threads per session")
+
+
+def generation_flags(p: argparse.ArgumentParser) -> None:
+    g = GenerationConfig
+    p.add_argument("--max-tokens", type=int, default=g.max_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=g.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=g.top_p,
+                   help="sample from the most likely tokens up to this total probability")
+    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (default: a fresh one)")
+
+
+def route_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--route", action="append", metavar="SRC>DST=HOST:PORT[/UDP]",
+                   help="how node SRC reaches node DST when not at DST's --nodes address "
+                        "(e.g. through a link emulator); repeatable")
+
+
+def planning_flags(p: argparse.ArgumentParser) -> None:
+    o = PlanOptions
+    route_flag(p)
+    p.add_argument("--client-memory-mb", type=float,
+                   help="memory the plan may use on this device (default: its free memory)")
+    p.add_argument("--objective", choices=OBJECTIVES, default=o.objective,
+                   help="latency: ms per token of one reply; throughput: the slowest stage")
+    p.add_argument("--solver", choices=SOLVERS, default=o.solver,
+                   help="auto: HiGHS when installed, else the exact DP")
+    p.add_argument("--no-client-first", action="store_true",
+                   help="the client need not hold layer 0")
+
+
+def cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", help="HOST:PORT,... of stage nodes (default: run locally)")
+    p.add_argument("--split", help="layer ranges per node, e.g. 0-9,10-19,20-29 "
+                                   "(default: probe and plan)")
+    p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    planning_flags(p)
+
+
+def token(args: argparse.Namespace, required: bool = False) -> str | None:
+    value = getattr(args, "token", None) or os.environ.get("EDGELITE_TOKEN")
+    if required and not value:
+        raise EdgeliteError("the cluster token is needed: --token or EDGELITE_TOKEN "
+                            "(each node prints it when it starts)")
+    return value
+
+
+def nodes(args: argparse.Namespace) -> list[NodeAddr]:
+    return parse_nodes(args.nodes) if getattr(args, "nodes", None) else []
+
+
+def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(threads=args.threads)
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+
+
+def client_memory(args: argparse.Namespace) -> int | None:
+    mb = getattr(args, "client_memory_mb", None)
+    return None if mb is None else int(mb * 2**20)
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    return PlanOptions(objective=args.objective, solver=args.solver,
+                       client_first=not args.no_client_first,
+                       client_memory_bytes=client_memory(args))
+
+
+def parse_split(text: str) -> list[tuple[int, int]]:
+    """FIRST-LAST,... (checked against the model when the plan is made)."""
+    ranges = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        if not a.isdigit() or not (b or a).isdigit():
+            raise EdgeliteError(f"--split entry {part!r} is not FIRST-LAST")
+        ranges.append((int(a), int(b or a)))
+    return ranges
+
+
+def connect_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What `edgelite.connect` takes, from the generate/chat/serve flags."""
+    return {"nodes": nodes(args), "token": token(args),
+            "split": parse_split(args.split) if getattr(args, "split", None) else None,
+            "planning": plan_options(args), "routes": parse_routes(getattr(args, "route", None)),
+            "runtime": runtime_config(args), "client": ClientConfig(),
+            "generation": generation_config(args)}

@@ -1,0 +1,39 @@
+"""`edgelite probe`: measure every device and every link between them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import edgelite
+from edgelite.cli import options, runner, views
+from edgelite.net.routes import parse_routes
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    pr = sub.add_parser("probe", parents=parents, formatter_class=options.HelpFormatter,
+                        help="measure devices and every link between them")
+    pr.add_argument("--nodes", required=True, help="HOST:PORT,...")
+    pr.add_argument("--model", help="model folder: FLOP/s on its own layer shapes")
+    pr.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
+    pr.add_argument("--repeat", type=int, default=1, help="rounds, smoothed with a bias-corrected EMA")
+    options.route_flag(pr)
+    pr.add_argument("--client-memory-mb", type=float, help="memory budget to report for this device")
+    pr.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    pr.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = edgelite.load_manifest(args.model) if args.model else None
+    result = runner.run(edgelite.probe(options.nodes(args), options.token(args, required=True),
+                                       manifest, repeat=args.repeat,
+                                       routes=parse_routes(args.route),
+                                       client_memory_bytes=options.client_memory(args)))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+
+    Console().print(views.probe_view(result))
+    return 0

@@ -1,0 +1,105 @@
+"""The cluster as an engine backend: a session's step goes through the plan's stages.
+
+`open_backend` deploys a plan and returns the backend to generate with: the local engine when
+the plan gives the client every layer, else a ClusterBackend (the client runs embedding, head
+and its own prefix of the layers; the node stages run the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+import numpy as np
+
+from edgelite.client.cluster import Cluster, Progress
+from edgelite.client.stepplane import StepPlane, StepTimeout
+from edgelite.config import ClientConfig, RuntimeConfig
+from edgelite.engine.generate import Backend, LocalBackend
+from edgelite.engine.runtime import ClientPart
+from edgelite.errors import NodeError, NodeUnavailable
+from edgelite.ids import SessionId
+from edgelite.manifest import Manifest
+from edgelite.net.routes import Routes
+from edgelite.net.steptrace import StepTrace
+from edgelite.planner.model import Plan
+
+log = logging.getLogger(__name__)
+
+
+class ClusterBackend:
+    """Steps through the plan's node stages (see stepplane.py for a step's life)."""
+
+    def __init__(self, cluster: Cluster, plane: StepPlane) -> None:
+        self.cluster, self.plane = cluster, plane
+        self.manifest = cluster.manifest
+
+    @property
+    def plan(self) -> Plan:
+        assert self.cluster.plan is not None
+        return self.cluster.plan
+
+    @property
+    def traces(self) -> deque[StepTrace]:
+        """Recent steps' timings (per stage, and the round trip)."""
+        return self.plane.traces
+
+    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+        lost = [a for a in (s.addr for s in self.cluster.stages) if a in self.cluster.lost]
+        if lost:
+            raise NodeUnavailable(f"node {lost[0]} is gone ({self.cluster.lost[lost[0]]})",
+                                  node=str(lost[0]))
+        try:
+            return await self.plane.step(SessionId(session), ids)
+        except StepTimeout as exc:
+            raise await self._diagnose(exc) from None
+
+    async def _diagnose(self, timeout: StepTimeout) -> NodeUnavailable:
+        """Name the first stage that does not answer a ping."""
+        ping_timeout = max(0.2, self.cluster.cfg.step_timeout_s / 2)
+        for s in self.cluster.stages:
+            assert s.addr is not None
+            try:
+                await self.cluster.ping(s.addr, ping_timeout)
+            except NodeError:
+                self.cluster.lost[s.addr] = "stalled"
+                return NodeUnavailable(f"node {s.addr} (layers {s.first}-{s.last}) stalled: "
+                                       f"{timeout}", node=str(s.addr))
+        return NodeUnavailable(f"a step got {timeout} although every stage answers pings")
+
+    async def end(self, session: str) -> None:
+        await self.plane.end(SessionId(session))
+        await self.cluster.end(SessionId(session))
+
+    async def close(self) -> None:
+        await self.plane.stop()
+        await self.cluster.close()
+
+
+async def open_backend(manifest: Manifest, plan: Plan, token: str | None,
+                       cfg: ClientConfig | None = None, runtime: RuntimeConfig | None = None,
+                       routes: Routes | None = None, progress: Progress | None = None) -> Backend:
+    """Deploy `plan` and return a backend to generate with."""
+    cfg, runtime = cfg or ClientConfig(), runtime or RuntimeConfig()
+    if not plan.remote:
+        return LocalBackend(manifest, runtime)
+    if token is None:
+        raise NodeError("the cluster token is needed to reach the nodes: --token or "
+                        "EDGELITE_TOKEN (each node prints it when it starts)")
+    cluster = Cluster(manifest, token, cfg)
+    try:
+        sockets = await cluster.deploy(plan, routes, progress)
+        assert sockets is not None
+        local = plan.local
+        part = await asyncio.to_thread(ClientPart, manifest, runtime,
+                                       (local.first, local.last) if local else None)
+        stages = plan.remote
+        plane = StepPlane(asyncio.get_running_loop(), part, cluster.plan_id,
+                          stages[0].addr, stages[-1].addr, cfg, cluster.limits)  # type: ignore[arg-type]
+        plane.start()
+        plane.attach(*sockets)
+    except BaseException:
+        await cluster.close()
+        raise
+    return ClusterBackend(cluster, plane)

@@ -1,0 +1,222 @@
+"""The library's front door: connect to a model (local, or split across nodes) and talk to it.
+
+    async with edgelite.connect("models/smollm2-135m", nodes=["a:7070", "b:7070"],
+                                token="...") as llm:
+        print(llm.plan)
+        async for piece in llm.chat([{"role": "user", "content": "Hi"}], max_tokens=64):
+            print(piece.text, end="")
+
+Without `nodes` every layer runs in this process. With nodes and no `split`, the client probes
+every device and link, plans with HiGHS (or the exact DP) and deploys that plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgelite.client.backend import ClusterBackend, open_backend
+from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
+from edgelite.engine.generate import Backend, Stats, generate
+from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
+from edgelite.errors import EdgeliteError
+from edgelite.ids import NodeAddr, SessionId
+from edgelite.manifest import Manifest
+from edgelite.manifest import load as load_manifest
+from edgelite.net.linkprobe import ProbeConfig
+from edgelite.net.routes import Routes
+from edgelite.planner.model import Plan
+from edgelite.planner.solve import plan as solve_plan
+from edgelite.planner.solve import split_plan
+from edgelite.prober.cluster import cluster_spec, probe
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+Progress = Callable[[str, str, int, int], None]  # (phase: probe | deploy, what, done, total)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it adds (may be empty while UTF-8 is incomplete or
+    the text could begin a stop string). A last piece without a token flushes held text."""
+
+    text: str
+    token_id: int | None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How `connect` plans when it is not given a split."""
+
+    objective: str = "latency"  # latency | throughput
+    solver: str = "auto"  # auto | milp | milp-literal | milp-aggregated | dp
+    client_first: bool = True  # the client holds layer 0 (privacy)
+    client_memory_bytes: int | None = None  # what the plan may use here (None: the free memory)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+
+class Reply:
+    """A streamed reply: iterate for Pieces; afterwards `text`, `token_ids` and `stats`."""
+
+    def __init__(self, llm: LLM, prompt: list[int], cfg: GenerationConfig,
+                 session: SessionId | None) -> None:
+        self.llm, self.prompt, self.cfg, self.session = llm, prompt, cfg, session
+        self.stats = Stats()
+        self.text = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.stats.token_ids
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        dec, stop = StreamDecoder(self.llm.tokenizer), self.cfg.stop
+        pending = ""  # text held back while it could still be the start of a stop string
+        gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session)
+        try:
+            async for tok in gen:
+                pending += dec.push(tok)
+                hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    self.stats.finish = "stop"
+                    self.text += pending[:hit]
+                    if hit:
+                        yield Piece(pending[:hit], tok)
+                    return
+                safe = len(pending) - _held_back(pending, stop)
+                out, pending = pending[:safe], pending[safe:]
+                self.text += out
+                yield Piece(out, tok)
+        finally:
+            await gen.aclose()
+        full = self.llm.tokenizer.decode(self.stats.token_ids)  # incl. a trailing partial char
+        if rest := full[len(self.text):]:
+            self.text = full
+            yield Piece(rest, None)
+
+    async def collect(self) -> str:
+        """Run to the end; the reply's text."""
+        async for _ in self:
+            pass
+        return self.text
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                if text.endswith(s[:k])), default=0)
+
+
+class LLM:
+    """A connected model. Use as an async context manager (or call `close`)."""
+
+    def __init__(self, manifest: Manifest, backend: Backend, tokenizer: Tokenizer,
+                 plan: Plan | None, probed: dict[str, Any] | None,
+                 generation: GenerationConfig) -> None:
+        self.manifest, self.backend, self.tokenizer = manifest, backend, tokenizer
+        self.plan, self.probed, self.generation = plan, probed, generation
+
+    def _cfg(self, **overrides: Any) -> GenerationConfig:
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "stop" in given:
+            given["stop"] = tuple(given["stop"])
+        return dataclasses.replace(self.generation, **given)
+
+    def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+             stop: Sequence[str] | None = None, session: SessionId | None = None) -> Reply:
+        """The assistant's next reply to `messages`, rendered with the model's chat template."""
+        prompt = self.tokenizer.chat_prompt(list(messages))
+        return Reply(self, prompt, self._cfg(max_tokens=max_tokens, temperature=temperature,
+                                             top_p=top_p, seed=seed, stop=stop), session)
+
+    def complete(self, prompt: str | list[int], *, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop: Sequence[str] | None = None,
+                 session: SessionId | None = None) -> Reply:
+        """A continuation of raw text (or token ids), without the chat template."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop), session)
+
+    async def node_stats(self) -> dict[NodeAddr, dict[str, Any]]:
+        """Each node's stats ({} when running locally)."""
+        if isinstance(self.backend, ClusterBackend):
+            return await self.backend.cluster.stats()
+        return {}
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    async def __aenter__(self) -> LLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | None = None,
+                   token: str | None = None, *, split: Sequence[tuple[int, int]] | None = None,
+                   plan: Plan | None = None, planning: PlanOptions | None = None,
+                   routes: Routes | None = None, runtime: RuntimeConfig | None = None,
+                   client: ClientConfig | None = None, generation: GenerationConfig | None = None,
+                   progress: Progress | None = None) -> LLM:
+    """Load the manifest, plan (probe + solve, unless `split` or `plan` is given), deploy."""
+    manifest = model if isinstance(model, Manifest) else load_manifest(model)
+    tokenizer = Tokenizer(manifest)
+    token = token or os.environ.get("EDGELITE_TOKEN")
+    addrs = [a if isinstance(a, NodeAddr) else NodeAddr.parse(a) for a in nodes or []]
+    probed = None
+    if plan is None and split is not None:
+        plan = split_plan(list(split), addrs, manifest.num_layers)
+    elif plan is None and addrs:
+        if token is None:
+            raise EdgeliteError("the cluster token is needed: pass token= (or set EDGELITE_TOKEN; "
+                                "each node prints it when it starts)")
+        opts = planning or PlanOptions()
+        runtime_threads = (runtime or RuntimeConfig()).threads
+        probed = await probe(addrs, token, manifest, opts.probe, routes=routes,
+                             client_memory_bytes=opts.client_memory_bytes,
+                             client_threads=runtime_threads,
+                             progress=_phase(progress, "probe"), client_cfg=client)
+        plan = solve_plan(manifest, cluster_spec(probed), opts.objective, opts.solver,
+                          opts.client_first)
+    backend = await open_backend(manifest, plan or _local_plan(manifest), token, client, runtime,
+                                 routes, _phase(progress, "deploy"))
+    return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+
+
+def _local_plan(manifest: Manifest) -> Plan:
+    from edgelite.planner.model import Stage
+
+    return Plan((Stage("client", 0, manifest.num_layers - 1),), "latency", "local", "local")
+
+
+def _phase(progress: Progress | None, phase: str) -> Callable[[str, int, int], None] | None:
+    if progress is None:
+        return None
+    return lambda what, done, total: progress(phase, what, done, total)
+
+
+class connect:
+    """`await edgelite.connect(...)` or `async with edgelite.connect(...) as llm` (closed on
+    exit). Arguments as `open_llm`."""
+
+    def __init__(self, model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | None = None,
+                 token: str | None = None, **kwargs: Any) -> None:
+        self._args = (model, nodes, token)
+        self._kwargs = kwargs
+        self._llm: LLM | None = None
+
+    def __await__(self) -> Generator[Any, None, LLM]:
+        return open_llm(*self._args, **self._kwargs).__await__()
+
+    async def __aenter__(self) -> LLM:
+        self._llm = await open_llm(*self._args, **self._kwargs)
+        return self._llm
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._llm is not None:
+            await self._llm.close()

@@ -1,0 +1,111 @@
+"""Frames: a 4-byte big-endian length, then one msgpack map (a message, see messages.py).
+
+`Conn` is one framed connection on the event loop. Before the handshake has authenticated the
+peer, a frame may be only `max_handshake_frame_bytes` long: nothing large is read for a
+stranger. Reads of the rest of a frame have a deadline, so a peer that stops mid-frame cannot
+hold a reader forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from edgelite.config import WireLimits
+from edgelite.errors import ProtocolError
+from edgelite.net.schema import Message, parse
+
+LEN = struct.Struct(">I")  # the frame length prefix
+
+
+def pack(msg: Message) -> bytes:
+    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    return LEN.pack(len(body)) + body
+
+
+def unpack(body: bytes | memoryview) -> dict[str, Any]:
+    """A frame's body as a map (not yet checked against the schema)."""
+    try:
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {str(exc)[:120]}") from exc
+    if type(frame) is not dict:
+        raise ProtocolError("frame is not a map")
+    return frame
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, body_timeout_s: float) -> bytes:
+    """One frame's body; EOF before a frame starts raises asyncio.IncompleteReadError (a clean
+    close). The body must arrive within `body_timeout_s` once its length is in."""
+    head = await reader.readexactly(4)
+    (n,) = LEN.unpack(head)
+    if n > max_bytes:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
+    except TimeoutError as exc:
+        raise ProtocolError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
+
+
+def detach(writer: asyncio.StreamWriter) -> socket.socket:
+    """Take a connection away from the event loop: a socket for a thread of its own (the loop's
+    transport is closed; the duplicate keeps the connection open)."""
+    fd = os.dup(writer.get_extra_info("socket").fileno())
+    sock = socket.socket(fileno=fd)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    writer.transport.abort()
+    return sock
+
+
+@dataclass(eq=False)  # identity: connections go in sets
+class Conn:
+    """One framed connection; `send` is safe from many tasks (writes are not interleaved)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    limits: WireLimits
+    peer: str = "?"
+    authenticated: bool = False  # large frames only once the handshake has succeeded
+
+    def __post_init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def send(self, msg: Message) -> None:
+        data = pack(msg)
+        async with self._lock:
+            if self.writer.is_closing():  # uvloop raises RuntimeError on a closed transport
+                raise ConnectionResetError(f"{self.peer}: connection closed")
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def recv_frame(self) -> dict[str, Any]:
+        """The next frame as a map (for the few callers that route before parsing)."""
+        cap = (self.limits.max_frame_bytes if self.authenticated
+               else self.limits.max_handshake_frame_bytes)
+        return unpack(await read_frame(self.reader, cap, self.limits.frame_body_timeout_s))
+
+    async def recv(self) -> Message:
+        """The next frame as a checked message."""
+        return parse(await self.recv_frame(), self.limits)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+def bound_port(server: asyncio.Server | None) -> int:
+    """The TCP port a started server listens on (port 0 picks a free one)."""
+    if server is None:
+        raise RuntimeError("the server has not been started")
+    return server.sockets[0].getsockname()[1]

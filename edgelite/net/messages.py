@@ -1,0 +1,296 @@
+"""Every message on the wire, one frozen dataclass each (see schema.py for how they are checked).
+
+Connections start with the handshake (Hello, Auth, Welcome). A node then answers control
+requests (each carries an `id` its reply repeats) until the client turns the connection into a
+data connection (OpenData): from then on it carries Forward steps into the node, or Result
+steps back to the client. A gateway answers Generate and GatewayStatsRequest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from edgelite.config import WireLimits
+from edgelite.errors import ProtocolError
+from edgelite.ids import NodeAddr
+from edgelite.net.schema import Json, Message, Tensor, bounds, message, parse, record
+
+RID = 2**53  # request ids: any integer a JSON client could also send
+SHA = 64  # a sha256 in hex
+ID = 64  # plan and session ids (128-bit hex is 32)
+MAX_ROLE_TEXT = 1 << 20  # one chat message
+
+
+def expect(frame: dict[str, Any], limits: WireLimits, *kinds: type[Message]) -> Any:
+    """parse() for a reply that must be one of `kinds`; an Error reply raises ProtocolError
+    with the peer's message (unless Error is among `kinds`)."""
+    msg = parse(frame, limits)
+    if not isinstance(msg, kinds):
+        if isinstance(msg, Error):
+            raise ProtocolError(msg.message)
+        raise ProtocolError(f"expected {' or '.join(k.TYPE for k in kinds)}, got {msg.TYPE}")
+    return msg
+
+
+@message("error")
+class Error(Message):
+    """A refusal; `id` names the request it answers (None: the connection as a whole)."""
+
+    message: str = bounds(max_len=2048)
+    id: int | None = bounds(-RID, RID, default=None)
+
+
+# ---- handshake ---------------------------------------------------------------------------
+@message("hello")
+class Hello(Message):
+    version: int
+    nonce: bytes = bounds(max_len=64)
+    node: str = bounds(max_len=128)
+
+
+@message("auth")
+class Auth(Message):
+    version: int
+    nonce: bytes = bounds(max_len=64)
+    mac: bytes = bounds(max_len=64)
+    fingerprint: str | None = bounds(max_len=SHA, default=None)
+    user: str | None = bounds(max_len=128, default=None)
+
+
+@message("welcome")
+class Welcome(Message):
+    mac: bytes = bounds(max_len=64)
+    node: str = bounds(max_len=128)
+    fingerprints: list[str] = bounds(max_len=256, default=[])
+    port: int | None = bounds(0, 65535, default=None)
+    udp_port: int | None = bounds(0, 65535, default=None)
+
+
+# ---- control requests to a node, and their replies ---------------------------------------
+@message("ping")
+class Ping(Message):
+    id: int = bounds(-RID, RID)
+    t: float | None = None  # the sender's clock, echoed
+
+
+@message("pong")
+class Pong(Message):
+    id: int = bounds(-RID, RID)
+    rt: float  # the node's monotonic clock on receipt (one-way delay variation)
+    t: float | None = None
+
+
+@message("stats")
+class StatsRequest(Message):
+    id: int = bounds(-RID, RID)
+
+
+@message("stats_ok")
+class StatsReply(Message):
+    id: int = bounds(-RID, RID)
+    stats: Json
+
+
+@message("files")
+class FilesQuery(Message):
+    id: int = bounds(-RID, RID)
+    sha256: list[str] = bounds(max_len=4096)
+
+
+@message("files_ok")
+class FilesState(Message):
+    id: int = bounds(-RID, RID)
+    have: list[str] = bounds(max_len=4096)
+    partial: dict[str, int] = bounds(max_len=4096)
+
+
+@message("upload")
+class Upload(Message):
+    id: int = bounds(-RID, RID)
+    sha256: str = bounds(max_len=SHA)
+    offset: int = bounds(0, 2**50)
+    total: int = bounds(0, 2**50)
+    data: bytes
+
+
+@message("upload_ok")
+class UploadAck(Message):
+    id: int = bounds(-RID, RID)
+    held: int
+    complete: bool
+
+
+@message("load")
+class Load(Message):
+    id: int = bounds(-RID, RID)
+    plan_id: str = bounds(max_len=ID)
+    first: int = bounds(0, 1 << 16)
+    last: int = bounds(0, 1 << 16)
+    next: NodeAddr | None  # the stage after this one (None: the last stage)
+    manifest: Json
+
+
+@message("load_ok")
+class Loaded(Message):
+    id: int = bounds(-RID, RID)
+    first: int
+    last: int
+
+
+@message("end")
+class EndSession(Message):
+    id: int = bounds(-RID, RID)
+    session: str = bounds(max_len=ID)
+
+
+@message("end_ok")
+class Ended(Message):
+    id: int = bounds(-RID, RID)
+    freed: int
+
+
+@message("bulk")
+class Bulk(Message):
+    """A link probe's bulk transfer: `data` one way, `reply_bytes` back."""
+
+    id: int = bounds(-RID, RID)
+    data: bytes
+    reply_bytes: int = bounds(0, 2**40)
+
+
+@message("bulk_ok")
+class BulkAck(Message):
+    id: int = bounds(-RID, RID)
+    received: int
+    data: bytes
+
+
+@record
+class LayerDesc:
+    """What a node needs to time a model's layer: its file (when cached) and its shapes."""
+
+    sha256: str = bounds(max_len=SHA)
+    flops_per_token: int = bounds(0, 2**50)
+    param_bytes: int = bounds(0, 2**50)
+    hidden_size: int = bounds(1, 1 << 16)
+    num_kv_heads: int = bounds(1, 1 << 10)
+    head_dim: int = bounds(1, 1 << 12)
+
+
+@message("profile")
+class ProfileRequest(Message):
+    id: int = bounds(-RID, RID)
+    hidden_size: int = bounds(0, 1 << 16, default=0)
+    layer: LayerDesc | None = None
+
+
+@message("profile_ok")
+class ProfileReply(Message):
+    id: int = bounds(-RID, RID)
+    profile: Json
+
+
+@message("probe_link")
+class ProbeLink(Message):
+    """Ask a node to measure its link to a peer node."""
+
+    id: int = bounds(-RID, RID)
+    peer: NodeAddr
+    config: Json
+
+
+@message("probe_link_ok")
+class LinkReport(Message):
+    id: int = bounds(-RID, RID)
+    link: Json
+
+
+@message("data")
+class OpenData(Message):
+    """Turn this connection into a data connection of a plan: `in` carries steps into the node,
+    `sink` takes the last stage's results back to the plan's client."""
+
+    id: int = bounds(-RID, RID)
+    plan_id: str = bounds(max_len=ID)
+    role: Literal["in", "sink"]
+
+
+@message("data_ok")
+class DataReady(Message):
+    id: int = bounds(-RID, RID)
+
+
+# ---- data connections --------------------------------------------------------------------
+@message("forward")
+class Forward(Message):
+    """One step of a session into a stage: `hidden` (batch, seq, hidden) at position `start`,
+    or the `error` an earlier stage met. `trace` holds [compute_us, held_us] per stage passed."""
+
+    plan_id: str = bounds(max_len=ID)
+    session: str = bounds(max_len=ID)
+    step: int = bounds(0, RID)
+    start: int = bounds(0, 1 << 30)
+    hidden: Tensor | None = None
+    error: str | None = bounds(max_len=2048, default=None)
+    trace: list[tuple[int, int]] = bounds(max_len=64, default=[])
+
+
+@message("result")
+class Result(Message):
+    """A step's outcome from the last stage (or a refusal), back to the client."""
+
+    plan_id: str = bounds(max_len=ID)
+    session: str = bounds(max_len=ID)
+    step: int = bounds(0, RID)
+    start: int = bounds(0, 1 << 30)
+    hidden: Tensor | None = None
+    error: str | None = bounds(max_len=2048, default=None)
+    trace: list[tuple[int, int]] = bounds(max_len=64, default=[])
+
+
+# ---- gateway -----------------------------------------------------------------------------
+@record
+class ChatMessage:
+    role: Literal["system", "user", "assistant"]
+    content: str = bounds(max_len=MAX_ROLE_TEXT)
+
+
+@message("generate")
+class GenerateRequest(Message):
+    id: int = bounds(-RID, RID)
+    messages: list[ChatMessage] | None = bounds(max_len=1024, default=None)
+    prompt: str | None = bounds(max_len=MAX_ROLE_TEXT, default=None)
+    # None: the gateway's defaults (`edgelite serve --max-tokens ...`)
+    max_tokens: int | None = bounds(1, 1 << 20, default=None)
+    temperature: float | None = bounds(0.0, 100.0, default=None)
+    top_p: float | None = bounds(0.0, 1.0, default=None)
+    seed: int | None = bounds(0, 2**63 - 1, default=None)
+
+
+@message("token")
+class TokenPiece(Message):
+    id: int = bounds(-RID, RID)
+    text: str = bounds(max_len=4096)
+    token_id: int = bounds(0, 1 << 30)
+
+
+@message("done")
+class Done(Message):
+    id: int = bounds(-RID, RID)
+    token_ids: list[int] = bounds(max_len=1 << 20)
+    finish: str = bounds(max_len=32)
+    tier: int
+    preemptions: int
+    ttft_ms: float | None = None
+    decode_tok_s: float = 0.0
+
+
+@message("gateway_stats")
+class GatewayStatsRequest(Message):
+    id: int = bounds(-RID, RID)
+
+
+@message("gateway_stats_ok")
+class GatewayStats(Message):
+    id: int = bounds(-RID, RID)
+    stats: Json

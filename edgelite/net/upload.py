@@ -1,0 +1,44 @@
+"""Send model files to a node: chunked, resumable (the node keeps partial uploads), and
+checked by sha256 on arrival. Files the node holds already are not sent again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from edgelite.manifest import FileEntry
+from edgelite.net import messages as m
+from edgelite.net.link import NodeLink
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+def _read_chunk(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+async def push_files(link: NodeLink, root: Path, entries: list[FileEntry], chunk_bytes: int,
+                     timeout_s: float, progress: Progress | None = None) -> int:
+    """Upload the entries (files under `root`) the node lacks; returns bytes sent."""
+    shas = sorted({e.sha256 for e in entries})
+    state = await link.request(m.FilesQuery(id=0, sha256=shas), m.FilesState, timeout_s)
+    todo = list({e.sha256: e for e in entries if e.sha256 not in state.have}.values())
+    total, sent = sum(e.bytes for e in todo), 0
+    for e in todo:
+        offset = min(int(state.partial.get(e.sha256, 0)), e.bytes)
+        sent += offset
+        path = root / e.file
+        while chunk := await asyncio.to_thread(_read_chunk, path, offset, chunk_bytes):
+            await link.request(m.Upload(id=0, sha256=e.sha256, offset=offset, total=e.bytes,
+                                        data=chunk), m.UploadAck, timeout_s)
+            offset += len(chunk)
+            sent += len(chunk)
+            if progress:
+                progress(link.name, sent, total)
+    log.info("deploy %s: %d of %d files sent (%d bytes)", link.name, len(todo), len(entries), total)
+    return total

@@ -1,0 +1,116 @@
+"""Solve a placement Problem into a typed Plan (pure: no I/O, no clock but the solve timer).
+
+Dispatches to the HiGHS MILPs (milp.py) or the exact DPs (dp.py); without highspy the DP is
+used and that is said once in the log. Memory shortfalls are found before any solver runs and
+reported with how much is short, and where.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from edgelite.errors import EdgeliteError, MissingDependency, PlanInfeasible
+from edgelite.ids import NodeAddr
+from edgelite.manifest import Manifest
+from edgelite.planner import dp, milp
+from edgelite.planner.model import OBJECTIVES, Plan, Problem, Solution, Stage, Weights, predict
+from edgelite.planner.spec import KV_TOKENS, problem_from
+
+log = logging.getLogger(__name__)
+SOLVERS = ("auto", "milp", "milp-literal", "milp-aggregated", "dp")
+_said_no_highs = False
+
+
+def precheck(p: Problem) -> None:
+    """Raise PlanInfeasible (with how much memory is short, and where) before any solver runs."""
+    if p.objective not in OBJECTIVES:
+        raise EdgeliteError(f"objective {p.objective!r}: one of {', '.join(OBJECTIVES)}")
+    names = ", ".join(f"{d.name} ({p.capacity(i) / 2**20:.0f} MiB usable)"
+                      for i, d in enumerate(p.devices))
+    need = sum(L.mem_bytes for L in p.layers)
+    have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
+    if need > have:
+        raise PlanInfeasible(f"the layers need {need / 2**20:.0f} MiB, the devices offer "
+                             f"{have / 2**20:.0f} MiB: {(need - have) / 2**20:.0f} MiB short; "
+                             f"considered {names}")
+    biggest = max(p.layers, key=lambda L: L.mem_bytes).mem_bytes
+    if all(p.capacity(i) < biggest for i in range(p.m)):
+        raise PlanInfeasible(f"no device can hold one layer of {biggest / 2**20:.0f} MiB; "
+                             f"considered {names}")
+    if p.client_first and p.capacity(0) < p.layers[0].mem_bytes:
+        raise PlanInfeasible(f"the client {p.devices[0].name} must hold layer 0 "
+                             f"({p.layers[0].mem_bytes / 2**20:.0f} MiB) but has "
+                             f"{p.capacity(0) / 2**20:.0f} MiB usable")
+
+
+def _no_highs(solver: str) -> bool:
+    """True when the MILP cannot run; an explicit MILP request without highspy is an error."""
+    global _said_no_highs
+    if milp.available():
+        return False
+    if solver != "auto":
+        raise MissingDependency(f"--solver {solver} needs HiGHS: pip install 'edgelite[plan]' "
+                                f"(or use --solver dp, the exact DP)")
+    if not _said_no_highs:
+        log.warning("highspy is not installed: planning with the exact DP instead of the HiGHS "
+                    "MILP (same optimum; pip install 'edgelite[plan]' for the MILP)")
+        _said_no_highs = True
+    return True
+
+
+def solution(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> Solution:
+    """The solver's answer over device indices (for cross-checks); solve() types it."""
+    if solver not in SOLVERS:
+        raise EdgeliteError(f"unknown solver {solver!r}; one of {', '.join(SOLVERS)}")
+    precheck(p)
+    if solver == "dp" or _no_highs(solver):  # (an explicit MILP without highspy raises)
+        sol = dp.solve(p)
+    elif solver == "milp-literal" or (solver in ("auto", "milp") and not p.identical):
+        sol = milp.solve_literal(p, time_limit_s)
+    else:
+        sol = milp.solve_aggregated(p, time_limit_s)
+    if not sol.spans:
+        raise PlanInfeasible(f"no placement fits ({sol.solver}: {sol.status}); considered "
+                             + ", ".join(d.name for d in p.devices))
+    return sol
+
+
+def typed(p: Problem, sol: Solution) -> Plan:
+    """A solver's spans as a Plan: device names and addresses, and the per-stage prediction."""
+    pr = predict(p, sol.spans)
+    stages = tuple(Stage(p.devices[d].name, a, b, p.devices[d].addr, row["compute_ms"],
+                         row["hop_in_ms"])
+                   for (d, a, b), row in zip(sol.spans, pr.per_stage, strict=True))
+    return Plan(stages, sol.objective, sol.solver, sol.status, sol.value, sol.solve_ms, pr)
+
+
+def solve(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
+    """The best plan. solver: auto | milp | milp-literal | milp-aggregated | dp."""
+    return typed(p, solution(p, solver, time_limit_s))
+
+
+def split_plan(ranges: list[tuple[int, int]], addrs: list[NodeAddr], n_layers: int) -> Plan:
+    """A plan from explicit ranges (node i runs ranges[i]) without a probed cluster."""
+    if len(ranges) != len(addrs):
+        raise EdgeliteError(f"{len(ranges)} layer ranges for {len(addrs)} nodes")
+    expect = 0
+    for a, b in ranges:
+        if a != expect or b < a:
+            raise EdgeliteError(f"the layer ranges must cover layers 0-{n_layers - 1} in order; "
+                                f"got {ranges}")
+        expect = b + 1
+    if expect != n_layers:
+        raise EdgeliteError(f"the layer ranges cover layers 0-{expect - 1}, the model has "
+                            f"0-{n_layers - 1}")
+    stages = tuple(Stage(str(a), first, last, a) for a, (first, last) in zip(addrs, ranges, strict=True))
+    return Plan(stages, "latency", "split", "given")
+
+
+def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency",
+         solver: str = "auto", client_first: bool = True, kv_tokens: int = KV_TOKENS,
+         weights: Weights | None = None) -> Plan:
+    """Place a model's layers on a cluster (devices and links, as `edgelite probe` measures
+    them or as cluster.json describes them). Reads only the manifest."""
+    p = problem_from(manifest, cluster, objective, weights, client_first, kv_tokens)
+    return solve(p, solver)
