@@ -113,3 +113,18 @@ def test_phone_side_never_imports_torch_onnx_or_transformers() -> None:
     heavy = {"torch", "onnx", "transformers", "gguf"}
     for module in MODULES:
         assert not EXTERNAL[module] & heavy, (module, EXTERNAL[module] & heavy)
+
+
+def test_examples_use_only_the_public_api_and_the_standard_library() -> None:
+    import sys
+
+    examples = Path(__file__).parent.parent / "examples"
+    for path in examples.glob("*.py"):
+        tops = {i.split(".")[0] for i in _imports(path, "example")}
+        assert "edgelite" in tops, path
+        assert all(t == "edgelite" or t in sys.stdlib_module_names for t in tops), (path, tops)
+        for node in ast.walk(ast.parse(path.read_text())):  # `import edgelite`, never a submodule
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("edgelite"), (path, node.module)
+            if isinstance(node, ast.Import):
+                assert all(a.name == "edgelite" or "." not in a.name for a in node.names), path

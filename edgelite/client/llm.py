@@ -183,8 +183,9 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
                              progress=_phase(progress, "probe"), client_cfg=client)
         plan = solve_plan(manifest, cluster_spec(probed), opts.objective, opts.solver,
                           opts.client_first)
-    backend = await open_backend(manifest, plan or _local_plan(manifest), token, client, runtime,
-                                 routes, _phase(progress, "deploy"))
+    plan = plan or _local_plan(manifest)
+    backend = await open_backend(manifest, plan, token, client, runtime, routes,
+                                 _phase(progress, "deploy"))
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
 
 
