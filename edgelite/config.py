@@ -11,6 +11,15 @@ class RuntimeConfig:
     # Spinning threads starve other sessions/processes on the same cores (measured: 40 -> 14 tok/s).
     allow_spinning: bool = False
     verify_hashes: bool = True  # sha256 every file on load
+    provider: str = "cpu"  # cpu | xnnpack | nnapi (the latter two where onnxruntime has them)
+    # onnxruntime's arena keeps the largest shapes' buffers for good; off, memory follows use
+    cpu_arena: bool = False
+    # a prompt runs in chunks of these sizes (the last one padded up): bounded shapes, and
+    # no (prompt x prompt) attention at once
+    prefill_chunks: tuple[int, ...] = (16, 64, 256)
+    # KV is accounted per session in these capacities (positions); the largest caps the context
+    kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
 
 
 @dataclass(frozen=True)

@@ -1,39 +1,57 @@
 """Read and validate the exporter's manifest.json (shared by the exporter and the runtime).
 
-The planner reads only this file; it never needs the ONNX files themselves.
+The planner reads only this file; it never needs the ONNX files themselves. Every field is
+checked for its type and range when the manifest is read (from disk or from the wire), and a
+bad one is named in a one-line ManifestError.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from edgelite.errors import ManifestError, ModelFileError
 
-FORMAT = "edgelite-model/1"
+FORMAT = "edgelite-model/2"
 MANIFEST_NAME = "manifest.json"
-ONNX_MAGIC = b"\x08"  # protobuf field 1 (ir_version), varint: every ONNX ModelProto starts so
+WEIGHTS = ("fp32", "int8", "int4")  # how the linear layers are stored
+COMPUTE = ("fp32", "exact", "fast")  # fp32 weights; blocks with float or int8 activations
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+MAX_DIM = 1 << 20  # no model dimension is larger (a manifest saying so is corrupt)
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """An external data file holding a graph's weights."""
+
+    file: str
+    sha256: str
+    bytes: int
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    file: str
+    file: str  # the ONNX graph
     sha256: str
     bytes: int
-    param_bytes: int
+    param_bytes: int  # weights as held in memory once loaded
     flops_per_token: int = 0
     activation_bytes_per_token: int = 0
     kv_bytes_per_token: int = 0
+    data: tuple[DataFile, ...] = ()  # its external weight files (one may be shared: tied head)
 
 
 @dataclass(frozen=True)
 class Manifest:
     name: str
     architecture: str
-    dtype: str
+    weights: str  # fp32 | int8 | int4
+    compute: str  # fp32 | exact | fast
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -41,7 +59,7 @@ class Manifest:
     head_dim: int
     vocab_size: int
     max_positions: int
-    rope: dict[str, Any]
+    rope: dict[str, Any]  # inv_freq (head_dim / 2 floats), attention_scaling, and the source's
     eos_token_ids: list[int]
     chat_template: str | None
     tokenizer: str
@@ -49,7 +67,7 @@ class Manifest:
     head: FileEntry
     layers: list[FileEntry]
     fingerprint: str
-    quantization: dict[str, Any] | None = None
+    quantization: dict[str, Any] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     special_tokens: dict[str, Any] = field(default_factory=dict)  # bos/eos text for the template
     root: Path = Path(".")
@@ -58,8 +76,11 @@ class Manifest:
     def files(self) -> list[FileEntry]:
         return [self.embed, *self.layers, self.head]
 
-    def path(self, entry: FileEntry) -> Path:
+    def path(self, entry: FileEntry | DataFile) -> Path:
         return self.root / entry.file
+
+    def kv_bytes_per_token(self, first: int, last: int) -> int:
+        return sum(e.kv_bytes_per_token for e in self.layers[first:last + 1])
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -80,45 +101,122 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _entry(raw: Any, where: str) -> FileEntry:
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{where}: expected an object, got {type(raw).__name__}")
-    try:
-        return FileEntry(**{k: raw[k] for k in FileEntry.__dataclass_fields__ if k in raw})
-    except TypeError as exc:
-        raise ManifestError(f"{where}: {exc}") from exc
+def all_sha256(entries: list[FileEntry]) -> list[str]:
+    """Every file's sha256 in chain order, each graph followed by its data files."""
+    return [s for e in entries for s in (e.sha256, *(d.sha256 for d in e.data))]
 
 
-def _check_file_name(name: str, where: str) -> None:
-    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+# ---- validation ---------------------------------------------------------------------------
+def _int(v: Any, where: str, lo: int = 0, hi: int = 1 << 50) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ManifestError(f"{where} must be an integer in {lo}..{hi}, not {str(v)[:40]!r}")
+    return v
+
+
+def _str(v: Any, where: str, max_len: int = 256) -> str:
+    if type(v) is not str or not v or len(v) > max_len:
+        raise ManifestError(f"{where} must be a non-empty string, not {str(v)[:40]!r}")
+    return v
+
+
+def _file_name(v: Any, where: str) -> str:
+    name = _str(v, where)
+    if "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
         raise ManifestError(f"{where}: file name {name!r} must be a plain name inside the folder")
+    return name
 
 
-def parse(data: dict[str, Any], root: Path) -> Manifest:
+def _sha(v: Any, where: str) -> str:
+    if type(v) is not str or not _SHA.match(v):
+        raise ManifestError(f"{where} is not a sha256 hex digest")
+    return v
+
+
+def _data(raw: Any, where: str) -> DataFile:
+    if type(raw) is not dict:
+        raise ManifestError(f"{where}: expected an object")
+    return DataFile(_file_name(raw.get("file"), f"{where}.file"), _sha(raw.get("sha256"), f"{where}.sha256"),
+                    _int(raw.get("bytes"), f"{where}.bytes"))
+
+
+def _entry(raw: Any, where: str) -> FileEntry:
+    if type(raw) is not dict:
+        raise ManifestError(f"{where}: expected an object, got {type(raw).__name__}")
+    known = {f.name for f in fields(FileEntry)}
+    if extra := set(raw) - known:
+        raise ManifestError(f"{where}: unknown field {sorted(extra)[0]!r}")
+    data = raw.get("data", [])
+    if type(data) is not list or len(data) > 8:
+        raise ManifestError(f"{where}.data must be a list of at most 8 data files")
+    return FileEntry(
+        _file_name(raw.get("file"), f"{where}.file"), _sha(raw.get("sha256"), f"{where}.sha256"),
+        _int(raw.get("bytes"), f"{where}.bytes"), _int(raw.get("param_bytes"), f"{where}.param_bytes"),
+        _int(raw.get("flops_per_token", 0), f"{where}.flops_per_token"),
+        _int(raw.get("activation_bytes_per_token", 0), f"{where}.activation_bytes_per_token"),
+        _int(raw.get("kv_bytes_per_token", 0), f"{where}.kv_bytes_per_token"),
+        tuple(_data(d, f"{where}.data[{i}]") for i, d in enumerate(data)))
+
+
+def _rope(raw: Any, head_dim: int, where: str) -> dict[str, Any]:
+    if type(raw) is not dict:
+        raise ManifestError(f"{where}.rope must be an object")
+    inv = raw.get("inv_freq")
+    if type(inv) is not list or len(inv) != head_dim // 2 or not all(
+            type(x) in (int, float) and math.isfinite(x) and x > 0 for x in inv):
+        raise ManifestError(f"{where}.rope.inv_freq must be {head_dim // 2} positive numbers")
+    scaling = raw.get("attention_scaling", 1.0)
+    if type(scaling) not in (int, float) or not 0 < scaling < 100:
+        raise ManifestError(f"{where}.rope.attention_scaling must be a positive number")
+    return raw
+
+
+def parse(data: Any, root: Path) -> Manifest:
+    where = str(root / MANIFEST_NAME)
+    if type(data) is not dict:
+        raise ManifestError(f"{where}: expected a JSON object")
     fmt = data.get("format")
     if fmt != FORMAT:
-        raise ManifestError(f"{root / MANIFEST_NAME}: unknown manifest format {fmt!r}, "
-                            f"this edgelite reads {FORMAT!r}")
-    required = [k for k in Manifest.__dataclass_fields__ if k not in ("root",)]
-    optional = {"quantization", "verification", "special_tokens"}
-    missing = [k for k in required if k not in data and k not in optional]
-    if missing:
-        raise ManifestError(f"{root / MANIFEST_NAME}: missing fields {', '.join(missing)}")
-    fields = {k: data[k] for k in required if k in data}
-    fields["embed"] = _entry(data["embed"], "embed")
-    fields["head"] = _entry(data["head"], "head")
-    if not isinstance(data["layers"], list) or not data["layers"]:
-        raise ManifestError(f"{root / MANIFEST_NAME}: 'layers' must be a non-empty list")
-    fields["layers"] = [_entry(e, f"layers[{i}]") for i, e in enumerate(data["layers"])]
-    m = Manifest(**fields, root=root)
-    if len(m.layers) != m.num_layers:
-        raise ManifestError(f"{root / MANIFEST_NAME}: num_layers is {m.num_layers} "
-                            f"but {len(m.layers)} layer files are listed")
-    for i, e in enumerate(m.files):
-        _check_file_name(e.file, f"file #{i}")
-    _check_file_name(m.tokenizer, "tokenizer")
-    if fingerprint_of([e.sha256 for e in m.files]) != m.fingerprint:
-        raise ManifestError(f"{root / MANIFEST_NAME}: fingerprint does not match the files' sha256")
+        raise ManifestError(f"{where}: manifest format {str(fmt)[:40]!r}, this edgelite reads "
+                            f"{FORMAT!r} (export the model again with this version)")
+    required = [f.name for f in fields(Manifest) if f.name != "root"]
+    optional = {"quantization", "verification", "special_tokens", "chat_template"}
+    if missing := [k for k in required if k not in data and k not in optional]:
+        raise ManifestError(f"{where}: missing fields {', '.join(missing)}")
+    if extra := sorted(set(data) - set(required) - {"format"}):
+        raise ManifestError(f"{where}: unknown field {extra[0]!r}")
+    dims = {k: _int(data[k], f"{where}: {k}", 1, MAX_DIM) for k in (
+        "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+        "max_positions")}
+    if dims["num_heads"] % dims["num_kv_heads"] or dims["head_dim"] % 2:
+        raise ManifestError(f"{where}: num_heads must be a multiple of num_kv_heads and head_dim even")
+    if data["weights"] not in WEIGHTS or data["compute"] not in COMPUTE:
+        raise ManifestError(f"{where}: weights must be one of {WEIGHTS} and compute one of {COMPUTE}")
+    eos = data["eos_token_ids"]
+    if type(eos) is not list or not all(type(t) is int and 0 <= t < dims["vocab_size"] for t in eos):
+        raise ManifestError(f"{where}: eos_token_ids must be a list of token ids below vocab_size")
+    template = data.get("chat_template")
+    if template is not None and type(template) is not str:
+        raise ManifestError(f"{where}: chat_template must be a string or null")
+    for k in ("quantization", "verification", "special_tokens"):
+        if type(data.get(k, {})) is not dict:
+            raise ManifestError(f"{where}: {k} must be an object")
+    layers = data["layers"]
+    if type(layers) is not list or len(layers) != dims["num_layers"]:
+        raise ManifestError(f"{where}: num_layers is {dims['num_layers']} but "
+                            f"{len(layers) if type(layers) is list else 'no'} layer files are listed")
+    m = Manifest(
+        name=_str(data["name"], f"{where}: name"),
+        architecture=_str(data["architecture"], f"{where}: architecture"),
+        weights=data["weights"], compute=data["compute"], **dims,
+        rope=_rope(data["rope"], dims["head_dim"], where), eos_token_ids=eos, chat_template=template,
+        tokenizer=_file_name(data["tokenizer"], f"{where}: tokenizer"),
+        embed=_entry(data["embed"], "embed"), head=_entry(data["head"], "head"),
+        layers=[_entry(e, f"layers[{i}]") for i, e in enumerate(layers)],
+        fingerprint=_str(data["fingerprint"], f"{where}: fingerprint", 64),
+        quantization=data.get("quantization", {}), verification=data.get("verification", {}),
+        special_tokens=data.get("special_tokens", {}), root=root)
+    if fingerprint_of(all_sha256(m.files)) != m.fingerprint:
+        raise ManifestError(f"{where}: fingerprint does not match the files' sha256")
     return m
 
 
@@ -130,23 +228,20 @@ def load(model_dir: str | Path) -> Manifest:
         raise ManifestError(f"{path}: no manifest (is {root} a folder written by edgelite-export?)")
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(f"{path}: not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ManifestError(f"{path}: expected a JSON object")
     return parse(data, root)
 
 
-def check_file(manifest: Manifest, entry: FileEntry, verify_hash: bool = True) -> Path:
+def check_file(path: Path, sha256: str, size: int, verify_hash: bool = True) -> Path:
     """The file's path, after checking it exists, has the listed size and (optionally) sha256."""
-    path = manifest.path(entry)
     if not path.is_file():
         raise ModelFileError(f"{path}: missing (listed in the manifest)")
-    size = path.stat().st_size
-    if size != entry.bytes:
-        raise ModelFileError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} "
+    got = path.stat().st_size
+    if got != size:
+        raise ModelFileError(f"{path}: {got} bytes on disk, manifest says {size} "
                              f"(truncated or replaced?)")
-    if verify_hash and sha256_file(path) != entry.sha256:
+    if verify_hash and sha256_file(path) != sha256:
         raise ModelFileError(f"{path}: sha256 differs from the manifest (corrupt or replaced)")
     return path
 

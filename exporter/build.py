@@ -1,7 +1,8 @@
-"""Orchestrate one export: load, trace every piece, (quantize), verify, then publish atomically.
+"""Orchestrate one export: load, gather the weights, write every piece, verify, publish.
 
 Everything is written into a temporary sibling folder and renamed onto --out at the end, so a
-failure never leaves a half-written model folder, and a failed verification writes no manifest.
+failure never leaves a half-written model folder, and an export that fails its verification is
+not published (unless `accept_drift`, and then the manifest records the measured figures).
 """
 
 from __future__ import annotations
@@ -11,25 +12,32 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgelite import manifest as mf
 from edgelite.errors import EdgeliteError
-from edgelite_export import export, quantize, source
+from edgelite_export import graph, source, weights
+from edgelite_export.blocks import Blocks
 from edgelite_export.verify import Report, verify
 
 log = logging.getLogger(__name__)
 VERIFY_MESSAGE = "Explain in one sentence why the sky is blue."
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+QUANTIZE = ("none", "int8", "int4")
+MODES = ("exact", "fast")
 
 
 @dataclass
 class Options:
-    quantize: str | None = None
-    steps: int = 32
+    quantize: str | None = None  # none | int8 | int4; None: as the source (see weights.py)
+    mode: str = "fast"  # for block weights: exact (float compute) or fast (int8 activations)
+    steps: int = 32  # greedy steps verified beyond the prompt
     prompt: str = VERIFY_MESSAGE
+    accept_drift: bool = False  # publish even when verification misses its thresholds
     force: bool = False
 
 
@@ -38,7 +46,7 @@ class Result:
     out: Path
     manifest: mf.Manifest
     report: Report
-    rows: list[dict[str, Any]] = field(default_factory=list)  # file, mb, seconds, diff
+    rows: list[dict[str, Any]] = field(default_factory=list)  # file, mb, seconds
     load_seconds: float = 0.0
 
 
@@ -59,46 +67,65 @@ def eos_ids(model: Any, tok: Any) -> list[int]:
     return sorted(found)
 
 
-def entry(out: Path, ex: export.Exported, cfg: Any) -> mf.FileEntry:
-    path = out / ex.file
-    h = cfg.hidden_size
-    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    is_layer = ex.kind == "layer"
-    return mf.FileEntry(
-        file=ex.file, sha256=mf.sha256_file(path), bytes=path.stat().st_size,
-        param_bytes=ex.param_count * 4, flops_per_token=2 * ex.matmul_params,
-        activation_bytes_per_token=h * 4,
-        kv_bytes_per_token=2 * cfg.num_key_value_heads * head_dim * 4 if is_layer else 0)
+def _flops(w: Any) -> int:
+    """2 FLOPs per weight of a linear layer, per token."""
+    return 2 * int(np.prod(w.shape)) if w is not None else 0
 
 
-def make_manifest(out: Path, name: str, model: Any, tok: Any, pieces: list[export.Exported],
-                  quant: dict[str, Any] | None) -> mf.Manifest:
-    cfg = model.config
-    entries = [entry(out, ex, cfg) for ex in pieces]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+def _layer_flops(lw: graph.LayerWeights) -> int:
+    return sum(_flops(x.weight) for x in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down))
+
+
+def _entry(out: Path, name: str, param_bytes: int, flops: int, act: int, kv: int,
+           data: list[Path]) -> mf.FileEntry:
+    p = out / name
+    return mf.FileEntry(name, mf.sha256_file(p), p.stat().st_size, param_bytes, flops, act, kv,
+                        tuple(mf.DataFile(d.name, mf.sha256_file(d), d.stat().st_size) for d in data))
+
+
+def write_pieces(w: weights.Weights, compute: str, out: Path, progress: Progress
+                 ) -> tuple[mf.FileEntry, list[mf.FileEntry], mf.FileEntry, list[dict[str, Any]]]:
+    a, rows = w.arch, []
+    total = len(w.layers) + 2
+    shared = graph.DataFile(out / "embed_head.data")  # a tied head reuses the table's bytes
+    t0 = time.perf_counter()
+    eb = graph.embed(a, w.embed, shared, out / "embed.onnx")
+    hb = graph.head(a, w.norm, w.head, compute, shared, out / "head.onnx")
+    shared.close()
+    rows.append({"file": "embed.onnx + head.onnx", "seconds": time.perf_counter() - t0})
+    progress("embed.onnx, head.onnx", 2, total)
+    act, kv = a.hidden * 4, 2 * a.kv_heads * a.head_dim * 4
+    embed = _entry(out, "embed.onnx", eb, 0, act, 0, [shared.path])
+    head = _entry(out, "head.onnx", hb, _flops(w.head), act, 0, [shared.path])
+    layers = []
+    for j, lw in enumerate(w.layers):
+        t0 = time.perf_counter()
+        name = f"layer_{j:03d}.onnx"
+        pb = graph.layer(j, a, lw, compute, out / name)
+        layers.append(_entry(out, name, pb, _layer_flops(lw), act, kv, [out / f"{name}.data"]))
+        rows.append({"file": name, "seconds": time.perf_counter() - t0})
+        progress(name, j + 3, total)
+    return embed, layers, head, rows
+
+
+def make_manifest(out: Path, name: str, model: Any, tok: Any, w: weights.Weights, mode: str,
+                  compute: str, pieces: tuple[mf.FileEntry, list[mf.FileEntry], mf.FileEntry],
+                  quant: dict[str, Any]) -> mf.Manifest:
+    cfg, a = model.config, w.arch
+    embed, layers, head = pieces
+    rot = model.model.rotary_emb
+    rope = {**source.rope_parameters(cfg), "inv_freq": [float(x) for x in rot.inv_freq.float()],
+            "attention_scaling": float(getattr(rot, "attention_scaling", 1.0))}
+    files = [embed, *layers, head]
     return mf.Manifest(
-        name=name, architecture=cfg.model_type, dtype="float32", hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab_size=cfg.vocab_size,
-        max_positions=cfg.max_position_embeddings, rope=source.rope_parameters(cfg),
-        eos_token_ids=eos_ids(model, tok), chat_template=getattr(tok, "chat_template", None),
-        tokenizer="tokenizer.json", embed=entries[0], head=entries[-1], layers=entries[1:-1],
-        fingerprint=mf.fingerprint_of([e.sha256 for e in entries]), quantization=quant,
-        special_tokens={k: getattr(tok, k, None) for k in ("bos_token", "eos_token")},
-        root=out)
-
-
-def _trace_all(model: Any, out: Path, progress: Progress) -> list[export.Exported]:
-    n = model.config.num_hidden_layers
-    total = n + 2
-    pieces = [export.export_embed(model, out)]
-    progress("embed.onnx", 1, total)
-    for j in range(n):
-        pieces.append(export.export_layer(model, j, out))
-        progress(pieces[-1].file, j + 2, total)
-    pieces.append(export.export_head(model, out))
-    progress("head.onnx", total, total)
-    return pieces
+        name=name, architecture=cfg.model_type, weights={"none": "fp32"}.get(mode, mode),
+        compute=compute, hidden_size=a.hidden, num_layers=len(layers), num_heads=a.heads,
+        num_kv_heads=a.kv_heads, head_dim=a.head_dim, vocab_size=a.vocab,
+        max_positions=cfg.max_position_embeddings, rope=rope, eos_token_ids=eos_ids(model, tok),
+        chat_template=getattr(tok, "chat_template", None), tokenizer="tokenizer.json",
+        embed=embed, head=head, layers=layers, fingerprint=mf.fingerprint_of(mf.all_sha256(files)),
+        quantization=quant,
+        special_tokens={k: getattr(tok, k, None) for k in ("bos_token", "eos_token")}, root=out)
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:
@@ -114,52 +141,69 @@ def _publish(tmp: Path, out: Path, force: bool) -> None:
         tmp.rename(out)
 
 
-def _check_out(out: Path, opts: Options) -> None:
+def _check(out: Path, opts: Options) -> None:
     if out.exists() and not opts.force:
         raise EdgeliteError(f"{out} exists; pass --force to replace it")
-    if opts.quantize and opts.quantize not in quantize.METHODS:
-        raise EdgeliteError(f"--quantize {opts.quantize!r}: known methods {quantize.METHODS}")
+    if opts.quantize is not None and opts.quantize not in QUANTIZE:
+        raise EdgeliteError(f"--quantize {opts.quantize!r}: one of {', '.join(QUANTIZE)}")
+    if opts.mode not in MODES:
+        raise EdgeliteError(f"--mode {opts.mode!r}: one of {', '.join(MODES)}")
 
 
 def run(src_text: str, out: Path, opts: Options, progress: Progress | None = None) -> Result:
     """Export SOURCE (folder, .gguf, hub id or alias) into `out`."""
-    _check_out(out.resolve(), opts)
+    _check(out.resolve(), opts)
     t0 = time.perf_counter()
     src = source.resolve(src_text)
     model, tok = source.load(src)
-    res = run_model(model, tok, src.name, out, opts, progress)
+    res = run_model(model, tok, src.name, out, opts, progress, src.gguf_path)
     res.load_seconds = time.perf_counter() - t0
     return res
 
 
 def run_model(model: Any, tok: Any, name: str, out: Path, opts: Options,
-              progress: Progress | None = None) -> Result:
-    """Export an already loaded float32 HF model and its tokenizer into `out`."""
+              progress: Progress | None = None, gguf_path: Path | None = None) -> Result:
+    """Export a loaded float32 HF model (and, for a GGUF source, its file's blocks)."""
     progress = progress or (lambda *_: None)
     out = out.resolve()
-    _check_out(out, opts)
+    _check(out, opts)
     source.check_supported(model.config)
+    mode = opts.quantize or weights.default_mode(weights.gguf_kinds(gguf_path) if gguf_path else None)
+    w = (weights.from_gguf(gguf_path, model.config, mode) if gguf_path
+         else weights.from_hf(model, mode))
+    compute = "fp32" if not _has_blocks(w) else opts.mode
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        pieces = _trace_all(model, tmp, progress)
-        if opts.quantize:
-            for ex in pieces[1:]:
-                quantize.quantize_file(tmp / ex.file)
+        embed, layers, head, rows = write_pieces(w, compute, tmp, progress)
         tok.save_pretrained(tmp)
         if not (tmp / "tokenizer.json").is_file():
             raise EdgeliteError(f"{name}: the tokenizer has no fast (tokenizer.json) form")
-        quant = quantize.describe(opts.quantize) if opts.quantize else None
-        manifest = make_manifest(tmp, name, model, tok, pieces, quant)
+        quant = {"weights": w.describe(), "tied_embeddings": w.tied,
+                 "source": "gguf" if gguf_path else "float"}
+        manifest = make_manifest(tmp, name, model, tok, w, mode, compute, (embed, layers, head), quant)
         progress("verify", 0, 1)
-        report = verify(manifest, model, prompt_ids(tok, opts.prompt), opts.steps,
-                        strict=opts.quantize is None)
-        manifest = mf.Manifest(**{**manifest.__dict__, "verification": report.to_json()})
+        report = verify(manifest, model, w, prompt_ids(tok, opts.prompt), opts.steps,
+                        transcoded=bool(gguf_path) and mode != "none")
+        if not report.passed and not opts.accept_drift:
+            raise report.failure()
+        manifest = replace(manifest, verification=report.to_json())
         mf.write(manifest, tmp)
         _publish(tmp, out, opts.force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [{"file": ex.file, "mb": e.bytes / 1e6, "seconds": ex.seconds,
-             "diff": report.file_diff.get(ex.file, float("nan"))}
-            for ex, e in zip(pieces, manifest.files, strict=True)]
-    return Result(out, mf.load(out), report, rows)
+    final = mf.load(out)
+    sizes = {e.file: e.bytes for e in final.files} | {d.file: d.bytes for e in final.files for d in e.data}
+    for r in rows:
+        r["mb"] = sum(sizes.get(f.strip(), 0) for f in r["file"].split("+")) / 1e6
+    return Result(out, final, report, rows)
+
+
+def _has_blocks(w: weights.Weights) -> bool:
+    lws = [x.weight for lw in w.layers for x in (lw.q, lw.o, lw.down)]
+    return any(isinstance(x, Blocks) for x in [*lws, w.embed, w.head])
+
+
+def export_bytes(out: Path) -> int:
+    """Everything in an export folder, in bytes."""
+    return sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -1,4 +1,4 @@
-"""edgelite-export SOURCE --out DIR"""
+"""edgelite-export SOURCE --out DIR [--quantize none|int8|int4] [--mode exact|fast]"""
 
 from __future__ import annotations
 
@@ -17,12 +17,20 @@ from edgelite.errors import EdgeliteError
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="edgelite-export",
-        description="Cut a Hugging Face LLM into verified per-layer ONNX files + manifest.json.")
+        description="Cut a Hugging Face or GGUF LLM into verified per-layer ONNX files + manifest.json.")
     p.add_argument("source", help="local HF folder, .gguf file, hub id (org/name) or an alias "
                                   "such as smollm2-135m")
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--quantize", choices=["int8"], help="8-bit weight-only layers and head")
-    p.add_argument("--steps", type=int, default=32, help="greedy decode steps to verify")
+    p.add_argument("--quantize", choices=["none", "int8", "int4"],
+                   help="weight storage (default: as the source: a 4-bit GGUF int4, an 8-bit "
+                        "GGUF int8, float sources none); GGUF blocks are transcoded exactly")
+    p.add_argument("--mode", choices=["exact", "fast"], default="fast",
+                   help="for block weights: exact (float activations, the reference's math) or "
+                        "fast (int8 activations per block) (default: fast)")
+    p.add_argument("--accept-drift", action="store_true",
+                   help="publish even when verification misses its thresholds (the manifest "
+                        "records the figures)")
+    p.add_argument("--steps", type=int, default=32, help="greedy steps to verify (default: 32)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -30,20 +38,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def summary(console: Console, res: object) -> None:
-    from edgelite_export.build import Result
+    from edgelite_export.build import Result, export_bytes
 
     assert isinstance(res, Result)
-    t = Table(title=f"{res.manifest.name} -> {res.out}")
-    for col in ("file", "MB", "export s", "max rel diff"):
+    m = res.manifest
+    t = Table(title=f"{m.name} -> {res.out} ({m.weights}, {m.compute})")
+    for col in ("file", "MB", "export s"):
         t.add_column(col, justify="left" if col == "file" else "right")
     for r in res.rows:
-        t.add_row(r["file"], f"{r['mb']:.1f}", f"{r['seconds']:.2f}", f"{r['diff']:.1e}")
+        t.add_row(r["file"], f"{r['mb']:.1f}", f"{r['seconds']:.2f}")
     console.print(t)
     rep = res.report
-    console.print(f"verified {rep.steps} greedy steps: max logit diff {rep.max_logit_diff:.2e}, "
-                  f"tokens agree {rep.token_agreement:.0%}"
-                  + (f" [{res.manifest.quantization['method']}]" if res.manifest.quantization else "")
-                  + f"; fingerprint {res.manifest.fingerprint}")
+    console.print(f"verified {rep.positions} positions: top-1 agreement {rep.top1_agreement:.2%}, "
+                  f"max logit diff {rep.max_logit_diff:.2e}, greedy {rep.greedy_prefix}/{rep.steps}"
+                  f"{' [DRIFT ACCEPTED: ' + '; '.join(rep.problems) + ']' if rep.problems else ''}; "
+                  f"{export_bytes(res.out) / 1e6:.1f} MB; fingerprint {m.fingerprint}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     console = Console(stderr=args.json)
-    from edgelite_export import build
-
-    opts = build.Options(quantize=args.quantize, steps=args.steps, force=args.force)
+    try:
+        from edgelite_export import build
+    except ImportError as exc:
+        print(f"error: edgelite-export needs the PC-side packages ({exc.name} is missing): "
+              f"pip install torch==2.13.0 'edgelite[export]'", file=sys.stderr)
+        return 1
+    opts = build.Options(quantize=args.quantize, mode=args.mode, steps=args.steps,
+                         accept_drift=args.accept_drift, force=args.force)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                       "{task.total}"), TimeElapsedColumn(), console=console,
@@ -70,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import json
 
+        from edgelite_export.build import export_bytes
+
         print(json.dumps({"out": str(res.out), "fingerprint": res.manifest.fingerprint,
-                          "verification": res.report.to_json(), "files": res.rows}))
+                          "weights": res.manifest.weights, "compute": res.manifest.compute,
+                          "bytes": export_bytes(res.out), "verification": res.report.to_json(),
+                          "files": res.rows}))
     else:
         summary(console, res)
     return 0

@@ -26,6 +26,10 @@ class Source:
     folder: str  # what from_pretrained gets
     gguf_file: str | None = None
 
+    @property
+    def gguf_path(self) -> Path | None:
+        return Path(self.folder) / self.gguf_file if self.gguf_file else None
+
 
 def resolve(source: str) -> Source:
     if source in ALIASES:

@@ -6,7 +6,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import ARCHS, run_cli
@@ -29,16 +28,20 @@ def hf_greedy(hf_dir: Path, prompt: list[int], n: int) -> list[int]:
 def test_manifest_contract(exported: dict[str, Path], arch: str) -> None:
     m = mf.load(exported[arch])
     raw = json.loads((exported[arch] / "manifest.json").read_text())
-    assert raw["format"] == "edgelite-model/1"
-    for key in ("name", "architecture", "dtype", "hidden_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "vocab_size", "max_positions", "rope",
+    assert raw["format"] == "edgelite-model/2"
+    for key in ("name", "architecture", "weights", "compute", "hidden_size", "num_layers",
+                "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_positions", "rope",
                 "eos_token_ids", "chat_template", "tokenizer", "embed", "head", "layers",
                 "fingerprint"):
         assert key in raw, key
     assert m.architecture == arch and len(m.layers) == m.num_layers
-    for e in m.files:
-        assert mf.sha256_file(exported[arch] / e.file) == e.sha256
-        assert (exported[arch] / e.file).stat().st_size == e.bytes
+    assert (m.weights, m.compute) == ("fp32", "fp32") and len(m.rope["inv_freq"]) == m.head_dim // 2
+    for e in m.files:  # every graph and its external data files, as listed
+        for f in (e, *e.data):
+            assert mf.sha256_file(exported[arch] / f.file) == f.sha256
+            assert (exported[arch] / f.file).stat().st_size == f.bytes
+        assert e.data and e.bytes < 64 * 1024  # the weights are outside the graphs
+    assert m.embed.data == m.head.data  # a tied head shares the embedding's bytes
     layer = m.layers[0]
     assert layer.kv_bytes_per_token == 2 * m.num_kv_heads * m.head_dim * 4
     assert layer.activation_bytes_per_token == m.hidden_size * 4
@@ -66,24 +69,6 @@ def test_generate_matches_transformers(exported: dict[str, Path], hf_models: dic
     assert out["ttft_ms"] > 0
 
 
-def test_dynamic_axes_batch_and_padding(exported: dict[str, Path]) -> None:
-    """A layer file takes batch 3 with left padding: padded rows match unpadded runs."""
-    from edgelite.engine.runtime import LayerRange, RuntimeConfig
-
-    m = mf.load(exported["llama"])
-    lr = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1))
-    rng = np.random.default_rng(0)
-    h = rng.standard_normal((1, 5, m.hidden_size)).astype(np.float32)
-    pos = np.arange(5)[None]
-    ref, _ = lr.run(h, lr.new_cache(), pos, np.ones((1, 5), np.int64))
-    padded = np.concatenate([np.zeros((3, 2, m.hidden_size), np.float32), np.repeat(h, 3, 0)], 1)
-    mask = np.concatenate([np.zeros((3, 2), np.int64), np.ones((3, 5), np.int64)], 1)
-    ppos = np.concatenate([np.zeros((3, 2), np.int64), np.repeat(pos, 3, 0)], 1)
-    out, kv = lr.run(padded, lr.new_cache(3), ppos, mask)
-    assert np.isfinite(out).all() and kv.length == 7
-    np.testing.assert_allclose(out[:, 2:], np.repeat(ref, 3, 0), atol=1e-5)
-
-
 def test_failed_verification_names_layer_and_writes_nothing(hf_models: dict[str, Path],
                                                             tmp_path: Path) -> None:
     """Layer 2 of the source model behaves differently from what was traced: caught, named."""
@@ -93,8 +78,8 @@ def test_failed_verification_names_layer_and_writes_nothing(hf_models: dict[str,
 
     model = AutoModelForCausalLM.from_pretrained(hf_models["llama"]).float().eval()
     tok = AutoTokenizer.from_pretrained(hf_models["llama"])
-    # The exporter traces layer submodules, so a hook on the whole HF layer changes only the
-    # reference run: the ONNX chain then genuinely disagrees at layer 2.
+    # The exporter reads the weights, so a hook on the HF layer changes only the reference
+    # run: the ONNX chain then genuinely disagrees at layer 2.
     model.model.layers[2].register_forward_hook(lambda _m, _i, out: out + 0.05)
     out = tmp_path / "bad"
     with pytest.raises(VerificationFailed, match="first diverging layer: 2") as info:
@@ -103,16 +88,35 @@ def test_failed_verification_names_layer_and_writes_nothing(hf_models: dict[str,
     assert not out.exists() and not list(tmp_path.glob(".*"))
 
 
-def test_int8_records_quantization(hf_models: dict[str, Path], tmp_path: Path) -> None:
-    res = run_cli_export(str(hf_models["llama"]), "--out", str(tmp_path / "q"), "--quantize",
-                         "int8", "--steps", "8", "--json")
+@pytest.mark.parametrize("quant, mode", [("int8", "fast"), ("int4", "exact")])
+def test_quantized_exports_record_what_they_are(hf_models: dict[str, Path], tmp_path: Path,
+                                                quant: str, mode: str) -> None:
+    """Qwen2's widths are multiples of 32: its weights quantize; the verification figures are
+    recorded (a random 4-bit model drifts: --accept-drift publishes it, and says so)."""
+    out = tmp_path / quant
+    res = run_cli_export(str(hf_models["qwen2"]), "--out", str(out), "--quantize", quant,
+                         "--mode", mode, "--steps", "8", "--json", "--accept-drift")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    m = mf.load(tmp_path / "q")
-    assert m.quantization and m.quantization["bits"] == 8
-    assert 0.0 <= summary["verification"]["token_agreement"] <= 1.0
-    fp_layer = (tmp_path / "q" / m.layers[0].file).stat().st_size
-    assert fp_layer < m.layers[0].param_bytes  # weights really are smaller than float32
+    m = mf.load(out)
+    assert (m.weights, m.compute) == (quant, mode)
+    assert m.quantization["weights"][f"quantized {quant}"] > 0
+    v = m.verification
+    assert v["compute"] == mode and 0.0 <= v["top1_agreement"] <= 1.0
+    assert v["thresholds"]["top1_agreement"] > 0 and v["passed"] == (not v["problems"])
+    assert summary["verification"] == v
+    data = sum(d.bytes for d in m.layers[0].data)
+    assert data < m.layers[0].flops_per_token // 2 * 4 / (2 if quant == "int8" else 3)
+    res = run_cli("generate", "--model", str(out), "--max-tokens", "4", "--json", "hi")
+    assert res.returncode == 0, res.stderr
+
+
+def test_drift_without_accept_is_not_published(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    res = run_cli_export(str(hf_models["qwen2"]), "--out", str(out), "--quantize", "int4",
+                         "--steps", "8")
+    assert res.returncode == 1 and "top-1 agreement" in res.stderr and "--accept-drift" in res.stderr
+    assert "Traceback" not in res.stderr and not out.exists()
 
 
 def run_cli_export(*args: str):

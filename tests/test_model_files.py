@@ -54,22 +54,39 @@ def test_truncated_file(model_copy: Path) -> None:
 
 
 def test_truncated_file_with_matching_manifest(model_copy: Path) -> None:
-    """Even if the manifest is edited to match, onnxruntime's refusal names the file."""
+    """Even if the manifest is edited to match, the refusal names the file."""
     p = model_copy / "layer_002.onnx"
     p.write_bytes(p.read_bytes()[:200])
     raw = json.loads((model_copy / "manifest.json").read_text())
     raw["layers"][2].update(bytes=200, sha256=mf.sha256_file(p))
-    raw["fingerprint"] = mf.fingerprint_of(
-        [raw["embed"]["sha256"], *(e["sha256"] for e in raw["layers"]), raw["head"]["sha256"]])
+    raw["fingerprint"] = _fingerprint(raw)
     (model_copy / "manifest.json").write_text(json.dumps(raw))
-    _assert_clean_error(_generate(model_copy), "layer_002.onnx", "onnxruntime cannot load")
+    _assert_clean_error(_generate(model_copy), "layer_002.onnx", "not a valid ONNX model")
+
+
+def _fingerprint(raw: dict) -> str:
+    entries = [raw["embed"], *raw["layers"], raw["head"]]
+    return mf.fingerprint_of([s for e in entries for s in (e["sha256"], *(d["sha256"] for d in e["data"]))])
+
+
+def test_missing_data_file(model_copy: Path) -> None:
+    (model_copy / "layer_001.onnx.data").unlink()
+    _assert_clean_error(_generate(model_copy), "layer_001.onnx.data", "missing")
+
+
+def test_corrupt_data_file(model_copy: Path) -> None:
+    p = model_copy / "embed_head.data"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    _assert_clean_error(_generate(model_copy), "embed_head.data", "sha256")
 
 
 def test_unknown_format(model_copy: Path) -> None:
     raw = json.loads((model_copy / "manifest.json").read_text())
     raw["format"] = "edgelite-model/99"
     (model_copy / "manifest.json").write_text(json.dumps(raw))
-    _assert_clean_error(_generate(model_copy), "unknown manifest format", "edgelite-model/99")
+    _assert_clean_error(_generate(model_copy), "manifest format", "edgelite-model/99")
 
 
 def test_no_manifest(tmp_path: Path) -> None:

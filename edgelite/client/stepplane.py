@@ -3,15 +3,18 @@ session's client-side state, and runs the client's part of each step.
 
 A step's life, in order, all on this thread:
 1. `_begin`: the client's part before the stages (embedding, its own prefix layers) on the new
-   ids at the session's position, then a Forward frame to the first node stage;
+   ids at the session's position, then a Forward frame to the first node stage. A prompt goes
+   as several chunks (at most the engine's largest chunk each), sent back to back: the stages
+   work on chunk k+1 while the next stage works on chunk k;
 2. the stages pass it along the chain (node/dataplane.py) and the last one sends the Result back
    on the sink connection;
-3. `on_frame`: the head on the result, the session's position advances, the caller's future
-   gets the logits. That is one hand-off from the event loop and one back per token.
+3. `on_frame`: the session's position advances; on the last chunk the head runs on the result
+   and the caller's future gets the logits. One hand-off from the event loop and one back.
 Failure: a step not answered within its deadline fails with StepTimeout (the caller finds out
 which node stalled); a data connection that closes fails every step in flight with
-NodeUnavailable; a refused step fails with NodeError. The session's position advances only when
-its step succeeded, so a retry starts where the last good step ended.
+NodeUnavailable; a refused step fails with NodeError. The session's position counts only
+confirmed tokens; after a failure mid-prompt the session is broken (its stages may hold
+different lengths) and must be ended.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgelite.config import ClientConfig, WireLimits
-from edgelite.engine.runtime import ClientPart
+from edgelite.engine.runtime import ClientPart, chunks_of
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable, ProtocolError
 from edgelite.ids import NodeAddr, PlanId, SessionId
 from edgelite.net import messages as m
@@ -45,8 +48,10 @@ class StepTimeout(EdgeliteError):
 class SessionState:
     """A session as the client's side of the pipeline sees it (touched on the thread only)."""
 
-    position: int = 0  # tokens the stages hold KV for
+    position: int = 0  # tokens every stage confirmed holding KV for
+    sent: int = 0  # tokens sent (position + those in flight)
     steps: int = 0  # steps sent (each step's number is its key in flight)
+    broken: str | None = None  # why the session cannot go on
 
 
 @dataclass
@@ -55,6 +60,7 @@ class InFlight:
     step: int
     tokens: int
     fut: asyncio.Future[np.ndarray]
+    last: bool  # the prompt's last chunk (its result goes through the head)
     t0: float  # perf_counter when sent
     timeout_s: float
     deadline: float  # monotonic
@@ -132,26 +138,32 @@ class StepPlane(FrameThread):
             self._settle(job.fut, exc=self.gone or EdgeliteError("the plan has no data connections"))
             return
         state = self.sessions.setdefault(job.session, SessionState())
-        if any(k[0] == job.session for k in self.in_flight):
-            self._settle(job.fut, exc=EdgeliteError(f"session {job.session[:12]} has a step in "
-                                                    f"flight already"))
+        if state.broken or state.sent != state.position:
+            self._settle(job.fut, exc=EdgeliteError(
+                f"session {job.session[:12]}: {state.broken or 'a step is in flight already'}"))
             return
-        try:
-            hidden = self.part.front(job.session, state.position, job.ids)
-        except Exception as exc:  # noqa: BLE001 - the client's own layers failed: the caller's
-            self._settle(job.fut, exc=exc)
-            return
-        tokens = int(job.ids.shape[1])
-        timeout = self.cfg.step_timeout_s if tokens == 1 else self.cfg.prefill_timeout_s
-        step = state.steps
-        state.steps += 1
-        self.in_flight[job.session, step] = InFlight(job.session, step, tokens, job.fut,
-                                                     time.perf_counter(), timeout,
-                                                     time.monotonic() + timeout)
-        frame = m.Forward(plan_id=self.plan_id, session=job.session, step=step,
-                          start=state.position, hidden=hidden)
-        if not self.send(self.data_in, frame):
-            self.close_conn(self.data_in, "broken while sending")
+        n = int(job.ids.shape[1])
+        bounds = list(chunks_of(n, self.part.max_chunk))
+        for k, (a, b) in enumerate(bounds):
+            try:
+                hidden = self.part.front(job.session, job.ids[:, a:b])
+            except Exception as exc:  # noqa: BLE001 - the client's own layers failed: the caller's
+                state.broken = f"the client's layers failed: {exc}"
+                self._fail_session(job.session, exc)
+                self._settle(job.fut, exc=exc)
+                return
+            timeout = (self.cfg.step_timeout_s if b - a == 1 else self.cfg.prefill_timeout_s) * (k + 1)
+            step = state.steps
+            state.steps += 1
+            self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
+                                                         b == n, time.perf_counter(), timeout,
+                                                         time.monotonic() + timeout)
+            frame = m.Forward(plan_id=self.plan_id, session=job.session, step=step, start=state.sent,
+                              hidden=hidden)
+            state.sent += b - a
+            if not self.send(self.data_in, frame):
+                self.close_conn(self.data_in, "broken while sending")
+                return
 
     def on_frame(self, sock: socket.socket, msg: Message, t_in: float) -> None:
         if isinstance(msg, m.Error):  # the node refused a frame
@@ -163,19 +175,30 @@ class StepPlane(FrameThread):
         w = self.in_flight.pop((SessionId(msg.session), msg.step), None)
         if w is None:
             return  # its step timed out or was cancelled
+        state = self.sessions.get(w.session)
         if msg.error is not None or msg.hidden is None:
-            self._settle(w.fut, exc=NodeError(msg.error or "a stage returned no hidden state"))
+            exc = NodeError(msg.error or "a stage returned no hidden state")
+            if state is not None:
+                state.broken = str(exc)
+            self._fail_session(w.session, exc)
+            self._settle(w.fut, exc=exc)
+            return
+        if state is not None:
+            state.position += w.tokens
+        self.traces.append(StepTrace(w.tokens, round((t_in - w.t0) * 1e6), tuple(msg.trace)))
+        if not w.last:
             return
         try:
             logits = self.part.head(msg.hidden)
         except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the caller's
             self._settle(w.fut, exc=exc)
             return
-        state = self.sessions.get(w.session)
-        if state is not None:
-            state.position += w.tokens
-        self.traces.append(StepTrace(w.tokens, round((t_in - w.t0) * 1e6), tuple(msg.trace)))
         self._settle(w.fut, logits)
+
+    def _fail_session(self, session: SessionId, exc: BaseException) -> None:
+        """Fail the session's other chunks still in flight."""
+        for key in [k for k in self.in_flight if k[0] == session]:
+            self._settle(self.in_flight.pop(key).fut, exc=exc)
 
     def on_closed(self, sock: socket.socket, reason: str) -> None:
         if self._stop:
@@ -201,8 +224,14 @@ class StepPlane(FrameThread):
             return
         now = time.monotonic()
         for key in [k for k, w in self.in_flight.items() if w.deadline <= now]:
-            w = self.in_flight.pop(key)
-            self._settle(w.fut, exc=StepTimeout(f"no result within {w.timeout_s:g} s"))
+            w = self.in_flight.pop(key, None)
+            if w is None:
+                continue
+            exc = StepTimeout(f"no result within {w.timeout_s:g} s")
+            if (state := self.sessions.get(w.session)) is not None:
+                state.broken = str(exc)
+            self._fail_session(w.session, exc)
+            self._settle(w.fut, exc=exc)
 
     def cleanup(self) -> None:
         self._fail_all(EdgeliteError("the plan was closed"))

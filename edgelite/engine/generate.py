@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.runtime import KVCache, LocalChain
+from edgelite.engine.runtime import LocalChain
 from edgelite.engine.sampling import sample
 from edgelite.manifest import Manifest
 
@@ -39,25 +39,23 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """All layers in this process; ONNX runs in a worker thread, off the event loop."""
+    """All layers in this process; ONNX runs in one long-lived worker thread, off the event
+    loop (a pool's other threads would start cold)."""
 
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig | None = None) -> None:
         self.manifest = manifest
         self.chain = LocalChain(manifest, cfg)
-        self.caches: dict[str, KVCache] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="local-onnx")  # warm ORT thread state
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="local-onnx")
 
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
-        kv = self.caches.get(session) or self.chain.layers.new_cache()
-        logits, self.caches[session] = await asyncio.get_running_loop().run_in_executor(
-            self.pool, self.chain.forward, ids, kv)
-        return logits[0]
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.chain.forward, session, ids)
 
     async def end(self, session: str) -> None:
-        self.caches.pop(session, None)
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.chain.end, session)
 
     async def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        self.pool.shutdown(wait=True)
 
 
 @dataclass

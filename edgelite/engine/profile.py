@@ -12,7 +12,10 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgelite.engine.layers import LayerRange
 
 
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
@@ -67,21 +70,29 @@ def median_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], 
     return statistics.median(times)
 
 
-def layer_decode_seconds(session: Any, hidden_size: int, kv_heads: int, head_dim: int,
-                         past: int = 64, repeats: int = 20) -> float:
-    """Median time of one decode step of a layer session (blocking). In real decoding a layer's
-    weights were evicted by everything run since its last step, so every timed run starts with
-    a cold cache."""
+def range_decode_seconds(layers: LayerRange, past: int = 64, repeats: int = 20) -> float:
+    """Median time of one decode step through a layer range (blocking), after a prompt of
+    `past` tokens. In real decoding a layer's weights were evicted by everything run since its
+    last step, so every timed step starts with a cold cache."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    kv = rng.standard_normal((1, kv_heads, past, head_dim)).astype(np.float32)
-    feed = {"hidden": rng.standard_normal((1, 1, hidden_size)).astype(np.float32),
-            "past_key": kv, "past_value": kv, "position_ids": np.array([[past]]),
-            "attention_mask": np.ones((1, past + 1), np.int64)}
-    evict = np.zeros(EVICT_BYTES // 4, np.float32)
-    return median_seconds(lambda: session.run(None, feed), repeats,
-                          before=lambda: np.add(evict, 1.0, out=evict))
+    h = layers.manifest.hidden_size
+    slot = layers.pool.acquire()
+    try:
+        prompt = rng.standard_normal((1, min(past, layers.max_chunk), h)).astype(np.float32)
+        layers.step(slot, prompt)
+        token = rng.standard_normal((1, 1, h)).astype(np.float32)
+        start = slot.length
+        evict = np.zeros(EVICT_BYTES // 4, np.float32)
+
+        def step() -> None:
+            slot.length = start  # every timed step writes the same position
+            layers.step(slot, token)
+
+        return median_seconds(step, repeats, before=lambda: np.add(evict, 1.0, out=evict))
+    finally:
+        layers.pool.release(slot)
 
 
 def gemv_seconds(hidden_size: int, weight_bytes: int, repeats: int = 20) -> float:

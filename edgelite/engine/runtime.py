@@ -1,118 +1,91 @@
-"""ONNX execution: embedding, a contiguous layer range with its KV cache, and the head.
+"""The model pieces a device runs: the embedding, the head, a client's part of a plan, and the
+whole model in one process (the local engine).
 
-Tensor names are the exporter's contract:
-  embed.onnx   input_ids (batch, seq) int64                      -> hidden (batch, seq, hidden)
-  layer_J.onnx hidden, past_key, past_value, position_ids, attention_mask
-               -> hidden_out, present_key, present_value
-  head.onnx    hidden (batch, seq, hidden)                       -> logits (batch, seq, vocab)
+Prompts run in chunks (`chunks_of`): at most the largest size of the configured chunk list per
+step, so attention never materialises (prompt x prompt) scores and shapes stay few.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
 
 import numpy as np
-import onnxruntime as ort
 
 from edgelite.config import RuntimeConfig
-from edgelite.errors import EdgeliteError, ModelFileError
-from edgelite.manifest import FileEntry, Manifest, check_file
-
-log = logging.getLogger(__name__)
-
-
-def session_options(cfg: RuntimeConfig) -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = cfg.threads
-    opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if cfg.allow_spinning else "0")
-    opts.log_severity_level = 3
-    return opts
+from edgelite.engine import onnxgraph
+from edgelite.engine.kv import Slot
+from edgelite.engine.layers import LayerRange, ModelFiles, export_files
+from edgelite.engine.session import open_model
+from edgelite.manifest import FileEntry, Manifest
 
 
-def open_session(path: Path, cfg: RuntimeConfig) -> ort.InferenceSession:
-    try:
-        return ort.InferenceSession(str(path), session_options(cfg), providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise ModelFileError(f"{path}: onnxruntime cannot load it: {str(exc).splitlines()[0]}") from exc
+def chunks_of(n: int, max_chunk: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk of a prompt of n tokens."""
+    for a in range(0, n, max_chunk):
+        yield a, min(n, a + max_chunk)
 
 
-def _load(manifest: Manifest, entry: FileEntry, cfg: RuntimeConfig) -> ort.InferenceSession:
-    return open_session(check_file(manifest, entry, cfg.verify_hashes), cfg)
+class _Piece:
+    def __init__(self, manifest: Manifest, entry: FileEntry, cfg: RuntimeConfig, files: ModelFiles,
+                 what: str) -> None:
+        model = onnxgraph.relocated(files.graph(entry), files.locate)
+        self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}")
 
 
-@dataclass
-class KVCache:
-    """Keys and values of one session for a contiguous range of layers."""
-
-    keys: list[np.ndarray] = field(default_factory=list)  # each (batch, kv_heads, past, head_dim)
-    values: list[np.ndarray] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, n_layers: int, kv_heads: int, head_dim: int, batch: int = 1) -> KVCache:
-        z = np.zeros((batch, kv_heads, 0, head_dim), np.float32)
-        return cls([z] * n_layers, [z] * n_layers)
-
-    @property
-    def length(self) -> int:
-        return int(self.keys[0].shape[2]) if self.keys else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
-
-
-def positions_for(past: int, seq: int, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Position ids (batch, seq) and an all-ones attention mask (batch, past + seq). Runs per
-    step on every stage with cold caches: C-level numpy calls only."""
-    pos = np.arange(past, past + seq, dtype=np.int64).reshape(1, seq)
-    if batch > 1:
-        pos = pos.repeat(batch, axis=0)
-    return pos, np.ones((batch, past + seq), np.int64)
-
-
-class Embedding:
-    def __init__(self, manifest: Manifest, cfg: RuntimeConfig) -> None:
-        self.session = _load(manifest, manifest.embed, cfg)
+class Embedding(_Piece):
+    def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
+        super().__init__(manifest, manifest.embed, cfg, files, "the embedding")
 
     def run(self, ids: np.ndarray) -> np.ndarray:
-        return self.session.run(["hidden"], {"input_ids": ids.astype(np.int64, copy=False)})[0]
+        """ids (batch, seq) -> hidden (batch, seq, hidden_size)."""
+        return self.session.run(None, {"input_ids": ids.astype(np.int64, copy=False)})[0]
 
 
-class Head:
-    def __init__(self, manifest: Manifest, cfg: RuntimeConfig) -> None:
-        self.session = _load(manifest, manifest.head, cfg)
+class Head(_Piece):
+    def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
+        super().__init__(manifest, manifest.head, cfg, files, "the head")
 
     def run(self, hidden: np.ndarray) -> np.ndarray:
-        return self.session.run(["logits"], {"hidden": hidden})[0]
+        """hidden (batch, seq, hidden_size) -> logits (batch, seq, vocab)."""
+        return self.session.run(None, {"hidden": np.ascontiguousarray(hidden)})[0]
 
 
-class LayerRange:
-    """Decoder layers first..last (inclusive) of one manifest."""
+class ClientPart:
+    """What the client runs of a plan: the embedding, its own prefix of the layers (if any)
+    and the head. One thread uses it (the client's step plane)."""
 
-    def __init__(self, manifest: Manifest, first: int, last: int, cfg: RuntimeConfig) -> None:
-        if not 0 <= first <= last < manifest.num_layers:
-            raise EdgeliteError(f"layer range {first}-{last} is outside 0-{manifest.num_layers - 1}")
-        self.manifest, self.first, self.last = manifest, first, last
-        self.sessions = [_load(manifest, manifest.layers[j], cfg) for j in range(first, last + 1)]
+    def __init__(self, manifest: Manifest, cfg: RuntimeConfig,
+                 layers: tuple[int, int] | None = None, files: ModelFiles | None = None) -> None:
+        files = files or export_files(manifest, cfg.verify_hashes)
+        self.manifest, self.cfg = manifest, cfg
+        self.embed = Embedding(manifest, cfg, files)
+        self.head_ = Head(manifest, cfg, files)
+        self.prefix = LayerRange(manifest, *layers, cfg, files) if layers else None
+        self.slots: dict[str, Slot] = {}
 
-    def new_cache(self, batch: int = 1) -> KVCache:
-        m = self.manifest
-        return KVCache.empty(len(self.sessions), m.num_kv_heads, m.head_dim, batch)
+    @property
+    def max_chunk(self) -> int:
+        """The most tokens one step carries (a prompt goes in chunks of this)."""
+        return max(self.cfg.prefill_chunks)
 
-    def run(self, hidden: np.ndarray, kv: KVCache, positions: np.ndarray,
-            mask: np.ndarray) -> tuple[np.ndarray, KVCache]:
-        """hidden (batch, seq, hidden) -> the same after these layers, and the grown KV cache."""
-        keys, values = [], []
-        for sess, k, v in zip(self.sessions, kv.keys, kv.values, strict=True):
-            hidden, k, v = sess.run(None, {"hidden": hidden, "past_key": k, "past_value": v,
-                                           "position_ids": positions, "attention_mask": mask})
-            keys.append(k)  # (batch, kv_heads, past + seq, head_dim)
-            values.append(v)
-        return hidden, KVCache(keys, values)
+    def front(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, n) -> the hidden state the first node stage takes (n within one chunk)."""
+        hidden = self.embed.run(ids)
+        if self.prefix is None:
+            return hidden
+        slot = self.slots.get(session)
+        if slot is None:
+            slot = self.slots[session] = self.prefix.pool.acquire()
+        return self.prefix.step(slot, hidden)
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""
+        return self.head_.run(hidden[:, -1:, :])[0, 0]
+
+    def end(self, session: str) -> None:
+        slot = self.slots.pop(session, None)
+        if slot is not None and self.prefix is not None:
+            self.prefix.pool.release(slot)
 
 
 class LocalChain:
@@ -121,41 +94,28 @@ class LocalChain:
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig | None = None) -> None:
         cfg = cfg or RuntimeConfig()
         self.manifest = manifest
-        self.embed = Embedding(manifest, cfg)
-        self.layers = LayerRange(manifest, 0, manifest.num_layers - 1, cfg)
-        self.head = Head(manifest, cfg)
+        self.part = ClientPart(manifest, cfg, (0, manifest.num_layers - 1))
+        assert self.part.prefix is not None
+        self.layers = self.part.prefix
 
-    def forward(self, ids: np.ndarray, kv: KVCache) -> tuple[np.ndarray, KVCache]:
-        """ids (batch, seq) -> logits of the last position (batch, vocab), grown cache."""
-        pos, mask = positions_for(kv.length, ids.shape[1], ids.shape[0])
-        hidden, kv = self.layers.run(self.embed.run(ids), kv, pos, mask)
-        return self.head.run(hidden[:, -1:, :])[:, 0, :], kv
+    def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, n) appended to the session -> logits (vocab,) of the last position."""
+        hidden = None
+        for a, b in chunks_of(ids.shape[1], self.layers.max_chunk):
+            hidden = self.part.front(session, ids[:, a:b])
+        assert hidden is not None
+        return self.part.head(hidden)
 
+    def logits_all(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, n) appended to the session -> logits (n, vocab) at every position."""
+        out = []
+        for a, b in chunks_of(ids.shape[1], self.layers.max_chunk):
+            out.append(self.part.head_.run(self.part.front(session, ids[:, a:b]))[0])
+        return np.concatenate(out)
 
-class ClientPart:
-    """What the client runs of a plan: the embedding, its own prefix of the layers (if any)
-    and the head. Per-session KV of the prefix layers lives here; one thread uses it."""
-
-    def __init__(self, manifest: Manifest, cfg: RuntimeConfig,
-                 layers: tuple[int, int] | None = None) -> None:
-        self.manifest = manifest
-        self.embed, self.head_ = Embedding(manifest, cfg), Head(manifest, cfg)
-        self.prefix = LayerRange(manifest, *layers, cfg) if layers else None
-        self.caches: dict[str, KVCache] = {}
-
-    def front(self, session: str, start: int, ids: np.ndarray) -> np.ndarray:
-        """ids (1, seq) at position `start` -> the hidden state the first node stage takes."""
-        hidden = self.embed.run(ids)
-        if self.prefix is None:
-            return hidden
-        pos, mask = positions_for(start, ids.shape[1], ids.shape[0])
-        kv = self.caches.get(session) or self.prefix.new_cache(ids.shape[0])
-        hidden, self.caches[session] = self.prefix.run(hidden, kv, pos, mask)
-        return hidden
-
-    def head(self, hidden: np.ndarray) -> np.ndarray:
-        """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""
-        return self.head_.run(np.ascontiguousarray(hidden[:, -1:, :]))[0, 0]
+    def length(self, session: str) -> int:
+        slot = self.part.slots.get(session)
+        return slot.length if slot else 0
 
     def end(self, session: str) -> None:
-        self.caches.pop(session, None)
+        self.part.end(session)

@@ -165,23 +165,14 @@ class BulkAck(Message):
     data: bytes
 
 
-@record
-class LayerDesc:
-    """What a node needs to time a model's layer: its file (when cached) and its shapes."""
-
-    sha256: str = bounds(max_len=SHA)
-    flops_per_token: int = bounds(0, 2**50)
-    param_bytes: int = bounds(0, 2**50)
-    hidden_size: int = bounds(1, 1 << 16)
-    num_kv_heads: int = bounds(1, 1 << 10)
-    head_dim: int = bounds(1, 1 << 12)
-
-
 @message("profile")
 class ProfileRequest(Message):
+    """Time this device: on the model's layer 0 when `manifest` is given (and its files are
+    here), else on a GEMV of `hidden_size`."""
+
     id: int = bounds(-RID, RID)
     hidden_size: int = bounds(0, 1 << 16, default=0)
-    layer: LayerDesc | None = None
+    manifest: Json | None = None
 
 
 @message("profile_ok")

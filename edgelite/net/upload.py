@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from edgelite.manifest import FileEntry
+from edgelite.manifest import DataFile, FileEntry
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
 
@@ -24,10 +24,12 @@ def _read_chunk(path: Path, offset: int, size: int) -> bytes:
 
 async def push_files(link: NodeLink, root: Path, entries: list[FileEntry], chunk_bytes: int,
                      timeout_s: float, progress: Progress | None = None) -> int:
-    """Upload the entries (files under `root`) the node lacks; returns bytes sent."""
-    shas = sorted({e.sha256 for e in entries})
+    """Upload the entries' graphs and data files (under `root`) the node lacks; returns bytes
+    sent."""
+    files: list[FileEntry | DataFile] = [f for e in entries for f in (e, *e.data)]
+    shas = sorted({f.sha256 for f in files})
     state = await link.request(m.FilesQuery(id=0, sha256=shas), m.FilesState, timeout_s)
-    todo = list({e.sha256: e for e in entries if e.sha256 not in state.have}.values())
+    todo = list({f.sha256: f for f in files if f.sha256 not in state.have}.values())
     total, sent = sum(e.bytes for e in todo), 0
     for e in todo:
         offset = min(int(state.partial.get(e.sha256, 0)), e.bytes)

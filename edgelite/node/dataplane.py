@@ -24,13 +24,12 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
-from edgelite.engine.batch import padded_bytes
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.framethread import FrameThread
 from edgelite.net.schema import Message
-from edgelite.node.stages import Stage, StageStore
+from edgelite.node.stages import Session, Stage, StageStore
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +45,9 @@ def check_forward(store: StageStore, msg: m.Forward, fingerprint: str | None) ->
         if hidden.dtype != np.float32 or hidden.ndim != 3 or hidden.shape[2] != stage.manifest.hidden_size:
             raise ProtocolError(f"forward.hidden: {hidden.dtype} {list(hidden.shape)}, expected "
                                 f"float32 (batch, seq, {stage.manifest.hidden_size})")
-        if hidden.shape[0] < 1 or hidden.shape[1] < 1:
-            raise ProtocolError(f"forward.hidden: shape {list(hidden.shape)} is empty")
+        if hidden.shape[0] != 1 or not 1 <= hidden.shape[1] <= stage.layers.max_chunk:
+            raise ProtocolError(f"forward.hidden: shape {list(hidden.shape)}; a step carries one "
+                                f"session's 1-{stage.layers.max_chunk} tokens (batch 1)")
     return stage
 
 
@@ -133,8 +133,8 @@ class DataPlane(FrameThread):
         self.ready.append(Ready(sock, msg, t_in, stage))
 
     def on_idle(self) -> None:
-        """Run the steps read this round: decode steps of one plan together, up to the batch
-        size, while the KV they copy stays under the configured size."""
+        """Run the steps read this round: decode steps of one stage together (up to the batch
+        size), everything else one by one, in arrival order otherwise."""
         while self.ready:
             first = self.ready.pop(0)
             group, rest = [first], []
@@ -152,48 +152,47 @@ class DataPlane(FrameThread):
                 self._forward_batch(group)
 
     def _forward_batch(self, group: list[Ready]) -> None:
-        """Run and pass on a batch of decode steps. A step its session refuses (wrong start, no
-        KV budget) gets its own answer; the rest go on together."""
-        stage, ok, kvs = group[0].stage, [], []
+        """Run and pass on decode steps of several sessions: those whose KV slots share a slab
+        run as one batch (weights read once, KV in place); a step its session refuses (wrong
+        start, no KV budget) gets its own answer."""
+        stage = group[0].stage
+        by_slab: dict[int, list[tuple[Ready, Session]]] = {}
         for r in group:
             try:
-                kvs.append(self.store.prepare(stage, r.msg.session, r.msg.start, r.msg.hidden))
-                ok.append(r)
+                sess = self.store.prepare(stage, r.msg.session, r.msg.start, 1)
             except EdgeliteError:
                 self._forward(stage, r.msg, r.t_in)  # answers with the refusal
-        if len(ok) >= 2 and padded_bytes(kvs) <= self.cfg.batch_max_kv_bytes:
+                continue
+            by_slab.setdefault(id(sess.slot.slab), []).append((r, sess))
+        for members in by_slab.values():
+            if len(members) == 1:
+                self._forward(stage, members[0][0].msg, members[0][0].t_in)
+                continue
+            hidden = np.concatenate([r.msg.hidden for r, _ in members])  # type: ignore[misc]
             try:
-                outs, kvs, ms = self.store.compute_batch(stage, kvs, [r.msg.start for r in ok],
-                                                         [r.msg.hidden for r in ok])
+                outs, ms = self.store.compute_batch([s for _, s in members], hidden)
             except (EdgeliteError, RuntimeError, ValueError) as exc:
-                log.warning("a batch of %d steps failed (%r); running them one by one", len(ok), exc)
-            else:
-                self.batches += 1
-                self.batched_steps += len(ok)
-                for r, out in zip(ok, outs, strict=True):
-                    self._pass_on(stage, r.msg, out, None, ms, r.t_in)
-                for r, kv in zip(ok, kvs, strict=True):
-                    self.store.commit(stage, r.msg.session, kv, ms / len(ok))
-                return
-        for r in ok:  # too few, too much KV to copy, or the batch failed
-            self._forward(stage, r.msg, r.t_in)
+                log.warning("a batch of %d steps failed: %s", len(members), exc)
+                for r, _ in members:
+                    self._pass_on(stage, r.msg, None, f"{self.name}: {exc}", 0.0, r.t_in)
+                continue
+            self.batches += 1
+            self.batched_steps += len(members)
+            for (r, _), out in zip(members, outs, strict=True):
+                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in)
 
     def _forward(self, stage: Stage, msg: m.Forward, t_in: float) -> None:
-        """Run the step and pass it on. Everything after the layers is on the critical path of
-        the whole pipeline and runs with caches cold from streaming the weights (measured: 10x
-        the warm cost), so it does the least first and the bookkeeping after the send."""
-        ms, kv, result, error = 0.0, None, None, msg.error
+        """Run the step and pass it on (an upstream error or a refusal is passed on as such)."""
+        ms, result, error = 0.0, None, msg.error
         if error is None:
             try:
                 assert msg.hidden is not None  # check_forward
-                kv = self.store.prepare(stage, msg.session, msg.start, msg.hidden)
-                result, kv, ms = self.store.compute(stage, kv, msg.start, msg.hidden)
+                sess = self.store.prepare(stage, msg.session, msg.start, msg.hidden.shape[1])
+                result, ms = self.store.compute(sess, msg.hidden)
             except (EdgeliteError, RuntimeError, ValueError) as exc:  # onnxruntime: RuntimeError
-                log.info("plan %s session %s: %s", msg.plan_id, msg.session, exc)
-                error, kv = f"{self.name}: {exc}", None
+                log.info("plan %s session %s: %s", msg.plan_id, msg.session[:12], exc)
+                error = f"{self.name}: {exc}"
         self._pass_on(stage, msg, result, error, ms, t_in)
-        if kv is not None:  # the next step of this session comes after this one: commit now
-            self.store.commit(stage, msg.session, kv, ms)
 
     def _pass_on(self, stage: Stage, msg: m.Forward, hidden: np.ndarray | None, error: str | None,
                  ms: float, t_in: float) -> None:

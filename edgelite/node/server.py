@@ -194,7 +194,7 @@ class Node:
 
     async def _profile(self, msg: m.ProfileRequest) -> m.ProfileReply:
         flops = await asyncio.get_running_loop().run_in_executor(
-            self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.layer)
+            self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.manifest)
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.threads,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from edgelite.config import ClientConfig, RuntimeConfig, WireLimits
-from edgelite.engine.profile import host_profile, layer_decode_seconds
+from edgelite.engine.profile import host_profile, range_decode_seconds
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 from edgelite.manifest import Manifest
@@ -112,7 +112,7 @@ async def _profile(link: NodeLink, manifest: Manifest | None, cfg: ProbeConfig,
             await push_files(link, manifest.root, manifest.layers[:1], ccfg.deploy_chunk_bytes,
                              ccfg.deploy_timeout_s)
         reply = await link.request(m.ProfileRequest(id=0, hidden_size=manifest.hidden_size if manifest
-                                                    else 0, layer=_layer_desc(manifest)),
+                                                    else 0, manifest=manifest and manifest.to_json()),
                                    m.ProfileReply, timeout)
     except EdgeliteError as exc:
         return {"name": link.name, "addr": link.name, "reachable": False, "reason": str(exc)}
@@ -189,27 +189,19 @@ def smooth(rounds: list[list[dict[str, Any]]], alpha: float = 0.3) -> list[dict[
     return [{**row, "samples": n} for row, _, n in state.values()]
 
 
-def _layer_desc(man: Manifest | None) -> m.LayerDesc | None:
-    """What a node needs to time the model's layer 0 (from its file cache, or a GEMV as big)."""
-    if man is None:
-        return None
-    e = man.layers[0]
-    return m.LayerDesc(sha256=e.sha256, flops_per_token=e.flops_per_token,
-                       param_bytes=e.param_bytes, hidden_size=man.hidden_size,
-                       num_kv_heads=man.num_kv_heads, head_dim=man.head_dim)
-
-
 def _client_profile(manifest: Manifest | None, threads: int) -> dict[str, Any]:
     """This device (the client) measured like a node: on the model's layer 0 when given."""
-    from edgelite.engine.runtime import LayerRange
+    from edgelite.engine.layers import LayerRange, export_files
 
     prof = host_profile()
     if manifest is not None:
-        man = manifest
-        layer = LayerRange(man, 0, 0, RuntimeConfig(threads=threads, verify_hashes=False))
-        secs = layer_decode_seconds(layer.sessions[0], man.hidden_size, man.num_kv_heads,
-                                    man.head_dim)
-        prof.update(flops=man.layers[0].flops_per_token / secs, flops_source="layer 0")
+        cfg = RuntimeConfig(threads=threads, verify_hashes=False)
+        layer = LayerRange(manifest, 0, 0, cfg, export_files(manifest, verify=False))
+        try:
+            secs = range_decode_seconds(layer)
+        finally:
+            layer.close()
+        prof.update(flops=manifest.layers[0].flops_per_token / secs, flops_source="layer 0")
     return prof
 
 

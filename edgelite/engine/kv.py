@@ -1,0 +1,116 @@
+"""Preallocated KV caches: one slot per session, in slabs of a few slots per layer range.
+
+Every layer's keys and values of a slab are one buffer (slots, kv_heads, capacity, head_dim),
+bound to GroupQueryAttention as both its past and present input: each step writes its new
+positions in place and attention reads only the session's real length. A batch of decode steps
+binds the slots it covers, so sessions of different lengths run together without copying.
+
+The memory is reserved, not committed: pages are touched as positions are written, and a
+session's pages go back to the operating system when it ends (madvise), so a process holds what
+its sessions use, whatever the prompts were before. Sessions are accounted by capacity bucket:
+the smallest configured capacity that covers their length (what they may come to hold).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import mmap
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgelite.errors import KVBudgetExceeded
+
+PAGE = mmap.PAGESIZE
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux and Android (x86 and ARM)
+ITEM = 4  # float32
+
+
+@dataclass
+class Slot:
+    slab: Slab
+    index: int
+    length: int = 0  # positions holding valid KV
+
+
+@dataclass
+class Slab:
+    """`slots` sessions' KV for every layer of a range: (layers, 2, slots, kv_heads, cap, dim)."""
+
+    buffer: mmap.mmap
+    array: np.ndarray
+    slots: list[Slot | None] = field(default_factory=list)
+
+    def views(self, layer: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of slots lo..hi-1 of one layer: (hi - lo, kv_heads, cap, head_dim)."""
+        return self.array[layer, 0, lo:hi], self.array[layer, 1, lo:hi]
+
+
+class KVPool:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 slots_per_slab: int, buckets: tuple[int, ...]) -> None:
+        row = kv_heads * head_dim * ITEM  # bytes of one position of one layer's K (or V)
+        step = PAGE // math.gcd(PAGE, row)  # capacities whose slot regions start on a page
+        self.capacity = -(-capacity // step) * step  # positions per slot (incl. padding room)
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.slots_per_slab = slots_per_slab
+        self.buckets = tuple(sorted(buckets))
+        self.slot_bytes = row * self.capacity  # one layer's K (or V) of one slot
+        self.token_bytes = 2 * layers * row  # what one position costs across the range
+        self.slabs: list[Slab] = []
+
+    # ---- slots --------------------------------------------------------------------------
+    def acquire(self) -> Slot:
+        for slab in self.slabs:
+            for i, s in enumerate(slab.slots):
+                if s is None:
+                    slab.slots[i] = Slot(slab, i)
+                    return slab.slots[i]  # type: ignore[return-value]
+        slab = self._new_slab()
+        slab.slots[0] = Slot(slab, 0)
+        return slab.slots[0]  # type: ignore[return-value]
+
+    def _new_slab(self) -> Slab:
+        n = self.slots_per_slab
+        size = self.layers * 2 * n * self.slot_bytes
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        array = np.frombuffer(buf, np.float32).reshape(
+            self.layers, 2, n, self.kv_heads, self.capacity, self.head_dim)
+        slab = Slab(buf, array, [None] * n)
+        self.slabs.append(slab)
+        return slab
+
+    def release(self, slot: Slot) -> None:
+        """Free a session's slot: its pages go back to the system (they read as zeros later)."""
+        slab = slot.slab
+        if slab.slots[slot.index] is not slot:
+            return
+        slab.slots[slot.index] = None
+        for region in range(self.layers * 2):  # (untouched pages cost the kernel nothing)
+            start = (region * self.slots_per_slab + slot.index) * self.slot_bytes
+            slab.buffer.madvise(mmap.MADV_DONTNEED, start, self.slot_bytes)
+        slot.length = 0
+
+    def close(self) -> None:
+        self.slabs.clear()  # the buffers go with their arrays
+
+    # ---- accounting ---------------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        """The longest session this pool holds (the largest bucket, within the capacity)."""
+        return min(self.buckets[-1], self.capacity)
+
+    def bucket(self, length: int) -> int:
+        """The capacity a session of `length` positions is accounted at."""
+        if length > self.max_length:
+            raise KVBudgetExceeded(f"a session of {length} positions exceeds the longest context "
+                                   f"this node holds, {self.max_length}")
+        return self.buckets[bisect.bisect_left(self.buckets, length)]
+
+    def bucket_bytes(self, length: int) -> int:
+        return self.bucket(max(1, length)) * self.token_bytes
+
+    @property
+    def sessions(self) -> int:
+        return sum(1 for slab in self.slabs for s in slab.slots if s is not None)

@@ -1,0 +1,174 @@
+"""A contiguous range of decoder layers as one onnxruntime session, with its sessions' KV.
+
+The layer graphs of the range are joined into one graph (onnxgraph.py). A step binds, in place,
+each layer's KV buffer of the session's slot as both past and present (kv.py), so nothing is
+copied or concatenated. Steps have bounded shapes: a decode step is one token; a prompt chunk
+is padded up to the next size of the chunk list (its padded positions land past the session's
+real length and are overwritten by later steps; attention is causal, so they never reach a real
+token). Bindings are cached per (slab, slots, chunk): a step only writes its inputs into
+buffers the binding already points to.
+
+One thread uses a LayerRange at a time (the node's data plane, or the local engine's worker).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgelite.config import RuntimeConfig
+from edgelite.engine import onnxgraph, rope
+from edgelite.engine.kv import KVPool, Slab, Slot
+from edgelite.engine.session import open_model
+from edgelite.errors import EdgeliteError, KVBudgetExceeded
+from edgelite.manifest import FileEntry, Manifest, check_file
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's files are: each graph, and the folder onnxruntime reads weights from
+    (`locate` gives a data file's name there from its name in the manifest)."""
+
+    folder: Path
+    graph: Callable[[FileEntry], bytes]
+    locate: Callable[[str], str]
+
+
+def export_files(manifest: Manifest, verify: bool = True) -> ModelFiles:
+    """The files of an export folder, each checked (size, and sha256 when `verify`)."""
+    checked: set[str] = set()
+
+    def graph(e: FileEntry) -> bytes:
+        for d in e.data:
+            if d.file not in checked:
+                check_file(manifest.path(d), d.sha256, d.bytes, verify)
+                checked.add(d.file)
+        return check_file(manifest.path(e), e.sha256, e.bytes, verify).read_bytes()
+
+    return ModelFiles(manifest.root, graph, lambda name: name)
+
+
+@dataclass
+class Binding:
+    """A cached IOBinding and the buffers it points to (written before each run)."""
+
+    io: Any
+    hidden: np.ndarray  # (rows, chunk, hidden)
+    seqlens: np.ndarray  # (rows,) int32
+    total: np.ndarray  # () int32
+    out: np.ndarray  # (rows, chunk, hidden)
+
+
+@dataclass
+class LayerRange:
+    manifest: Manifest
+    first: int
+    last: int
+    cfg: RuntimeConfig
+    files: ModelFiles
+    bindings: dict[tuple[int, int, int, int], Binding] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        m = self.manifest
+        if not 0 <= self.first <= self.last < m.num_layers:
+            raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
+        entries = m.layers[self.first:self.last + 1]
+        model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
+                               f"layers_{self.first}_{self.last}", [e.file for e in entries])
+        self.session = open_model(model, self.files.folder, self.cfg,
+                                  f"layers {self.first}-{self.last} of {m.name}")
+        self.chunks = tuple(sorted(self.cfg.prefill_chunks))
+        context = min(m.max_positions, max(self.cfg.kv_buckets))
+        self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
+                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets)
+        self.cos, self.sin = rope.tables(m, self.pool.capacity)
+        self.hidden_in, self.hidden_out = f"hidden_{self.first}", f"hidden_{self.last + 1}"
+
+    @property
+    def max_chunk(self) -> int:
+        return self.chunks[-1]
+
+    def padded(self, n: int) -> int:
+        """The shape a step of n new tokens runs at: 1 for decode, else the next chunk size."""
+        if n == 1:
+            return 1
+        if n > self.max_chunk:
+            raise EdgeliteError(f"a step of {n} tokens is longer than the largest prompt chunk "
+                                f"({self.max_chunk}); send the prompt in chunks")
+        return self.chunks[bisect.bisect_left(self.chunks, n)]
+
+    # ---- running ------------------------------------------------------------------------
+    def _binding(self, slab: Slab, lo: int, hi: int, chunk: int) -> Binding:
+        key = (id(slab), lo, hi, chunk)
+        b = self.bindings.get(key)
+        if b is not None:
+            return b
+        rows, h = hi - lo, self.manifest.hidden_size
+        b = Binding(self.session.io_binding(), np.zeros((rows, chunk, h), np.float32),
+                    np.zeros(rows, np.int32), np.zeros((), np.int32),
+                    np.zeros((rows, chunk, h), np.float32))
+        f32, i32 = np.float32, np.int32
+        for name, arr, dtype in ((self.hidden_in, b.hidden, f32), ("seqlens_k", b.seqlens, i32),
+                                 ("total_seq", b.total, i32), ("cos_cache", self.cos, f32),
+                                 ("sin_cache", self.sin, f32)):
+            b.io.bind_input(name, "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
+        for j in range(self.first, self.last + 1):
+            k, v = slab.views(j - self.first, lo, hi)
+            for kind, arr in (("key", k), ("value", v)):
+                b.io.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, list(arr.shape), arr.ctypes.data)
+                b.io.bind_output(f"present_{kind}_{j}", "cpu", 0, f32, list(arr.shape), arr.ctypes.data)
+        b.io.bind_output(self.hidden_out, "cpu", 0, f32, list(b.out.shape), b.out.ctypes.data)
+        self.bindings[key] = b
+        return b
+
+    def step(self, slot: Slot, hidden: np.ndarray) -> np.ndarray:
+        """Append hidden (1, n, hidden_size) to the session in `slot`; the range's output for
+        those n positions."""
+        n = hidden.shape[1]
+        chunk = self.padded(n)
+        start = slot.length
+        if start + n > self.pool.max_length:
+            raise KVBudgetExceeded(f"the session would hold {start + n} positions; this range "
+                                   f"holds at most {self.pool.max_length}")
+        b = self._binding(slot.slab, slot.index, slot.index + 1, chunk)
+        b.hidden[0, :n] = hidden[0]
+        if chunk > n:
+            b.hidden[0, n:] = 0.0
+        b.seqlens[0] = start + chunk - 1
+        b.total[...] = start + chunk
+        self.session.run_with_iobinding(b.io)
+        slot.length = start + n
+        return b.out[:, :n].copy()
+
+    def step_batch(self, slots: list[Slot], hidden: np.ndarray) -> np.ndarray:
+        """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
+        -> the same. Slots between them that are not stepping get a dummy token written past
+        their real length (it is overwritten by their next step)."""
+        slab = slots[0].slab
+        if any(s.slab is not slab for s in slots) or len({s.index for s in slots}) != len(slots):
+            raise EdgeliteError("a batch must hold distinct slots of one slab")
+        if any(s.length + 1 > self.pool.max_length for s in slots):
+            raise KVBudgetExceeded(f"a session would exceed {self.pool.max_length} positions")
+        lo, hi = min(s.index for s in slots), max(s.index for s in slots) + 1
+        b = self._binding(slab, lo, hi, 1)
+        b.hidden[...] = 0.0
+        for r in range(lo, hi):
+            other = slab.slots[r]
+            b.seqlens[r - lo] = other.length if other is not None else 0
+        for i, s in enumerate(slots):
+            b.hidden[s.index - lo, 0] = hidden[i, 0]
+        b.total[...] = int(b.seqlens.max()) + 1
+        self.session.run_with_iobinding(b.io)
+        out = np.stack([b.out[s.index - lo] for s in slots])
+        for s in slots:
+            s.length += 1
+        return out
+
+    def close(self) -> None:
+        self.bindings.clear()
+        self.pool.close()

@@ -1,0 +1,347 @@
+"""Build the exported ONNX graphs from weights: the embedding, one file per decoder layer, the head.
+
+Every weight lives in an external data file next to its graph (onnxruntime maps them, and a
+session made from such a graph does not hold a second copy); graphs are small. The contract
+with the runtime (edgelite/engine/):
+
+  embed.onnx    input_ids (batch, seq) int64 -> hidden_0 (batch, seq, hidden) float32
+  layer_J.onnx  hidden_J (batch, seq, hidden), past_key_J, past_value_J (batch, kv_heads, cap,
+                head_dim) [one buffer with present_key_J, present_value_J: bound in place],
+                seqlens_k (batch,) int32 [tokens held after this step - 1], total_seq () int32,
+                cos_cache, sin_cache (positions, head_dim / 2)
+                -> hidden_{J+1}, present_key_J, present_value_J
+  head.onnx     hidden (batch, seq, hidden) -> logits (batch, seq, vocab)
+
+Layer names are namespaced (/model/layers.J/...) so that the runtime can join the layer graphs
+of a range into one graph (engine/onnxgraph.py). Attention is onnxruntime's GroupQueryAttention
+with rotary embedding built in; linear layers are MatMul (fp32) or MatMulNBits (blocks), with
+the minima of w = d*q + m formats as an extra product of the input's block sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from edgelite_export.blocks import Blocks, concat_rows
+
+OPSET = 17
+IR_VERSION = 9  # onnxruntime 1.29 (Termux) reads it
+MS = "com.microsoft"
+ALIGN = 4096  # large tensors start on a page: onnxruntime can map them
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+
+
+@dataclass
+class Linear:
+    weight: np.ndarray | Blocks  # float (N, K) or blocks
+    bias: np.ndarray | None = None
+
+
+@dataclass
+class LayerWeights:
+    ln1: np.ndarray
+    ln2: np.ndarray
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+class DataFile:
+    """An external data file being written; the same bytes written twice are stored once (a
+    tied head's vocabulary projection is the embedding table itself)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f = open(path, "wb")
+        self.where: dict[bytes, tuple[int, int]] = {}  # digest of the bytes -> (offset, length)
+
+    def put(self, a: np.ndarray) -> tuple[int, int]:
+        data = np.ascontiguousarray(a).tobytes()
+        key = hashlib.blake2b(data, digest_size=20).digest()
+        if key not in self.where:
+            pos = self.f.tell()
+            if len(data) >= ALIGN and pos % ALIGN:
+                self.f.write(b"\0" * (ALIGN - pos % ALIGN))
+            self.where[key] = (self.f.tell(), len(data))
+            self.f.write(data)
+        return self.where[key]
+
+    def close(self) -> None:
+        self.f.close()
+
+
+_DTYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+           np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int64): TensorProto.INT64,
+           np.dtype(np.int32): TensorProto.INT32}
+
+
+class Graph:
+    """Nodes, inputs, outputs and initializers of one graph being built."""
+
+    def __init__(self, name: str, data: DataFile) -> None:
+        self.name, self.data = name, data
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.param_bytes = 0
+        self._n = 0
+
+    def init(self, name: str, a: np.ndarray) -> str:
+        """An initializer, external when larger than a few bytes."""
+        t = TensorProto()
+        t.name, t.data_type = name, _DTYPES[a.dtype]
+        t.dims.extend(a.shape)
+        if a.nbytes <= 64:
+            t.raw_data = np.ascontiguousarray(a).tobytes()
+        else:
+            offset, length = self.data.put(a)
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", self.data.path.name), ("offset", str(offset)),
+                               ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+        self.inits.append(t)
+        self.param_bytes += a.nbytes
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | int, name: str,
+             domain: str = "", **attrs: object) -> list[str]:
+        if isinstance(outputs, int):
+            outputs = [f"{name}/output_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None,
+                                           **attrs))
+        return outputs
+
+    def input(self, name: str, elem: int, shape: list[int | str]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def output(self, name: str, elem: int, shape: list[int | str]) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def save(self, path: Path) -> None:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid(MS, 1)],
+                                  ir_version=IR_VERSION, producer_name="edgelite-export")
+        path.write_bytes(model.SerializeToString())
+
+
+class Linears:
+    """Emits linear layers into a graph: MatMul for floats, MatMulNBits for blocks (accuracy
+    level 0 in exact mode, 4 in fast mode; in exact mode 8-bit blocks run as two 4-bit
+    products, which have a fast float kernel)."""
+
+    def __init__(self, g: Graph, compute: str) -> None:
+        self.g, self.compute = g, compute
+        self.sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums
+
+    def __call__(self, x: str, lin: Linear, name: str, k: int) -> str:
+        w = lin.weight
+        if isinstance(w, np.ndarray):
+            y = self.g.node("MatMul", [x, self.g.init(f"{name}.weight", np.ascontiguousarray(w.T))],
+                            1, f"{name}/MatMul")[0]
+            if lin.bias is not None:
+                y = self.g.node("Add", [y, self.g.init(f"{name}.bias", lin.bias)], 1, f"{name}/Add")[0]
+            return y
+        w = w.centered()
+        parts = list(w.split_nibbles()) if (w.bits == 8 and self.compute == "exact") else [w]
+        minima = [p.minimum for p in parts if p.minimum is not None]
+        y = None
+        for i, part in enumerate(parts):
+            bias = lin.bias if i == 0 else None
+            label = f"{name}/part{i}" if len(parts) > 1 else name
+            term = self._nbits(x, replace(part, minimum=None), label, k, bias)
+            y = term if y is None else self.g.node("Add", [y, term], 1, f"{name}/Add{i}")[0]
+        assert y is not None
+        if minima:  # the minima term: x's block sums times each block's minimum
+            total = np.sum(minima, axis=0, dtype=np.float32) if len(minima) > 1 else minima[0]
+            mins = self._scales(np.ascontiguousarray(total.T), len(minima) == 1 and parts[-1].minimum_fp16,
+                                f"{name}.minima")
+            extra = self.g.node("MatMul", [self._block_sums(x, w.block, k), mins], 1,
+                                f"{name}/minima/MatMul")[0]
+            y = self.g.node("Add", [y, extra], 1, f"{name}/minima/Add")[0]
+        return y
+
+    def _scales(self, a: np.ndarray, fp16: bool, name: str) -> str:
+        if not fp16:
+            return self.g.init(name, a.astype(np.float32))
+        half = self.g.init(f"{name}_fp16", a.astype(np.float16))
+        return self.g.node("Cast", [half], [name], f"{name}/Cast", to=TensorProto.FLOAT)[0]
+
+    def _nbits(self, x: str, b: Blocks, name: str, k: int, bias: np.ndarray | None) -> str:
+        n = b.shape[0]
+        ins = [x, self.g.init(f"{name}.qweight", b.packed()),
+               self._scales(b.scale, b.scale_fp16, f"{name}.scales")]
+        zp = b.zero_points()
+        ins.append("" if zp is None else self.g.init(f"{name}.zero_points", zp))
+        if bias is not None:
+            ins += ["", self.g.init(f"{name}.bias", bias.astype(np.float32))]
+        while ins[-1] == "":
+            ins.pop()
+        level = 0 if self.compute == "exact" else 4
+        return self.g.node("MatMulNBits", ins, 1, f"{name}/MatMulNBits", MS, K=k, N=n,
+                           bits=b.bits, block_size=b.block, accuracy_level=level)[0]
+
+    def _block_sums(self, x: str, block: int, k: int) -> str:
+        key = (x, block)
+        if key not in self.sums:
+            base = f"{x}/block_sums{block}"
+            shape = self.g.init(f"{base}.shape", np.array([0, 0, k // block, block], np.int64))
+            axes = self.g.init(f"{base}.axes", np.array([-1], np.int64))
+            r = self.g.node("Reshape", [x, shape], 1, f"{base}/Reshape")[0]
+            self.sums[key] = self.g.node("ReduceSum", [r, axes], 1, f"{base}/ReduceSum",
+                                         keepdims=0)[0]
+        return self.sums[key]
+
+
+def _pack(parts: list[Linear]) -> Linear | None:
+    """One projection for several (q, k, v or gate, up) when their weights share a form."""
+    ws = [p.weight for p in parts]
+    if all(isinstance(w, np.ndarray) for w in ws):
+        weight: np.ndarray | Blocks | None = np.concatenate(ws)  # type: ignore[arg-type]
+    elif all(isinstance(w, Blocks) for w in ws):
+        weight = concat_rows(ws)  # type: ignore[arg-type]
+    else:
+        weight = None
+    if weight is None:
+        return None
+    biases = [p.bias for p in parts]
+    if all(b is None for b in biases):
+        return Linear(weight)
+    rows = [w.shape[0] for w in ws]
+    return Linear(weight, np.concatenate([b if b is not None else np.zeros(r, np.float32)
+                                          for b, r in zip(biases, rows, strict=True)]))
+
+
+def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
+    """Write layer_J.onnx and its data file; returns the parameter bytes held."""
+    data = DataFile(path.with_suffix(".onnx.data"))
+    g = Graph(f"layer_{j}", data)
+    a, pre = arch, f"/model/layers.{j}"
+    f32, i32 = TensorProto.FLOAT, TensorProto.INT32
+    kv_shape: list[int | str] = ["batch", a.kv_heads, "cap", a.head_dim]
+    h = g.input(f"hidden_{j}", f32, ["batch", "seq", a.hidden])
+    g.input(f"past_key_{j}", f32, kv_shape)
+    g.input(f"past_value_{j}", f32, kv_shape)
+    g.input("seqlens_k", i32, ["batch"])
+    g.input("total_seq", i32, [])
+    g.input("cos_cache", f32, ["positions", a.head_dim // 2])
+    g.input("sin_cache", f32, ["positions", a.head_dim // 2])
+    lin = Linears(g, compute)
+    x = g.node("SimplifiedLayerNormalization", [h, g.init(f"{pre}.input_layernorm.weight", w.ln1)],
+               1, f"{pre}/input_layernorm", axis=-1, epsilon=a.eps, stash_type=1)[0]
+    qkv = _pack([w.q, w.k, w.v])
+    if qkv is not None:
+        attn_in = [lin(x, qkv, f"{pre}/attn/qkv_proj", a.hidden), "", ""]
+    else:
+        attn_in = [lin(x, p, f"{pre}/attn/{n}_proj", a.hidden)
+                   for n, p in (("q", w.q), ("k", w.k), ("v", w.v))]
+    attn = g.node("GroupQueryAttention",
+                  [*attn_in, f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_seq",
+                   "cos_cache", "sin_cache"], [f"{pre}/attn/output", f"present_key_{j}",
+                                               f"present_value_{j}"],
+                  f"{pre}/attn/GroupQueryAttention", MS, num_heads=a.heads,
+                  kv_num_heads=a.kv_heads, scale=1 / math.sqrt(a.head_dim), do_rotary=1,
+                  rotary_interleaved=0)[0]
+    o = lin(attn, w.o, f"{pre}/attn/o_proj", a.heads * a.head_dim)
+    x2, _, _, resid = g.node("SkipSimplifiedLayerNormalization",
+                             [o, h, g.init(f"{pre}.post_attention_layernorm.weight", w.ln2)],
+                             [f"{pre}/post_attention_layernorm/output", "", "",
+                              f"{pre}/post_attention_layernorm/residual"],
+                             f"{pre}/post_attention_layernorm", MS, epsilon=a.eps)
+    gu = _pack([w.gate, w.up])
+    if gu is not None:
+        both = lin(x2, gu, f"{pre}/mlp/gate_up_proj", a.hidden)
+        split = g.init(f"{pre}/mlp.split", np.array([a.intermediate, a.intermediate], np.int64))
+        gate, up = g.node("Split", [both, split], 2, f"{pre}/mlp/Split", axis=-1)
+    else:
+        gate = lin(x2, w.gate, f"{pre}/mlp/gate_proj", a.hidden)
+        up = lin(x2, w.up, f"{pre}/mlp/up_proj", a.hidden)
+    sig = g.node("Sigmoid", [gate], 1, f"{pre}/mlp/act/Sigmoid")[0]
+    act = g.node("Mul", [gate, sig], 1, f"{pre}/mlp/act/Mul")[0]
+    act = g.node("Mul", [act, up], 1, f"{pre}/mlp/Mul")[0]
+    down = lin(act, w.down, f"{pre}/mlp/down_proj", a.intermediate)
+    g.node("Add", [down, resid], [f"hidden_{j + 1}"], f"{pre}/residual/Add")
+    g.output(f"hidden_{j + 1}", f32, ["batch", "seq", a.hidden])
+    g.output(f"present_key_{j}", f32, kv_shape)
+    g.output(f"present_value_{j}", f32, kv_shape)
+    g.save(path)
+    data.close()
+    return g.param_bytes
+
+
+def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path) -> int:
+    """embed.onnx: a Gather (float table) or GatherBlockQuantized (blocks)."""
+    g = Graph("embed", data)
+    ids = g.input("input_ids", TensorProto.INT64, ["batch", "seq"])
+    out = "hidden_0"
+    if isinstance(table, np.ndarray):
+        g.node("Gather", [g.init("/model/embed_tokens.weight", table), ids], [out],
+               "/model/embed_tokens/Gather", axis=0)
+    else:
+        lin = Linears(g, "fast")
+        scales = lin._scales(table.scale, table.scale_fp16, "/model/embed_tokens.scales")
+        ins = [g.init("/model/embed_tokens.qweight", table.gather_data()), ids, scales]
+        if not table.default_zero:
+            ins.append(g.init("/model/embed_tokens.zero_points", table.zero_points() if table.bits == 4
+                              else table.zero))  # type: ignore[arg-type]
+        rows = out if table.minimum is None else "/model/embed_tokens/rows"
+        g.node("GatherBlockQuantized", ins, [rows], "/model/embed_tokens/GatherBlockQuantized",
+               MS, bits=table.bits, block_size=table.block, gather_axis=0, quantize_axis=1)
+        if table.minimum is not None:  # + the block's minimum, spread over its columns
+            nb = table.shape[1] // table.block
+            mins = lin._scales(table.minimum, table.minimum_fp16, "/model/embed_tokens.minima")
+            m = g.node("Gather", [mins, ids], 1, "/model/embed_tokens/minima/Gather", axis=0)[0]
+            m = g.node("Unsqueeze", [m, g.init("/model/embed_tokens.axis", np.array([-1], np.int64))],
+                       1, "/model/embed_tokens/minima/Unsqueeze")[0]
+            ones = g.init("/model/embed_tokens.ones", np.ones((1, 1, nb, table.block), np.float32))
+            m = g.node("Mul", [m, ones], 1, "/model/embed_tokens/minima/Expand")[0]
+            shape = g.init("/model/embed_tokens.shape", np.array([0, 0, arch.hidden], np.int64))
+            m = g.node("Reshape", [m, shape], 1, "/model/embed_tokens/minima/Reshape")[0]
+            g.node("Add", [rows, m], [out], "/model/embed_tokens/minima/Add")
+    g.output(out, TensorProto.FLOAT, ["batch", "seq", arch.hidden])
+    g.save(path)
+    return g.param_bytes
+
+
+def head(arch: Arch, norm: np.ndarray, weight: np.ndarray | Blocks, compute: str, data: DataFile,
+         path: Path) -> int:
+    """head.onnx: final RMS norm and the vocabulary projection (the embedding table itself when
+    the model ties them: written once in the shared data file)."""
+    g = Graph("head", data)
+    h = g.input("hidden", TensorProto.FLOAT, ["batch", "seq", arch.hidden])
+    x = g.node("SimplifiedLayerNormalization", [h, g.init("/model/norm.weight", norm)], 1,
+               "/model/norm", axis=-1, epsilon=arch.eps, stash_type=1)[0]
+    if isinstance(weight, np.ndarray):  # (vocab, hidden), as the embedding keeps it
+        wt = g.node("Transpose", [g.init("/lm_head.weight", weight)], 1, "/lm_head/Transpose",
+                    perm=[1, 0])[0]  # folded when the session loads
+        g.node("MatMul", [x, wt], ["logits"], "/lm_head/MatMul")
+    else:
+        y = Linears(g, compute)(x, Linear(weight), "/lm_head", arch.hidden)
+        g.node("Identity", [y], ["logits"], "/lm_head/Identity")
+    g.output("logits", TensorProto.FLOAT, ["batch", "seq", arch.vocab])
+    g.save(path)
+    return g.param_bytes

@@ -1,0 +1,68 @@
+"""Transcoding GGUF blocks into MatMulNBits form rounds nothing: every type, checked against the
+`gguf` package's own dequantizer, and the packed forms against a plain unpacking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgelite_export import blocks
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+N, K = 6, 512
+# where each type keeps float16 scales in its block (byte offset), to keep random blocks finite
+F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def _random_raw(kind: str, rng: np.random.Generator) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+    raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    for off in F16_AT[kind]:
+        scales = rng.uniform(-0.05, 0.05, (N, K // block)).astype(np.float16)
+        raw[..., off:off + 2] = scales.view(np.uint8).reshape(N, K // block, 2)
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(blocks.TRANSCODERS))
+def test_transcode_equals_gguf_dequantize(kind: str) -> None:
+    raw = _random_raw(kind, np.random.default_rng(len(kind)))
+    want = gguf.quants.dequantize(raw, T[kind]).reshape(N, K)
+    got = blocks.TRANSCODERS[kind](raw, N, K)
+    assert got.shape == (N, K) and int(got.q.max()) < 1 << got.bits
+    assert np.abs(got.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
+    centred = got.centered()  # zero points mid-range, minima absorbing the rest: same values
+    assert np.all(centred.zero == 1 << ((got.code_bits or got.bits) - 1))
+    assert np.abs(centred.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
+    if got.bits == 8:  # the exact-mode route: two 4-bit matrices
+        hi, lo = got.split_nibbles()
+        both = hi.dequantize() + lo.dequantize()
+        assert np.abs(both - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("quant, bits", [(blocks.quantize_int8, 8), (blocks.quantize_int4, 4)])
+def test_quantizing_floats_and_packing(quant, bits: int) -> None:
+    w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    b = quant(w)
+    err = np.abs(b.dequantize() - w).max()
+    assert err <= (0.02 if bits == 8 else 0.25), err
+    packed = b.packed()
+    assert packed.shape == (N, K // 32, 32 * bits // 8)
+    if bits == 4:  # low nibble first
+        assert np.array_equal(packed[..., 0] & 15, b.q[:, 0::32]) and \
+            np.array_equal(packed[..., 0] >> 4, b.q[:, 1::32])
+        zp = b.zero_points()
+        assert zp is not None and np.array_equal(zp[:, 0] & 15, b.zero[:, 0])
+    else:
+        assert b.zero_points() is None  # the default 128
+
+
+def test_rows_concat_and_reorder() -> None:
+    raw = _random_raw("Q4_1", np.random.default_rng(3))
+    b = blocks.from_q4_1(raw, N, K)
+    both = blocks.concat_rows([b, b.rows(np.arange(N)[::-1])])
+    assert both is not None and both.shape == (2 * N, K)
+    assert np.array_equal(both.dequantize()[N:], b.dequantize()[::-1])
+    assert blocks.concat_rows([b, blocks.from_q8_0(_random_raw("Q8_0", np.random.default_rng(4)),
+                                                   N, K)]) is None
