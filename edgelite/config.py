@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class WireLimits:
 class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 7070
-    threads: int = 2
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # threads, provider, KV shapes
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
     bulk_reply_max_bytes: int = 64 * 1024 * 1024  # largest reverse transfer a link probe may ask
@@ -104,4 +104,5 @@ class SchedulerConfig:
     kv_tokens: int = 8192  # KV memory, in tokens, for all running requests together
     max_preemptions: int = 2  # per request
     interval_s: float = 0.0  # minimum time between admissions
+    kv_buckets: tuple[int, ...] = ()  # the nodes' KV capacities (RuntimeConfig); (): per token
     finished_window: int = 1024  # finished requests kept for inspection (the latest)

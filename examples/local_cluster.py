@@ -23,9 +23,10 @@ async def main(args: argparse.Namespace) -> None:
     split = [(0, half - 1), (half, n_layers - 1)]
     with tempfile.TemporaryDirectory(prefix="edgelite-example-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
-            nodes = [await stack.enter_async_context(edgelite.run_node(
-                TOKEN, f"{tmp}/node{i}", edgelite.NodeConfig(host="127.0.0.1", port=0, threads=1)))
-                for i in range(2)]
+            cfg = edgelite.NodeConfig(host="127.0.0.1", port=0,
+                                      runtime=edgelite.RuntimeConfig(threads=1))
+            nodes = [await stack.enter_async_context(edgelite.run_node(TOKEN, f"{tmp}/node{i}", cfg))
+                     for i in range(2)]
             llm = await stack.enter_async_context(edgelite.connect(
                 args.model, nodes=[n.addr for n in nodes], token=TOKEN, split=split,
                 runtime=edgelite.RuntimeConfig(threads=1)))

@@ -53,10 +53,10 @@ def build(arch: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
 
     torch.manual_seed(seed)
     tok = tokenizer()
-    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, max_position_embeddings=256,
-                               eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                               pad_token_id=tok.pad_token_id, initializer_range=0.1,
-                               **{**CONFIGS[arch], **overrides})
+    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
+                               bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                               initializer_range=0.1,
+                               **{"max_position_embeddings": 256, **CONFIGS[arch], **overrides})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():  # make biases and norm weights matter
         for name, p in model.named_parameters():

@@ -1,4 +1,5 @@
-"""Decode steps of several sessions as one batch: left-padded KV with masks, on a real node."""
+"""Decode steps of several sessions that reach a node together run as one batch (their KV in
+place in one slab), on a real node process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import pytest
 
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
-from edgelite.engine.batch import run_batch
-from edgelite.engine.runtime import LayerRange, positions_for
+from edgelite.engine.layers import LayerRange, export_files
 from edgelite.net import messages as msgs
 from edgelite.net.frames import pack
 from test_distributed import _cluster
@@ -19,35 +19,13 @@ from test_node_bad_input import _authed, _data
 pytestmark = pytest.mark.e2e
 
 
-def _solo(layers: LayerRange, prompt: np.ndarray, step: np.ndarray):
-    """Prefill then one decode step on its own: (decode output, KV after it)."""
-    kv = layers.new_cache()
-    pos, mask = positions_for(0, prompt.shape[1])
-    _, kv = layers.run(prompt, kv, pos, mask)
-    pos, mask = positions_for(prompt.shape[1], 1)
-    out, kv = layers.run(step, kv, pos, mask)
-    return out, kv
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
-    m = mf.load(exported[arch])
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1))
-    rng = np.random.default_rng(1)
-    lengths = [5, 1, 3, 8]  # ragged: every session but the longest is padded
-    prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
-    steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in lengths]
-    kvs = []
-    for p in prompts:
-        pos, mask = positions_for(0, p.shape[1])
-        kvs.append(layers.run(p, layers.new_cache(), pos, mask)[1])
-    outs, grown = run_batch(layers, steps, kvs, lengths)
-    for i, (p, s) in enumerate(zip(prompts, steps, strict=True)):
-        want, want_kv = _solo(layers, p, s)
-        np.testing.assert_allclose(outs[i], want, atol=1e-5, rtol=0)
-        assert grown[i].length == lengths[i] + 1
-        for a, b in zip(grown[i].keys + grown[i].values, want_kv.keys + want_kv.values, strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+def _solo(layers: LayerRange, prompt: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Prefill then one decode step on its own: the decode step's output."""
+    slot = layers.pool.acquire()
+    layers.step(slot, prompt)
+    out = layers.step(slot, step)
+    layers.pool.release(slot)
+    return out
 
 
 def _frame(plan: str, session: str, step: int, start: int, hidden: np.ndarray) -> bytes:
@@ -58,7 +36,7 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
     model = exported["llama"]
     m = mf.load(model)
     node = node_factory()
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1))
+    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
     rng = np.random.default_rng(2)
     lengths = [2, 6, 4, 1]
     prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
@@ -90,7 +68,7 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
             assert len(refused) == 1 and "starts at 99" in refused[0].error
             for i, (p, s) in enumerate(zip(prompts, steps, strict=True)):
                 out = got[(f"s{i}", lengths[i])].hidden
-                np.testing.assert_allclose(out, _solo(layers, p, s)[0], atol=1e-5, rtol=0)
+                np.testing.assert_allclose(out, _solo(layers, p, s), atol=1e-5, rtol=0)
             stats = (await be.cluster.stats())[be.plan.stages[0].addr]
             assert stats["batches"] == 1 and stats["batched_steps"] == len(lengths), stats
             await sink.close()

@@ -8,16 +8,19 @@ import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from edgelite.serve.scheduler import Request, Scheduler, SchedulerConfig
+from edgelite.config import SchedulerConfig
+from edgelite.serve.scheduler import Request, Scheduler
 
 CFG = SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4, max_step_tokens=300,
                       kv_tokens=600, max_preemptions=2)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    cfg = CFG
+
     def __init__(self) -> None:
         super().__init__()
-        self.s = Scheduler(CFG)
+        self.s = Scheduler(self.cfg)
         self.now = 0.0
         self.steps = 0
         self.all: list[Request] = []
@@ -38,9 +41,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         d = self.s.step(self.now)
         # admission is in priority order, a prefix of the waiting order: nothing skips the head
         assert order[:len(d.admit)] == d.admit
-        assert sum(r.prompt_len for r in d.admit) <= CFG.max_step_tokens
-        assert sum(r.context for r in d.resume) <= CFG.max_step_tokens
-        assert len(self.s.running) <= CFG.max_requests
+        assert sum(r.prompt_len for r in d.admit) <= self.cfg.max_step_tokens
+        assert sum(r.context for r in d.resume) <= self.cfg.max_step_tokens
+        assert len(self.s.running) <= self.cfg.max_requests
         assert not (d.admit and d.decode)  # a step prefills or decodes
         for r in d.admit + d.resume + d.decode:
             eos = data.draw(st.integers(0, 19)) == 0
@@ -67,17 +70,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def kv_budget_holds_and_finished_requests_hold_none(self) -> None:
-        assert self.s.kv_used == sum(r.kv for r in self.s.running)
-        assert self.s.kv_used <= CFG.kv_tokens
-        assert all(r.kv == 0 for r in list(self.s.finished) + self.s.preempted_list())
+        assert self.s.kv_used == sum(r.held for r in self.s.running)
+        assert all(r.held == self.s.cap(r.kv) >= r.kv for r in self.s.running)
+        assert self.s.kv_used <= self.cfg.kv_tokens
+        assert all(r.kv == r.held == 0 for r in list(self.s.finished) + self.s.preempted_list())
 
     @invariant()
     def preemption_cap_holds(self) -> None:
-        assert all(r.preemptions <= CFG.max_preemptions for r in self.all)
+        assert all(r.preemptions <= self.cfg.max_preemptions for r in self.all)
+
+
+class BucketedSchedulerMachine(SchedulerMachine):
+    """The same, with KV counted in capacity buckets as the nodes hold it."""
+
+    cfg = SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4, max_step_tokens=300,
+                          kv_tokens=1200, max_preemptions=2, kv_buckets=(64, 128, 256, 512))
 
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestBucketedScheduler = BucketedSchedulerMachine.TestCase
+TestBucketedScheduler.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 
 
 def test_equal_waits_higher_tier_first() -> None:

@@ -59,7 +59,9 @@ async def _client(port: int, user: dict, prompt: str) -> dict:
 def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_factory,
                                                                  tmp_path: Path) -> None:
     model = exported["llama"]
-    nodes = [node_factory(kv_budget_mb=0.02) for _ in range(2)]  # 81 tokens on the 2-layer stage
+    # 81 positions on the 2-layer stage, counted in buckets of 16: sessions grow past them
+    nodes = [node_factory(kv_budget_mb=0.02, extra=("--kv-buckets", "16,32,48,64,128,256"))
+             for _ in range(2)]
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"users": USERS}))
     log = tmp_path / "gateway.log"
@@ -71,7 +73,7 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
                                           for i, p in enumerate(PROMPTS)))
             # a client that asks and hangs up: its request stops instead of running on
             quitter = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "free", "t-free")
-            await quitter.conn.send(m.GenerateRequest(id=1, prompt="bye", max_tokens=60))
+            await quitter.conn.send(m.GenerateRequest(id=1, prompt="bye", max_tokens=30))
             await quitter.close()
             c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
             try:

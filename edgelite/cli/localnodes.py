@@ -41,10 +41,11 @@ class NodeProc:
 
 def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: float = 256,
                timeout: float = 30.0, token: str = TOKEN, memory_mb: float | None = None,
-               name: str | None = None) -> NodeProc:
+               name: str | None = None, extra: tuple[str, ...] = ()) -> NodeProc:
+    """A node process; `extra`: more `edgelite node` flags."""
     env = {**os.environ, "EDGELITE_TOKEN": token}
-    extra = ([] if memory_mb is None else ["--memory-mb", str(memory_mb)]) + (
-        [] if name is None else ["--name", name])
+    extra = (*([] if memory_mb is None else ["--memory-mb", str(memory_mb)]),
+             *([] if name is None else ["--name", name]), *extra)
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgelite", "node", "--host", "127.0.0.1", "--port", "0",
          "--data-dir", str(data_dir), "--threads", str(threads), "--kv-budget-mb",

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from edgelite.cli import options, runner
-from edgelite.config import NodeConfig
+from edgelite.config import NodeConfig, RuntimeConfig
+from edgelite.engine.session import PROVIDERS, providers
 from edgelite.node.server import Node
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--port", type=int, default=c.port, help="0 = any free port (printed)")
     n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser(),
                    help="where deployed layer files are kept")
-    n.add_argument("--threads", type=int, default=c.threads, help="onnxruntime threads")
+    r = RuntimeConfig
+    n.add_argument("--threads", type=int, default=r.threads, help="onnxruntime threads")
+    n.add_argument("--provider", choices=sorted(PROVIDERS), default=r.provider,
+                   help="onnxruntime execution provider (xnnpack, nnapi: where the build has them)")
+    n.add_argument("--kv-buckets", default=",".join(map(str, r.kv_buckets)),
+                   help="KV capacities sessions are accounted in; the largest caps the context")
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
     n.add_argument("--kv-budget-mb", type=float, default=c.kv_budget_bytes / 2**20,
                    help="KV memory of all sessions")
@@ -85,7 +91,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
-    cfg = NodeConfig(host=args.host, port=args.port, threads=args.threads,
+    runtime = RuntimeConfig(threads=args.threads, provider=args.provider,
+                            kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"))
+    providers(runtime)  # a clear error now when this onnxruntime lacks the provider
+    cfg = NodeConfig(host=args.host, port=args.port, runtime=runtime,
                      kv_budget_bytes=int(args.kv_budget_mb * 2**20),
                      batch_max_steps=max(1, args.max_batch),
                      memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))

@@ -72,6 +72,17 @@ def cluster_flags(p: argparse.ArgumentParser) -> None:
     planning_flags(p)
 
 
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (sorted)."""
+    try:
+        values = tuple(sorted(int(x) for x in text.split(",") if x.strip()))
+    except ValueError as exc:
+        raise EdgeliteError(f"{flag} {text!r}: expected positive integers, e.g. 128,256,512") from exc
+    if not values or values[0] < 1:
+        raise EdgeliteError(f"{flag} {text!r}: expected positive integers, e.g. 128,256,512")
+    return values
+
+
 def token(args: argparse.Namespace, required: bool = False) -> str | None:
     value = getattr(args, "token", None) or os.environ.get("EDGELITE_TOKEN")
     if required and not value:

@@ -12,7 +12,7 @@ import edgelite
 from edgelite.cli import options, runner, views
 from edgelite.client.backend import ClusterBackend
 from edgelite.client.llm import LLM
-from edgelite.config import GatewayConfig, SchedulerConfig
+from edgelite.config import GatewayConfig, RuntimeConfig, SchedulerConfig
 from edgelite.serve.gateway import Gateway, load_users
 from edgelite.serve.scheduler import Scheduler
 
@@ -46,18 +46,20 @@ def run(args: argparse.Namespace) -> int:
     return runner.run(serve(args))
 
 
-async def kv_tokens_of(llm: LLM) -> int | None:
-    """How many tokens of KV the cluster holds: the tightest stage's budget / its bytes per
-    token (None when every layer runs here)."""
+async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int, ...]]:
+    """How many positions of KV the cluster holds (the tightest stage's budget / its bytes per
+    position; None when every layer runs here), and the capacity buckets it counts them in."""
     backend = llm.backend
     if not isinstance(backend, ClusterBackend):
-        return None
+        return None, runtime.kv_buckets
     stats = await backend.cluster.stats()
-    tokens = math.inf
+    tokens, buckets = math.inf, runtime.kv_buckets
     for st in backend.plan.remote:
-        per_token = sum(e.kv_bytes_per_token for e in llm.manifest.layers[st.first:st.last + 1])
-        tokens = min(tokens, stats[st.addr]["kv_budget_bytes"] // max(1, per_token))  # type: ignore[index]
-    return None if tokens == math.inf else int(tokens)
+        node = stats[st.addr]  # type: ignore[index]
+        per_token = llm.manifest.kv_bytes_per_token(st.first, st.last)
+        tokens = min(tokens, node["kv_budget_bytes"] // max(1, per_token))
+        buckets = tuple(node.get("kv_buckets", buckets))
+    return (None if tokens == math.inf else int(tokens)), buckets
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -66,11 +68,12 @@ async def serve(args: argparse.Namespace) -> int:
     with views.connect_bars(console, live=console.is_terminal) as progress:
         llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
     async with llm:
-        cluster_kv = await kv_tokens_of(llm) or args.kv_tokens or LOCAL_KV_TOKENS
+        nodes_kv, buckets = await kv_of(llm, options.runtime_config(args))
+        cluster_kv = nodes_kv or args.kv_tokens or LOCAL_KV_TOKENS
         kv = min(cluster_kv, args.kv_tokens or cluster_kv)
-        sched = Scheduler(SchedulerConfig(context_limit=llm.manifest.max_positions, kv_tokens=kv,
-                                          max_requests=args.max_requests,
-                                          patience_s=args.patience_s,
+        sched = Scheduler(SchedulerConfig(context_limit=min(llm.manifest.max_positions, max(buckets)),
+                                          kv_tokens=kv, max_requests=args.max_requests,
+                                          patience_s=args.patience_s, kv_buckets=buckets,
                                           max_preemptions=args.max_preemptions))
         log.info("scheduler: %d KV tokens (cluster %d), %d requests at once", kv, cluster_kv,
                  args.max_requests)

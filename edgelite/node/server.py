@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgelite.config import NodeConfig, RuntimeConfig, WireLimits
+from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
@@ -47,8 +47,7 @@ class Node:
     limits: WireLimits = field(default_factory=WireLimits)
 
     def __post_init__(self) -> None:
-        self.store = StageStore(BlobStore(self.data_dir), self.cfg.kv_budget_bytes,
-                                RuntimeConfig(threads=self.cfg.threads))
+        self.store = StageStore(BlobStore(self.data_dir), self.cfg.kv_budget_bytes, self.cfg.runtime)
         self.data = DataPlane(self.name, self.store, self.cfg, self.limits)
         self.server: asyncio.Server | None = None
         self.conns: set[Conn] = set()  # open client connections, closed on shutdown
@@ -197,7 +196,8 @@ class Node:
             self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.manifest)
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
-        return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.threads,
+        return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
+                                                  "provider": self.cfg.runtime.provider,
                                                   **flops, **host_profile(), **budget})
 
     async def _probe_link(self, msg: m.ProbeLink) -> m.LinkReport:

@@ -174,7 +174,9 @@ class StageStore:
             runs, ms = self.runs, self.run_ms_total
         return {"sessions": len(sessions),
                 "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions),
-                "kv_budget_bytes": self.kv_budget_bytes, "runs": runs,
+                "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
+                "provider": self.runtime.provider,
+                "runs": runs,
                 "ms_per_run": ms / runs if runs else 0.0,
                 "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last]}
                            for s in self.stages.values()]}

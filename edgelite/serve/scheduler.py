@@ -1,7 +1,9 @@
 """Three-queue priority scheduler with preemption (pure: no I/O; the clock is passed in).
 
 Queues: waiting (not prefilled), running (decoding, holding KV), preempted (decode interrupted,
-KV dropped: it is recomputed from prompt + generated tokens on resume).
+KV dropped: it is recomputed from prompt + generated tokens on resume). KV is counted as the
+nodes hold it: in capacity buckets (`kv_buckets`; a request holds the smallest bucket that covers
+its tokens, and grows a bucket at a time).
 
 Priority = first + second + third:
 - first, task difficulty relative to the context limit L: before prefill
@@ -31,6 +33,7 @@ wait_bound_steps(ahead) steps after its deadline.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -48,7 +51,8 @@ class Request:
     arrival: float
     generated: int = 0
     preemptions: int = 0
-    kv: int = 0  # KV tokens charged to it (0 unless running)
+    kv: int = 0  # KV tokens it needs (0 unless running)
+    held: int = 0  # KV capacity charged for them (the node's bucket of `kv`)
     admitted_at: float | None = None  # first admission (for time to first token)
     queue: str = "new"
     overdue: bool = False  # waited past the patience threshold
@@ -112,7 +116,7 @@ class Scheduler:
 
     # ---- queues --------------------------------------------------------------------------
     def submit(self, r: Request) -> None:
-        if r.prompt_len + r.max_output > min(self.cfg.context_limit, self.cfg.kv_tokens):
+        if self.cap(r.prompt_len + r.max_output) > min(self.cfg.context_limit, self.cfg.kv_tokens):
             raise ValueError(f"request {r.rid}: prompt {r.prompt_len} + output {r.max_output} "
                              f"exceeds the context limit or the KV memory")
         if r.prompt_len > self.cfg.max_step_tokens:
@@ -171,6 +175,12 @@ class Scheduler:
         (then decoding never asks for more, and no step can leave it stuck)."""
         return r.prompt_len + r.max_output if self.pinned(r) else r.context + 1
 
+    def cap(self, tokens: int) -> int:
+        """The KV capacity `tokens` occupy: the nodes hold KV in buckets (the smallest
+        configured capacity that covers them); without buckets, the tokens themselves."""
+        i = bisect.bisect_left(self.cfg.kv_buckets, tokens)
+        return self.cfg.kv_buckets[i] if i < len(self.cfg.kv_buckets) else tokens
+
     def _admit(self, d: Decision, now: float) -> None:
         tokens = 0
         for heap in (self.overdue, self.fresh):
@@ -178,7 +188,7 @@ class Scheduler:
                 r = heap[0][2]
                 fits = (len(self.running) < self.cfg.max_requests
                         and tokens + r.prompt_len <= self.cfg.max_step_tokens
-                        and self.kv_used + self.charge(r) <= self.cfg.kv_tokens)
+                        and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
                 if not fits:
                     return  # in priority order: nothing is admitted around the head
                 heapq.heappop(heap)
@@ -189,11 +199,16 @@ class Scheduler:
 
     def _run(self, r: Request) -> None:
         r.queue, r.kv, r.entered = "running", self.charge(r), True
-        self.kv_used += r.kv
+        r.held = self.cap(r.kv)
+        self.kv_used += r.held
         self.running.append(r)
 
+    def _grow(self, r: Request) -> int:
+        """Capacity one more token of r takes (0 within its bucket, and for pinned ones)."""
+        return 0 if self.pinned(r) else self.cap(r.kv + 1) - r.held
+
     def _growth(self) -> int:
-        return sum(1 for r in self.running if not self.pinned(r))
+        return sum(self._grow(r) for r in self.running)
 
     def _decode(self, d: Decision) -> None:
         """Every running request gets one token; while the KV that takes does not fit, the
@@ -206,19 +221,19 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
-        self.kv_used -= r.kv
-        r.kv, r.queue = 0, "preempted"
+        self.kv_used -= r.held
+        r.kv, r.held, r.queue = 0, 0, "preempted"
         r.preemptions += 1
         heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
 
     def _resume(self, d: Decision) -> None:
         tokens = 0
-        grow = sum(1 for r in d.decode if not self.pinned(r))
+        grow = sum(self._grow(r) for r in d.decode)
         while self.preempted:
             r = self.preempted[0][2]
             if (len(self.running) >= self.cfg.max_requests
                     or tokens + r.context > self.cfg.max_step_tokens
-                    or self.kv_used + grow + self.charge(r) > self.cfg.kv_tokens):
+                    or self.kv_used + grow + self.cap(self.charge(r)) > self.cfg.kv_tokens):
                 return
             heapq.heappop(self.preempted)
             tokens += r.context
@@ -236,11 +251,13 @@ class Scheduler:
             r.entered = False
         elif not self.pinned(r):
             r.kv += 1
-            self.kv_used += 1
+            grown = self.cap(r.kv)
+            self.kv_used += grown - r.held
+            r.held = grown
         if done or r.remaining <= 0:
             self.running.remove(r)
-            self.kv_used -= r.kv
-            r.kv, r.queue = 0, "finished"
+            self.kv_used -= r.held
+            r.kv, r.held, r.queue = 0, 0, "finished"
             self.finished.append(r)
             self.finished_count += 1
 

@@ -1,0 +1,103 @@
+"""The engine on tiny models: chunked prompts, in-place KV, batched decode over slots, bounded
+shapes, memory handed back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgelite import manifest as mf
+from edgelite.config import RuntimeConfig
+from edgelite.engine.layers import LayerRange, export_files
+from edgelite.engine.runtime import LocalChain
+
+CFG = RuntimeConfig(threads=1, prefill_chunks=(4, 16), kv_buckets=(32, 64, 128, 256),
+                    kv_slab_slots=4)
+
+
+def _layers(model: Path, cfg: RuntimeConfig = CFG) -> LayerRange:
+    m = mf.load(model)
+    return LayerRange(m, 0, m.num_layers - 1, cfg, export_files(m))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_chunked_prompt_equals_one_pass(exported, arch: str) -> None:
+    """A prompt of 23 tokens in chunks of 16 + 4 + 4 (the last padded from 3) gives the same
+    outputs and the same next step as one 32-token chunk."""
+    rng = np.random.default_rng(0)
+    m = mf.load(exported[arch])
+    x = rng.standard_normal((1, 23, m.hidden_size)).astype(np.float32)
+    tok = rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
+    one = _layers(exported[arch], RuntimeConfig(threads=1, prefill_chunks=(32,)))
+    s = one.pool.acquire()
+    whole, after_whole = one.step(s, x), one.step(s, tok)
+    chunked = _layers(exported[arch])
+    s = chunked.pool.acquire()
+    parts = [chunked.step(s, x[:, a:b]) for a, b in ((0, 16), (16, 20), (20, 23))]
+    np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(chunked.step(s, tok), after_whole, atol=2e-5, rtol=0)
+    assert s.length == 24 and np.isfinite(whole).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
+    """Sessions of different lengths in slots 0, 1 and 3 of one slab (slot 2 holds a session
+    that does not step) decode together; each equals its solo run, KV included."""
+    rng = np.random.default_rng(1)
+    m = mf.load(exported[arch])
+    lengths = [5, 1, 9, 3]
+    prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
+    steps = rng.standard_normal((4, 1, m.hidden_size)).astype(np.float32)
+    solo = _layers(exported[arch])
+    want = []
+    for p, t in zip(prompts, steps, strict=True):
+        s = solo.pool.acquire()
+        solo.step(s, p)
+        want.append((solo.step(s, t[None]), solo.step(s, t[None])))
+        solo.pool.release(s)
+    batch = _layers(exported[arch])
+    slots = [batch.pool.acquire() for _ in lengths]
+    for s, p in zip(slots, prompts, strict=True):
+        batch.step(s, p)
+    stepping = [slots[0], slots[1], slots[3]]
+    rows = steps[[0, 1, 3]]
+    first, second = batch.step_batch(stepping, rows), batch.step_batch(stepping, rows)
+    for i, k in enumerate((0, 1, 3)):
+        np.testing.assert_allclose(first[i], want[k][0][0], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(second[i], want[k][1][0], atol=2e-5, rtol=0)
+    assert [s.length for s in slots] == [7, 3, 9, 5]  # the idle session did not move
+    # and the idle one still continues exactly as alone
+    np.testing.assert_allclose(batch.step(slots[2], steps[2:3]), want[2][0], atol=2e-5, rtol=0)
+
+
+def test_shapes_stay_bounded_and_memory_goes_back(tmp_path: Path) -> None:
+    """A 1,000-token conversation (prompts and replies of every length) runs at no more than
+    |chunks| + 1 distinct shapes per layer session; its KV pages go back when it ends."""
+    import models
+    from edgelite_export import build
+
+    hf = models.build("qwen2", tmp_path / "hf", max_position_embeddings=2048)
+    model = build.run(str(hf), tmp_path / "m", build.Options(steps=4)).out
+    cfg = RuntimeConfig(threads=1, prefill_chunks=(16, 64, 256),
+                        kv_buckets=(128, 256, 512, 1024, 2048))
+    chain = LocalChain(mf.load(model), cfg)
+    rng = np.random.default_rng(2)
+    total = 0
+    for _ in range(12):  # user prompt, then a reply of single tokens
+        n = int(rng.integers(5, 120))
+        chain.forward("chat", rng.integers(0, 300, (1, n)))
+        for _ in range(int(rng.integers(3, 40))):
+            chain.forward("chat", rng.integers(0, 300, (1, 1)))
+        total = chain.length("chat")
+        if total >= 1000:
+            break
+    assert total >= 1000, total
+    shapes = {k[3] for k in chain.layers.bindings}  # (slab, lo, hi, chunk): one row each
+    assert len(chain.layers.bindings) <= len(cfg.prefill_chunks) + len(cfg.kv_buckets) + 1
+    assert shapes <= {1, 16, 64, 256}
+    pool = chain.layers.pool
+    assert pool.bucket(total) == min(b for b in cfg.kv_buckets if b >= total) and pool.sessions == 1
+    chain.end("chat")
+    assert pool.sessions == 0
