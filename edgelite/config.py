@@ -20,6 +20,8 @@ class RuntimeConfig:
     # KV is accounted per session in these capacities (positions); the largest caps the context
     kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
+    # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
+    exact_head_candidates: int = 32
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,12 @@ class Blocks:
     minimum: np.ndarray | None  # (N, K // block) float32, exact; None: no such term
     bits: int  # storage: 4 or 8
     block: int
-    scale_fp16: bool = False  # every scale is exactly a float16 (stored so; widened at load)
-    minimum_fp16: bool = False
+    scale_fp16: bool = False  # every scale is exactly a float16
+    minimum_fp16: bool = False  # every minimum is exactly a float16
     code_bits: int = 0  # bits the codes use (Q5: 5 in 8-bit storage); 0: as `bits`
+    # minimum = base + shift * scale with `base` exactly float16 (a centred Q4_1's m + 8d):
+    # then it is stored as the base and computed when the model loads
+    minimum_parts: tuple[np.ndarray, float] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,10 +86,15 @@ class Blocks:
         if self.minimum is None and (np.all(self.zero == centre)
                                      or not np.all(self.zero == self.zero.flat[0])):
             return self  # centred already, or per-block integer zero points (quantized floats)
-        shift = self.scale * (centre - self.zero.astype(np.float32))
+        steps = centre - self.zero.astype(np.float32)
+        shift = self.scale * steps
         minimum = shift if self.minimum is None else self.minimum + shift
+        parts = None
+        if self.minimum is not None and self.minimum_fp16 and np.all(steps == steps.flat[0]):
+            parts = (self.minimum, float(steps.flat[0]))
         return replace(self, zero=np.full(self.zero.shape, centre, np.uint8),
-                       minimum=minimum.astype(np.float32), minimum_fp16=_fits_fp16(minimum))
+                       minimum=minimum.astype(np.float32), minimum_fp16=_fits_fp16(minimum),
+                       minimum_parts=parts)
 
     def rows(self, index: np.ndarray) -> Blocks:
         """The same matrix with its rows reordered (a permutation of output features)."""
@@ -98,11 +106,11 @@ class Blocks:
         folded into lo): MatMulNBits has a fast float-activation kernel for 4 bits only."""
         assert self.bits == 8
         hi = replace(self, q=self.q >> 4, scale=self.scale * 16, zero=np.zeros_like(self.zero),
-                     minimum=None, bits=4, minimum_fp16=False, code_bits=0)
+                     minimum=None, bits=4, minimum_fp16=False, code_bits=0, minimum_parts=None)
         shift = -self.scale * self.zero.astype(np.float32)
         minimum = shift if self.minimum is None else self.minimum + shift
         lo = replace(self, q=self.q & 15, zero=np.zeros_like(self.zero), minimum=minimum, bits=4,
-                     minimum_fp16=False, code_bits=0)
+                     minimum_fp16=False, code_bits=0, minimum_parts=None)
         return hi, lo
 
 
@@ -118,10 +126,14 @@ def concat_rows(parts: list[Blocks]) -> Blocks | None:
            for p in parts):
         return None
     minima = None if first.minimum is None else np.concatenate([p.minimum for p in parts])  # type: ignore[misc]
+    mp = [p.minimum_parts for p in parts]
+    joined = None
+    if all(x is not None for x in mp) and len({x[1] for x in mp}) == 1:  # type: ignore[index]
+        joined = (np.concatenate([x[0] for x in mp]), mp[0][1])  # type: ignore[index]
     return Blocks(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
                   np.concatenate([p.zero for p in parts]), minima, first.bits, first.block,
                   all(p.scale_fp16 for p in parts), all(p.minimum_fp16 for p in parts),
-                  first.code_bits)
+                  first.code_bits, joined)
 
 
 # ---- quantizing floats (sources without quantized weights) ------------------------------

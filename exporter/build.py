@@ -20,12 +20,13 @@ import numpy as np
 
 from edgelite import manifest as mf
 from edgelite.errors import EdgeliteError
-from edgelite_export import graph, source, weights
+from edgelite_export import graph, reference_text, source, weights
 from edgelite_export.blocks import Blocks
 from edgelite_export.verify import Report, verify
 
 log = logging.getLogger(__name__)
 VERIFY_MESSAGE = "Explain in one sentence why the sky is blue."
+VERIFY_TEXT_TOKENS = 768  # of reference_text.py, teacher-forced besides the prompt
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 QUANTIZE = ("none", "int8", "int4")
 MODES = ("exact", "fast")
@@ -84,15 +85,19 @@ def _entry(out: Path, name: str, param_bytes: int, flops: int, act: int, kv: int
 
 
 def write_pieces(w: weights.Weights, compute: str, out: Path, progress: Progress
-                 ) -> tuple[mf.FileEntry, list[mf.FileEntry], mf.FileEntry, list[dict[str, Any]]]:
-    a, rows = w.arch, []
+                 ) -> tuple[mf.FileEntry, list[mf.FileEntry], mf.FileEntry, list[dict[str, Any]],
+                            dict[str, Any] | None]:
+    """Every graph and data file; also where a fast block head's rows are (exact rescoring)."""
+    a = w.arch
     total = len(w.layers) + 2
     shared = graph.DataFile(out / "embed_head.data")  # a tied head reuses the table's bytes
     t0 = time.perf_counter()
     eb = graph.embed(a, w.embed, shared, out / "embed.onnx")
     hb = graph.head(a, w.norm, w.head, compute, shared, out / "head.onnx")
+    rows = graph.exact_rows(w.head, shared) if compute == "fast" and isinstance(w.head, Blocks) else None
     shared.close()
-    rows.append({"file": "embed.onnx + head.onnx", "seconds": time.perf_counter() - t0})
+    exact_head = rows
+    rows = [{"file": "embed.onnx + head.onnx", "seconds": time.perf_counter() - t0}]
     progress("embed.onnx, head.onnx", 2, total)
     act, kv = a.hidden * 4, 2 * a.kv_heads * a.head_dim * 4
     embed = _entry(out, "embed.onnx", eb, 0, act, 0, [shared.path])
@@ -105,7 +110,7 @@ def write_pieces(w: weights.Weights, compute: str, out: Path, progress: Progress
         layers.append(_entry(out, name, pb, _layer_flops(lw), act, kv, [out / f"{name}.data"]))
         rows.append({"file": name, "seconds": time.perf_counter() - t0})
         progress(name, j + 3, total)
-    return embed, layers, head, rows
+    return embed, layers, head, rows, exact_head
 
 
 def make_manifest(out: Path, name: str, model: Any, tok: Any, w: weights.Weights, mode: str,
@@ -175,16 +180,22 @@ def run_model(model: Any, tok: Any, name: str, out: Path, opts: Options,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        embed, layers, head, rows = write_pieces(w, compute, tmp, progress)
+        embed, layers, head, rows, exact_head = write_pieces(w, compute, tmp, progress)
         tok.save_pretrained(tmp)
         if not (tmp / "tokenizer.json").is_file():
             raise EdgeliteError(f"{name}: the tokenizer has no fast (tokenizer.json) form")
+        tok.backend_tokenizer.save(str(tmp / "tokenizer.json"), pretty=False)  # a third smaller
         quant = {"weights": w.describe(), "tied_embeddings": w.tied,
                  "source": "gguf" if gguf_path else "float"}
+        if exact_head:
+            quant["exact_head"] = exact_head
         manifest = make_manifest(tmp, name, model, tok, w, mode, compute, (embed, layers, head), quant)
         progress("verify", 0, 1)
-        report = verify(manifest, model, w, prompt_ids(tok, opts.prompt), opts.steps,
-                        transcoded=bool(gguf_path) and mode != "none")
+        prompt = prompt_ids(tok, opts.prompt)
+        room = min(model.config.max_position_embeddings, VERIFY_TEXT_TOKENS)
+        text = [int(i) for i in tok(reference_text.TEXT)["input_ids"]][:room]
+        report = verify(manifest, model, w, prompt, opts.steps,
+                        transcoded=bool(gguf_path) and mode != "none", text=text)
         if not report.passed and not opts.accept_drift:
             raise report.failure()
         manifest = replace(manifest, verification=report.to_json())

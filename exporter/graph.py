@@ -168,22 +168,35 @@ class Linears:
             return y
         w = w.centered()
         parts = list(w.split_nibbles()) if (w.bits == 8 and self.compute == "exact") else [w]
-        minima = [p.minimum for p in parts if p.minimum is not None]
         y = None
         for i, part in enumerate(parts):
             bias = lin.bias if i == 0 else None
             label = f"{name}/part{i}" if len(parts) > 1 else name
-            term = self._nbits(x, replace(part, minimum=None), label, k, bias)
+            term = self._nbits(x, replace(part, minimum=None, minimum_parts=None), label, k, bias)
             y = term if y is None else self.g.node("Add", [y, term], 1, f"{name}/Add{i}")[0]
         assert y is not None
+        minima = [p for p in parts if p.minimum is not None]
         if minima:  # the minima term: x's block sums times each block's minimum
-            total = np.sum(minima, axis=0, dtype=np.float32) if len(minima) > 1 else minima[0]
-            mins = self._scales(np.ascontiguousarray(total.T), len(minima) == 1 and parts[-1].minimum_fp16,
-                                f"{name}.minima")
+            mins = self._minima(minima, f"{name}.minima", f"{name}.scales")
             extra = self.g.node("MatMul", [self._block_sums(x, w.block, k), mins], 1,
                                 f"{name}/minima/MatMul")[0]
             y = self.g.node("Add", [y, extra], 1, f"{name}/minima/Add")[0]
         return y
+
+    def _minima(self, parts: list[Blocks], name: str, scales: str) -> str:
+        """The (blocks, N) minima matrix: stored as is, or (a centred Q4_1) as its float16 base
+        plus shift x the product's own scales (`scales`), computed when the model loads."""
+        p = parts[0]
+        if len(parts) == 1 and p.minimum_parts is not None and p.bits == 4:
+            base, shift = p.minimum_parts
+            b16 = self.g.init(f"{name}.base_fp16", np.ascontiguousarray(base.T).astype(np.float16))
+            b32 = self.g.node("Cast", [b16], 1, f"{name}/Cast", to=TensorProto.FLOAT)[0]
+            sc = self.g.node("Transpose", [scales], 1, f"{name}/Transpose", perm=[1, 0])[0]
+            k = self.g.init(f"{name}.shift", np.array(shift, np.float32))
+            steps = self.g.node("Mul", [sc, k], 1, f"{name}/Mul")[0]
+            return self.g.node("Add", [b32, steps], [name], f"{name}/Add")[0]
+        total = np.sum([q.minimum for q in parts], axis=0, dtype=np.float32)
+        return self._scales(np.ascontiguousarray(total.T), len(parts) == 1 and p.minimum_fp16, name)
 
     def _scales(self, a: np.ndarray, fp16: bool, name: str) -> str:
         if not fp16:
@@ -193,8 +206,10 @@ class Linears:
 
     def _nbits(self, x: str, b: Blocks, name: str, k: int, bias: np.ndarray | None) -> str:
         n = b.shape[0]
+        # 4-bit blocks with float32 scales run from the mapped file in place; anything else
+        # (float16 scales widened at load, 8-bit blocks) makes onnxruntime pack a copy
         ins = [x, self.g.init(f"{name}.qweight", b.packed()),
-               self._scales(b.scale, b.scale_fp16, f"{name}.scales")]
+               self._scales(b.scale, b.scale_fp16 and b.bits == 8, f"{name}.scales")]
         zp = b.zero_points()
         ins.append("" if zp is None else self.g.init(f"{name}.zero_points", zp))
         if bias is not None:
@@ -327,14 +342,30 @@ def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path) ->
     return g.param_bytes
 
 
+def exact_rows(weight: Blocks, data: DataFile) -> dict[str, object] | None:
+    """Where a block head's rows are in the data file, so that the runtime can rescore the
+    best candidates of a fast (int8-activation) head exactly (engine/runtime.py). None for
+    forms it cannot read (minima)."""
+    if weight.minimum is not None or not np.all(weight.zero == weight.zero.flat[0]):
+        return None
+    q = weight.gather_data()
+    scales = weight.scale.astype(np.float16 if weight.scale_fp16 else np.float32)
+    (q_off, q_len), (s_off, s_len) = data.put(q), data.put(scales)
+    return {"file": data.path.name, "rows": weight.shape[0], "cols": weight.shape[1],
+            "bits": weight.bits, "block": weight.block, "zero": int(weight.zero.flat[0]),
+            "qweight": [q_off, q_len], "scales": [s_off, s_len, scales.dtype.name]}
+
+
 def head(arch: Arch, norm: np.ndarray, weight: np.ndarray | Blocks, compute: str, data: DataFile,
          path: Path) -> int:
     """head.onnx: final RMS norm and the vocabulary projection (the embedding table itself when
-    the model ties them: written once in the shared data file)."""
+    the model ties them: written once in the shared data file). It also outputs the normed
+    hidden state (`normed`), which exact rescoring of a fast head takes."""
     g = Graph("head", data)
     h = g.input("hidden", TensorProto.FLOAT, ["batch", "seq", arch.hidden])
-    x = g.node("SimplifiedLayerNormalization", [h, g.init("/model/norm.weight", norm)], 1,
+    x = g.node("SimplifiedLayerNormalization", [h, g.init("/model/norm.weight", norm)], ["normed"],
                "/model/norm", axis=-1, epsilon=arch.eps, stash_type=1)[0]
+    g.output("normed", TensorProto.FLOAT, ["batch", "seq", arch.hidden])
     if isinstance(weight, np.ndarray):  # (vocab, hidden), as the embedding keeps it
         wt = g.node("Transpose", [g.init("/lm_head.weight", weight)], 1, "/lm_head/Transpose",
                     perm=[1, 0])[0]  # folded when the session loads

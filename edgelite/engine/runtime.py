@@ -8,6 +8,7 @@ step, so attention never materialises (prompt x prompt) scores and shapes stay f
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -41,13 +42,47 @@ class Embedding(_Piece):
         return self.session.run(None, {"input_ids": ids.astype(np.int64, copy=False)})[0]
 
 
+class ExactRows:
+    """The head's block rows, read from its data file on demand, to recompute the best
+    candidates of a fast head exactly: the greedy token (and every token worth sampling) then
+    comes from exact logits, while the full vocabulary costs the fast int8-activation product."""
+
+    def __init__(self, spec: dict, path: Path, k: int) -> None:
+        rows, cols, self.bits, self.block = spec["rows"], spec["cols"], spec["bits"], spec["block"]
+        q_off, _ = spec["qweight"]
+        s_off, _, dtype = spec["scales"]
+        self.q = np.memmap(path, np.uint8, "r", q_off, (rows, cols if self.bits == 8 else cols // 2))
+        self.scales = np.memmap(path, np.dtype(dtype), "r", s_off, (rows, cols // self.block))
+        self.zero, self.k = float(spec["zero"]), k
+
+    def rescore(self, normed: np.ndarray, logits: np.ndarray) -> None:
+        """logits (vocab,) of the fast head: its top k replaced by exact ones, in place."""
+        top = np.argpartition(logits, -self.k)[-self.k:]
+        q = self.q[top]
+        if self.bits == 4:
+            q = np.stack([q & 15, q >> 4], axis=-1).reshape(len(top), -1)
+        w = (q.astype(np.float32) - self.zero) * np.repeat(self.scales[top].astype(np.float32),
+                                                           self.block, axis=1)
+        logits[top] = w @ normed
+
+
 class Head(_Piece):
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
         super().__init__(manifest, manifest.head, cfg, files, "the head")
+        spec = manifest.quantization.get("exact_head")
+        self.exact = None
+        if spec and cfg.exact_head_candidates > 0:
+            self.exact = ExactRows(spec, files.folder / files.locate(spec["file"]),
+                                   cfg.exact_head_candidates)
 
     def run(self, hidden: np.ndarray) -> np.ndarray:
         """hidden (batch, seq, hidden_size) -> logits (batch, seq, vocab)."""
-        return self.session.run(None, {"hidden": np.ascontiguousarray(hidden)})[0]
+        normed, logits = self.session.run(["normed", "logits"], {"hidden": np.ascontiguousarray(hidden)})
+        if self.exact is not None:
+            for b in range(logits.shape[0]):
+                for s in range(logits.shape[1]):
+                    self.exact.rescore(normed[b, s], logits[b, s])
+        return logits
 
 
 class ClientPart:
