@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    threads: int = 2  # onnxruntime intra-op threads per session
-    # Spinning threads starve other sessions/processes on the same cores (measured: 40 -> 14 tok/s).
-    allow_spinning: bool = False
+    threads: int = 2  # onnxruntime intra-op threads (one pool shared by the process's sessions)
+    # Idle pool threads spin briefly before sleeping: with threads > 1 on a device of its own,
+    # 85 -> 118 tok/s (int4 SmolLM2, 2 threads); several multi-threaded processes sharing cores
+    # would starve each other (measured: 40 -> 14 tok/s), so turn it off there (--no-spin).
+    allow_spinning: bool = True
     verify_hashes: bool = True  # sha256 every file on load
     provider: str = "cpu"  # cpu | xnnpack | nnapi (the latter two where onnxruntime has them)
     # onnxruntime's arena keeps the largest shapes' buffers for good; off, memory follows use

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 def load(src: Source) -> tuple[Any, Any]:
     """(model, tokenizer), float32, eval mode, quantizer state cleared."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own bar
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -77,7 +77,8 @@ class EmulatedCluster:
             if self.seed_files:
                 await asyncio.to_thread(seed, self.model, data)
             self.nodes.append(await asyncio.to_thread(
-                start_node, data, self.cfg.threads, memory_mb=self.cfg.node_memory_mb, name=name))
+                start_node, data, self.cfg.threads, memory_mb=self.cfg.node_memory_mb, name=name,
+                extra=("--no-spin",)))  # four processes share this machine's cores
         n = len(self.nodes)
         pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
         links = [(("127.0.0.1", node.port), self.cfg.client_links[i]) for i, node in enumerate(self.nodes)]
@@ -177,7 +178,8 @@ async def run_demo(args: argparse.Namespace) -> int:
                                             probe=cfg.probe)
             with views.connect_bars(console, live=not args.json) as progress:
                 llm = await edgelite.connect(m, ec.addrs, TOKEN, routes=ec.routes, planning=planning,
-                                             runtime=edgelite.RuntimeConfig(threads=args.threads),
+                                             runtime=edgelite.RuntimeConfig(threads=args.threads,
+                                                                            allow_spinning=False),
                                              generation=options.generation_config(args),
                                              progress=progress)
             async with llm:

@@ -71,6 +71,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="where deployed layer files are kept")
     r = RuntimeConfig
     n.add_argument("--threads", type=int, default=r.threads, help="onnxruntime threads")
+    n.add_argument("--no-spin", action="store_true",
+                   help="idle onnxruntime threads sleep at once (when processes share cores)")
     n.add_argument("--provider", choices=sorted(PROVIDERS), default=r.provider,
                    help="onnxruntime execution provider (xnnpack, nnapi: where the build has them)")
     n.add_argument("--kv-buckets", default=",".join(map(str, r.kv_buckets)),
@@ -91,7 +93,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
-    runtime = RuntimeConfig(threads=args.threads, provider=args.provider,
+    runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
                             kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider
     cfg = NodeConfig(host=args.host, port=args.port, runtime=runtime,

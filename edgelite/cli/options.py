@@ -33,7 +33,9 @@ class HelpFormatter(argparse.HelpFormatter):
 def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, type=Path, help="folder written by edgelite-export")
     p.add_argument("--threads", type=int, default=RuntimeConfig.threads,
-                   help="onnxruntime threads per session")
+                   help="onnxruntime threads")
+    p.add_argument("--no-spin", action="store_true",
+                   help="idle onnxruntime threads sleep at once (when processes share cores)")
 
 
 def generation_flags(p: argparse.ArgumentParser) -> None:
@@ -96,7 +98,7 @@ def nodes(args: argparse.Namespace) -> list[NodeAddr]:
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(threads=args.threads)
+    return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False))
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

@@ -12,6 +12,7 @@ from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError, ModelFileError
 
 log = logging.getLogger(__name__)
+_pool_threads: int | None = None  # the process-wide pool's size, once made
 PROVIDERS = {"cpu": "CPUExecutionProvider", "xnnpack": "XnnpackExecutionProvider",
              "nnapi": "NnapiExecutionProvider"}
 
@@ -29,10 +30,35 @@ def providers(cfg: RuntimeConfig) -> list[str]:
     return [name] if name == "CPUExecutionProvider" else [name, "CPUExecutionProvider"]
 
 
+def _shared_pool(cfg: RuntimeConfig) -> bool:
+    """One intra-op thread pool for every session of the process (the embedding, the layers
+    and the head run one after another): separate pools' spinning threads would fight over the
+    cores. It can only be made before the process's first session; once it exists, every
+    session must use it. True: use it."""
+    global _pool_threads
+    if _pool_threads is None:
+        if cfg.threads == 1 or not cfg.allow_spinning:
+            _pool_threads = 0  # per-session pools from now on
+            return False
+        try:
+            ort.capi._pybind_state.set_global_thread_pool_sizes(cfg.threads, 1)
+        except RuntimeError as exc:  # the environment exists already (another user of onnxruntime)
+            log.debug("no shared thread pool: %s", exc)
+            _pool_threads = 0
+        else:
+            _pool_threads = cfg.threads
+    if _pool_threads and _pool_threads != cfg.threads:
+        log.info("this process's onnxruntime pool has %d threads; %d asked", _pool_threads, cfg.threads)
+    return bool(_pool_threads)
+
+
 def options(cfg: RuntimeConfig, folder: Path) -> ort.SessionOptions:
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = cfg.threads
-    opts.inter_op_num_threads = 1
+    if _shared_pool(cfg):
+        opts.use_per_session_threads = False
+    else:
+        opts.intra_op_num_threads = cfg.threads
+        opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.enable_cpu_mem_arena = cfg.cpu_arena
     opts.enable_mem_pattern = False  # shapes change (chunks, batches): no plan to keep
