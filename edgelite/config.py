@@ -42,7 +42,6 @@ class WireLimits:
     frame_body_timeout_s: float = 30.0  # a frame's body must arrive this soon after its length
     max_tensor_elements: int = 64 * 1024 * 1024
     max_tensor_dims: int = 6
-    max_trace_stages: int = 64  # a step's per-stage timings (one pair per stage it went through)
 
 
 @dataclass(frozen=True)
@@ -52,16 +51,30 @@ class NodeConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # threads, provider, KV shapes
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
-    bulk_reply_max_bytes: int = 64 * 1024 * 1024  # largest reverse transfer a link probe may ask
+    bulk_reply_max_bytes: int = 16 * 1024 * 1024  # largest reverse transfer a link probe may ask
+    bulk_concurrency: int = 2  # bulk transfers served at once (each holds its reply in memory)
+    probe_concurrency: int = 1  # link probes this node runs at once, for any client
+    max_probe_packets: int = 500  # UDP datagrams one link probe may send
+    max_probe_bytes: int = 16 * 1024 * 1024  # bulk bytes one link probe may send each way
+    max_probe_timeout_s: float = 10.0  # the longest per-request timeout a probe may ask for
+    max_profile_hidden: int = 4096  # the largest GEMV side a profile request may ask for
+    max_profile_bytes: int = 64 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
+    max_connections: int = 128  # open connections (control and data) from all peers
     handshake_timeout_s: float = 5.0
-    idle_timeout_s: float = 600.0  # a connection silent this long is closed
+    idle_timeout_s: float = 600.0  # a control connection silent this long is closed
     forward_connect_timeout_s: float = 2.0
-    forward_timeout_s: float = 30.0  # one FORWARD through the rest of the chain
+    forward_timeout_s: float = 30.0  # a data connection's peer that takes nothing this long is dropped
     session_ttl_s: float = 1800.0  # a session unused this long frees its KV
+    owner_grace_s: float = 2.0  # a client's plans and sessions go this long after it disconnects
+    max_sessions_per_client: int = 64  # sessions holding KV, over a client's plans
+    max_plans_per_client: int = 16
+    max_file_bytes: int = 4 * 1024**3  # the largest model file an upload may declare
+    disk_quota_bytes: int = 16 * 1024**3  # deployed files (and partial uploads) in all
+    part_ttl_s: float = 3600.0  # a partial upload untouched this long is deleted
     # decode steps of several sessions that arrive together run as one batch (weights read once)
     batch_max_steps: int = 8  # 1: never batch
-    batch_max_kv_bytes: int = 64 * 1024 * 1024  # KV a batch may copy (padding it and back)
     queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
+    supervise_s: float = 1.0  # how often the data plane's thread is checked (and restarted)
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take
 
 

@@ -11,6 +11,7 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.layers import LayerRange, export_files
+from edgelite.ids import NodeAddr
 from edgelite.net import messages as msgs
 from edgelite.net.frames import pack
 from test_distributed import _cluster
@@ -45,11 +46,12 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
     async def main() -> None:
         be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
         plan = be.cluster.plan_id
+        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
         try:
             sink = await _authed(node.port)  # takes the plan's results over from `be`
-            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink"))
+            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
             assert isinstance(await sink.recv(), msgs.DataReady)
-            steps_in = await _data(node.port, plan)
+            steps_in = await _data(node.port, plan, cap)
             for i, p in enumerate(prompts):  # prefill each session on its own
                 await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0,
                                               hidden=p))

@@ -53,10 +53,10 @@ async def _authed(port: int, fingerprint: str | None = None) -> Conn:
     return conn
 
 
-async def _data(port: int, plan: str) -> Conn:
+async def _data(port: int, plan: str, capability: str) -> Conn:
     """A data connection (steps in) for `plan`."""
     conn = await _authed(port)
-    await conn.send(m.OpenData(id=9, plan_id=plan, role="in"))
+    await conn.send(m.OpenData(id=9, plan_id=plan, role="in", capability=capability))
     assert isinstance(await conn.recv(), m.DataReady)
     return conn
 
@@ -68,6 +68,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
     async def main() -> None:
         be = await _cluster(model, [node.addr], [(0, 2)])
         plan = be.cluster.plan_id
+        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
         try:
             # 1. random bytes instead of a frame -> closed
             await _raw(node.port, os.urandom(64))
@@ -101,7 +102,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             assert isinstance(await conn.recv(), m.Pong)
             await conn.close()
             # 6. wrong dtype and 7. wrong shape in a forward -> error results on a data connection
-            conn = await _data(node.port, plan)
+            conn = await _data(node.port, plan, cap)
             bad_dtype = {"dtype": "float32", "shape": [1, 1, 48], "data": b"\0" * 10}
             await _send_raw(conn, {"type": "forward", "plan_id": plan, "session": "b", "step": 0,
                                    "start": 0, "hidden": bad_dtype})
@@ -125,17 +126,17 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             await conn.close()
             # 8. a connection opened for another model's fingerprint cannot carry steps
             conn = await _authed(node.port, fingerprint="0" * 32)
-            await conn.send(m.OpenData(id=6, plan_id=plan, role="in"))
+            await conn.send(m.OpenData(id=6, plan_id=plan, role="in", capability=cap))
             msg = await conn.recv()
             assert isinstance(msg, m.Error) and "this connection was opened for" in msg.message
             await conn.close()
             # a data connection for a plan this node never loaded
             conn = await _authed(node.port)
-            await conn.send(m.OpenData(id=7, plan_id="nope", role="in"))
+            await conn.send(m.OpenData(id=7, plan_id="nope", role="in", capability=cap))
             assert "not loaded" in (await conn.recv()).message
             await conn.close()
             # a huge length on a data connection -> refused and closed, the node goes on
-            conn = await _data(node.port, plan)
+            conn = await _data(node.port, plan, cap)
             conn.writer.write(struct.pack(">I", 0xFFFFFFFF))
             await conn.writer.drain()
             assert "exceeds the limit" in (await conn.recv()).message
@@ -147,7 +148,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             assert "not a sha256" in (await conn.recv()).message
             await conn.close()
             # a sender stalled mid-frame on a data connection holds up nobody
-            stalled = await _data(node.port, plan)
+            stalled = await _data(node.port, plan, cap)
             stalled.writer.write(struct.pack(">I", 1000) + b"x" * 10)
             await stalled.writer.drain()
             # the normal session still completes, on the same cluster connection

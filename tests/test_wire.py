@@ -38,7 +38,7 @@ def test_every_message_type_roundtrips() -> None:
         m.Error(message="no", id=3), m.Ping(id=1, t=2.5), m.Pong(id=1, rt=3.0),
         m.Load(id=2, plan_id="p", first=0, last=3, next=NodeAddr("h", 7), manifest={"a": 1}),
         m.Upload(id=4, sha256="a" * 64, offset=0, total=3, data=b"abc"),
-        m.OpenData(id=5, plan_id="p", role="sink"),
+        m.OpenData(id=5, plan_id="p", role="sink", capability="c" * 32),
         m.GenerateRequest(id=6, messages=[m.ChatMessage(role="user", content="hi")], seed=3),
         m.ProbeLink(id=7, peer=NodeAddr("h", 9, 10), config={}),
         m.Result(plan_id="p", session="s", step=2, start=5, error="boom", trace=[(3, 4)]),

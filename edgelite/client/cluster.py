@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from collections.abc import Callable
 
@@ -40,6 +41,9 @@ class Cluster:
         self.links: dict[NodeAddr, NodeLink] = {}
         self.plan: Plan | None = None
         self.plan_id: PlanId = new_plan_id()
+        # this client's key (Auth.client): its connections to a node are one owner there
+        self.client_key = secrets.token_hex(16)
+        self.capabilities: dict[NodeAddr, str] = {}  # what opens each stage's data connections
         self.lost: dict[NodeAddr, str] = {}  # nodes whose control connection ended, and why
         self.on_lost: Callable[[NodeAddr, str], None] = lambda _a, _r: None
 
@@ -53,7 +57,7 @@ class Cluster:
             if addr not in self.links:
                 self.links[addr] = await NodeLink.open(addr, self.token, self.manifest.fingerprint,
                                                        self.limits, self.cfg.connect_timeout_s,
-                                                       self._lost)
+                                                       self._lost, self.client_key)
 
     def _lost(self, link: NodeLink, reason: str) -> None:
         self.lost[link.addr] = reason
@@ -80,12 +84,15 @@ class Cluster:
                              self.cfg.deploy_timeout_s, progress)
         for i in reversed(range(len(stages))):
             s = stages[i]
-            nxt = None
+            nxt, nxt_cap = None, None
             if i + 1 < len(stages):
                 nxt = route(routes or {}, s.addr, stages[i + 1].addr)  # type: ignore[arg-type]
-            await self.links[s.addr].request(  # type: ignore[index]
+                nxt_cap = self.capabilities[stages[i + 1].addr]  # type: ignore[index]
+            loaded = await self.links[s.addr].request(  # type: ignore[index]
                 m.Load(id=0, plan_id=self.plan_id, first=s.first, last=s.last, next=nxt,
-                       manifest=self.manifest.to_json()), m.Loaded, self.cfg.deploy_timeout_s)
+                       manifest=self.manifest.to_json(), next_capability=nxt_cap), m.Loaded,
+                self.cfg.deploy_timeout_s)
+            self.capabilities[s.addr] = loaded.capability  # type: ignore[index]
         self.plan = plan
         if not stages:
             return None
@@ -102,11 +109,12 @@ class Cluster:
         off this event loop for the step plane."""
         try:
             conn, _ = await connect(addr, self.token, self.manifest.fingerprint, self.limits,
-                                    self.cfg.connect_timeout_s)
+                                    self.cfg.connect_timeout_s, client=self.client_key)
         except (ConnectionError, AuthError) as exc:
             raise NodeUnavailable(f"node {exc}", node=str(addr)) from exc
         try:
-            await conn.send(m.OpenData(id=0, plan_id=self.plan_id, role=role))  # type: ignore[arg-type]
+            await conn.send(m.OpenData(id=0, plan_id=self.plan_id, role=role,  # type: ignore[arg-type]
+                                       capability=self.capabilities[addr]))
             reply = await asyncio.wait_for(conn.recv(), self.cfg.request_timeout_s)
             if isinstance(reply, m.Error):
                 raise NodeError(f"node {addr}: {reply.message}", node=str(addr))
@@ -123,8 +131,8 @@ class Cluster:
     async def end(self, session: SessionId) -> None:
         """Free the session's KV on every stage still answering (best effort)."""
         live = [self.links[s.addr] for s in self.stages if s.addr not in self.lost]  # type: ignore[index]
-        await asyncio.gather(*(link.request(m.EndSession(id=0, session=session), m.Ended,
-                                            self.cfg.end_timeout_s) for link in live),
+        end = m.EndSession(id=0, plan_id=self.plan_id, session=session)
+        await asyncio.gather(*(link.request(end, m.Ended, self.cfg.end_timeout_s) for link in live),
                              return_exceptions=True)
 
     async def ping(self, addr: NodeAddr, timeout_s: float) -> None:

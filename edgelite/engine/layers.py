@@ -25,7 +25,7 @@ from edgelite.config import RuntimeConfig
 from edgelite.engine import onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.session import open_model
-from edgelite.errors import EdgeliteError, KVBudgetExceeded
+from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
 from edgelite.manifest import FileEntry, Manifest, check_file
 
 
@@ -88,6 +88,28 @@ class LayerRange:
                            context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets)
         self.cos, self.sin = rope.tables(m, self.pool.capacity)
         self.hidden_in, self.hidden_out = f"hidden_{self.first}", f"hidden_{self.last + 1}"
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """The graphs' fixed input dimensions against the manifest (a manifest that disagrees
+        with its files would fail only at the first step, or compute garbage)."""
+        m = self.manifest
+        want: dict[str, dict[int, tuple[str, int]]] = {
+            self.hidden_in: {2: ("hidden_size", m.hidden_size)},
+            "cos_cache": {1: ("rope (rotary dimension / 2)", self.cos.shape[1])}}
+        for j in range(self.first, self.last + 1):
+            for kind in ("key", "value"):
+                want[f"past_{kind}_{j}"] = {1: ("num_kv_heads", m.num_kv_heads),
+                                             3: ("head_dim", m.head_dim)}
+        got = {i.name: i.shape for i in self.session.get_inputs()}
+        for name, dims in want.items():
+            shape = got.get(name)
+            if shape is None:
+                raise ModelFileError(f"layers {self.first}-{self.last}: the graph has no input {name}")
+            for axis, (what, value) in dims.items():
+                if axis < len(shape) and isinstance(shape[axis], int) and shape[axis] != value:
+                    raise ModelFileError(f"the manifest says {what} = {value}, but the layer graph's "
+                                         f"{name} has {shape[axis]} there (dims {shape})")
 
     @property
     def max_chunk(self) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from edgelite.config import WireLimits
-from edgelite.errors import ProtocolError
+from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
 from edgelite.net.frames import LEN, pack, unpack
 from edgelite.net.schema import Message, parse
@@ -54,6 +54,7 @@ class FrameThread:
         self.out_deadline: dict[socket.socket, float] = {}
         self.partial_since: dict[socket.socket, float] = {}  # when a frame began and is not whole
         self.bad_frames = 0
+        self.failures = 0  # frames or idle work whose handler raised (a bug; the thread went on)
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -98,6 +99,8 @@ class FrameThread:
 
     async def submit(self, fn: Callable[[], T]) -> T:
         """Run fn on the thread and wait for its result."""
+        if not self.thread.is_alive():
+            raise EdgeliteError(f"the {self.thread.name} thread is not running")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -213,7 +216,7 @@ class FrameThread:
                         self._read(sock)  # type: ignore[arg-type]
                 if self.out_deadline or self.partial_since:
                     self._expire()
-                self.on_idle()
+                self._guarded(self.on_idle, "idle work")
         except Exception:
             log.exception("%s failed", self.thread.name)
             raise
@@ -226,6 +229,23 @@ class FrameThread:
             self._wake_r.close()
             self._wake_w.close()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    def _guarded(self, fn: Callable[[], None], what: str) -> None:
+        """Run a handler; if it raises anyway (a bug), count and log it and go on: the
+        connections and every other session stay."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the thread must outlive any one handler
+            self._failed(what, exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        log.error("%s: handling %s failed: %r", self.thread.name, what, exc)
+        log.debug("%s: handling %s failed", self.thread.name, what, exc_info=exc)
+
     def _drain_todo(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -233,11 +253,7 @@ class FrameThread:
         except BlockingIOError:
             pass
         while not self._todo.empty():
-            fn = self._todo.get()
-            try:
-                fn()
-            except Exception:  # a bug in one piece of queued work must not end the thread
-                log.exception("%s: queued work failed", self.thread.name)
+            self._guarded(self._todo.get(), "queued work")
 
     def _read(self, sock: socket.socket) -> None:
         """Take what has arrived and handle each complete frame."""
@@ -275,4 +291,7 @@ class FrameThread:
                 self.on_bad_frame(sock, exc, fatal=False)
                 continue
             del buf[:4 + n]
-            self.on_frame(sock, msg, t_in)
+            try:
+                self.on_frame(sock, msg, t_in)
+            except Exception as exc:  # noqa: BLE001 - see _guarded
+                self._failed(f"a {msg.TYPE} frame", exc)

@@ -21,6 +21,7 @@ from edgelite.net import messages as m
 from edgelite.net.frames import Conn
 
 PROTOCOL_VERSION = 2
+MIN_CLIENT_KEY = 32  # characters of Auth.client (128 bits in hex): not guessable
 Secret = str | Callable[[m.Auth], str | None]
 
 
@@ -50,6 +51,8 @@ async def server_handshake(conn: Conn, token: Secret, node_name: str, fingerprin
         raise AuthError("wrong token")
     if len(auth.nonce) != 32:
         raise AuthError("client nonce missing")
+    if auth.client is not None and len(auth.client) < MIN_CLIENT_KEY:
+        raise AuthError(f"auth.client: a client key has at least {MIN_CLIENT_KEY} characters")
     conn.authenticated = True
     await conn.send(m.Welcome(mac=_mac(secret, auth.nonce, b"server"), node=node_name,
                               fingerprints=fingerprints, port=port, udp_port=udp_port))
@@ -57,7 +60,7 @@ async def server_handshake(conn: Conn, token: Secret, node_name: str, fingerprin
 
 
 async def client_handshake(conn: Conn, token: str, fingerprint: str | None,
-                           user: str | None = None) -> m.Welcome:
+                           user: str | None = None, client: str | None = None) -> m.Welcome:
     """Answer the server's challenge and check that it knows the secret too."""
     hello = await conn.recv()
     if not isinstance(hello, m.Hello):
@@ -67,7 +70,8 @@ async def client_handshake(conn: Conn, token: str, fingerprint: str | None,
                         f"this client {PROTOCOL_VERSION}")
     cnonce = os.urandom(32)
     await conn.send(m.Auth(version=PROTOCOL_VERSION, nonce=cnonce,
-                           mac=_mac(token, hello.nonce, b"client"), fingerprint=fingerprint, user=user))
+                           mac=_mac(token, hello.nonce, b"client"), fingerprint=fingerprint, user=user,
+                           client=client))
     welcome = await conn.recv()
     if isinstance(welcome, m.Error):
         raise AuthError(f"{conn.peer}: {welcome.message}")
@@ -91,9 +95,12 @@ def describe_os_error(exc: BaseException) -> str:
 
 
 async def connect(addr: NodeAddr, token: str, fingerprint: str | None, limits: WireLimits,
-                  timeout: float, user: str | None = None) -> tuple[Conn, m.Welcome]:
+                  timeout: float, user: str | None = None,
+                  client: str | None = None) -> tuple[Conn, m.Welcome]:
     """Open and authenticate a connection: (conn, the peer's welcome). ConnectionError (with
-    the reason in words) when it cannot be reached; AuthError when the handshake fails."""
+    the reason in words) when it cannot be reached; AuthError when the handshake fails.
+    `client`: this client's key (Auth.client), so that the node counts this connection as
+    one of the plans' owner's."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(addr.host, addr.port),
                                                 timeout)
@@ -104,7 +111,7 @@ async def connect(addr: NodeAddr, token: str, fingerprint: str | None, limits: W
         raise ConnectionError(f"{addr}: cannot connect: {reason}") from exc
     conn = Conn(reader, writer, limits, str(addr))
     try:
-        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint, user), timeout)
+        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint, user, client), timeout)
     except TimeoutError as exc:
         await conn.close()
         raise ConnectionError(f"{addr}: no handshake within {timeout:g} s") from exc

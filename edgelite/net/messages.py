@@ -19,6 +19,7 @@ RID = 2**53  # request ids: any integer a JSON client could also send
 SHA = 64  # a sha256 in hex
 ID = 64  # plan and session ids (128-bit hex is 32)
 MAX_ROLE_TEXT = 1 << 20  # one chat message
+MAX_STAGES = 64  # stages a step may pass (its trace's length)
 
 
 def expect(frame: dict[str, Any], limits: WireLimits, *kinds: type[Message]) -> Any:
@@ -55,6 +56,9 @@ class Auth(Message):
     mac: bytes = bounds(max_len=64)
     fingerprint: str | None = bounds(max_len=SHA, default=None)
     user: str | None = bounds(max_len=128, default=None)
+    # a random key the client keeps for its life: its connections with the same key are one
+    # client, which owns the plans it loads (None: this connection alone)
+    client: str | None = bounds(max_len=ID, default=None)
 
 
 @message("welcome")
@@ -122,24 +126,31 @@ class UploadAck(Message):
 
 @message("load")
 class Load(Message):
+    """Load a plan's stage; the plan then belongs to this connection's client."""
+
     id: int = bounds(-RID, RID)
     plan_id: str = bounds(max_len=ID)
     first: int = bounds(0, 1 << 16)
     last: int = bounds(0, 1 << 16)
     next: NodeAddr | None  # the stage after this one (None: the last stage)
     manifest: Json
+    next_capability: str | None = bounds(max_len=ID, default=None)  # the next stage's capability
 
 
 @message("load_ok")
 class Loaded(Message):
+    """`capability`: what opens a data connection of this plan (only its owner has it)."""
+
     id: int = bounds(-RID, RID)
     first: int
     last: int
+    capability: str = bounds(max_len=ID)
 
 
 @message("end")
 class EndSession(Message):
     id: int = bounds(-RID, RID)
+    plan_id: str = bounds(max_len=ID)
     session: str = bounds(max_len=ID)
 
 
@@ -204,6 +215,7 @@ class OpenData(Message):
     id: int = bounds(-RID, RID)
     plan_id: str = bounds(max_len=ID)
     role: Literal["in", "sink"]
+    capability: str = bounds(max_len=ID)
 
 
 @message("data_ok")
@@ -223,7 +235,7 @@ class Forward(Message):
     start: int = bounds(0, 1 << 30)
     hidden: Tensor | None = None
     error: str | None = bounds(max_len=2048, default=None)
-    trace: list[tuple[int, int]] = bounds(max_len=64, default=[])
+    trace: list[tuple[int, int]] = bounds(max_len=MAX_STAGES, default=[])
 
 
 @message("result")
@@ -236,7 +248,7 @@ class Result(Message):
     start: int = bounds(0, 1 << 30)
     hidden: Tensor | None = None
     error: str | None = bounds(max_len=2048, default=None)
-    trace: list[tuple[int, int]] = bounds(max_len=64, default=[])
+    trace: list[tuple[int, int]] = bounds(max_len=MAX_STAGES, default=[])
 
 
 # ---- gateway -----------------------------------------------------------------------------

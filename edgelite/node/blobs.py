@@ -2,18 +2,25 @@
 
 Names from the wire are never used as paths: a blob is named only by a validated sha256.
 Uploads append to <sha256>.part at the stated offset (so a broken transfer resumes where it
-stopped) and become a blob only when the whole file hashes to its name.
+stopped) and become a blob only when the whole file hashes to its name. Uploads are bounded (a
+declared size, a disk quota); partial uploads nobody finishes are deleted. A blob is checked
+again before it is loaded (its hash is cached by size, mtime and inode, so an unchanged file is
+not hashed twice); symbolic links and other non-files are refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import stat
+import time
 from pathlib import Path
 
 from edgelite.errors import ModelFileError, ProtocolError
 from edgelite.manifest import sha256_file
 
+log = logging.getLogger(__name__)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -24,30 +31,52 @@ def check_sha(value: object) -> str:
 
 
 class BlobStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_file_bytes: int = 1 << 62, quota_bytes: int = 1 << 62,
+                 part_ttl_s: float = 3600.0) -> None:
         self.dir = root / "blobs"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_file_bytes, self.quota_bytes, self.part_ttl_s = max_file_bytes, quota_bytes, part_ttl_s
+        self._verified: dict[str, tuple[int, int, int]] = {}  # sha -> (size, mtime_ns, inode)
 
     def path(self, sha: str) -> Path:
         return self.dir / check_sha(sha)
 
+    def _regular(self, path: Path) -> os.stat_result | None:
+        """The file's status when it is a regular file (not a link, not a folder), else None."""
+        try:
+            st = path.lstat()
+        except OSError:
+            return None
+        return st if stat.S_ISREG(st.st_mode) else None
+
     def has(self, sha: str) -> bool:
-        return self.path(sha).is_file()
+        return self._regular(self.path(sha)) is not None
 
     def partial(self, sha: str) -> int:
-        part = self.dir / f"{check_sha(sha)}.part"
-        return part.stat().st_size if part.is_file() else 0
+        st = self._regular(self.dir / f"{check_sha(sha)}.part")
+        return st.st_size if st else 0
+
+    def used_bytes(self) -> int:
+        return sum(st.st_size for p in self.dir.iterdir() if (st := self._regular(p)) is not None)
 
     def append(self, sha: str, offset: int, total: int, data: bytes) -> int:
         """Write a chunk; returns bytes held. Completes (hash-checked) when `total` is reached."""
         if self.has(sha):
             return total
+        if total > self.max_file_bytes:
+            raise ProtocolError(f"upload {sha[:12]}: {total} bytes declared; this node takes files "
+                                f"of at most {self.max_file_bytes}")
         part = self.dir / f"{check_sha(sha)}.part"
+        if part.is_symlink():
+            raise ModelFileError(f"upload {sha[:12]}: {part.name} is a symbolic link; refused")
         held = self.partial(sha)
         if offset != held:
             raise ProtocolError(f"upload {sha[:12]}: chunk at offset {offset}, expected {held}")
         if held + len(data) > total:
             raise ProtocolError(f"upload {sha[:12]}: chunk runs past the stated size {total}")
+        if held == 0 and self.used_bytes() + total > self.quota_bytes:
+            raise ProtocolError(f"upload {sha[:12]}: {total} more bytes would exceed this node's "
+                                f"disk quota of {self.quota_bytes}")
         with open(part, "ab") as f:
             f.write(data)
             if held + len(data) == total:
@@ -62,3 +91,35 @@ class BlobStore:
             part.rename(self.path(sha))
         return held
 
+    def verified(self, sha: str, what: str) -> Path:
+        """The blob's path, after checking it is a regular file whose content hashes to its name
+        (again only when its size, mtime or inode changed since the last check)."""
+        path = self.path(sha)
+        st = self._regular(path)
+        if st is None:
+            raise ModelFileError(f"{what} ({sha[:12]}) is not deployed to this node"
+                                 + (" (a symbolic link there is refused)" if path.is_symlink() else ""))
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._verified.get(sha) != key:
+            if sha256_file(path) != sha:
+                raise ModelFileError(f"{what} ({sha[:12]}) on this node was changed since it was "
+                                     f"deployed (its sha256 differs); deploy it again")
+            self._verified[sha] = key
+        return path
+
+    def drop(self, sha: str) -> None:
+        self.path(sha).unlink(missing_ok=True)
+        self._verified.pop(sha, None)
+
+    def clean_parts(self, now: float | None = None) -> int:
+        """Delete partial uploads untouched for part_ttl_s; returns how many."""
+        now = time.time() if now is None else now
+        gone = 0
+        for p in self.dir.glob("*.part"):
+            st = self._regular(p)
+            if st is None or now - st.st_mtime > self.part_ttl_s:
+                p.unlink(missing_ok=True)
+                gone += 1
+        if gone:
+            log.info("deleted %d partial uploads nobody finished", gone)
+        return gone

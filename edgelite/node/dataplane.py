@@ -25,7 +25,6 @@ import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError
-from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.framethread import FrameThread
 from edgelite.net.schema import Message
@@ -34,10 +33,16 @@ from edgelite.node.stages import Session, Stage, StageStore
 log = logging.getLogger(__name__)
 
 
-def check_forward(store: StageStore, msg: m.Forward, fingerprint: str | None) -> Stage:
+def check_forward(store: StageStore, msg: m.Forward, plan_id: str, fingerprint: str | None) -> Stage:
     """Refuse a step that does not fit its stage up front (on the sender's connection); the
-    schema has checked the fields' types already."""
+    schema has checked the fields' types already. `plan_id`: the plan the connection was
+    opened for (with its capability): a step of another plan is refused."""
+    if msg.plan_id != plan_id:
+        raise ProtocolError(f"forward.plan_id: this connection carries plan {plan_id[:12]}, "
+                            f"not {msg.plan_id[:12]}")
     stage = store.stage_for(msg.plan_id, fingerprint)
+    if len(msg.trace) >= m.MAX_STAGES:
+        raise ProtocolError(f"forward.trace: the step has passed {len(msg.trace)} stages already")
     if msg.error is None:
         hidden = msg.hidden
         if hidden is None:
@@ -70,36 +75,58 @@ class DataPlane(FrameThread):
         super().__init__("dataplane", limits, cfg.forward_timeout_s, cfg.queued_call_timeout_s,
                          cfg.shutdown_timeout_s)
         self.name, self.store, self.cfg = name, store, cfg
-        self.inbound: dict[socket.socket, str | None] = {}  # -> the fingerprint it was opened for
-        self.outbound: dict[NodeAddr, socket.socket] = {}  # next stages' `in` connections
+        # `in` connections -> the plan and model fingerprint each was opened for
+        self.inbound: dict[socket.socket, tuple[str, str | None]] = {}
+        self.outbound: dict[str, socket.socket] = {}  # plan_id -> the next stage's `in` connection
         self.sinks: dict[str, socket.socket] = {}  # plan_id -> its client's sink connection
         self.ready: list[Ready] = []  # steps read this round, run once all input is read
         self.batches = 0  # batched runs, and the steps in them
         self.batched_steps = 0
 
     # ---- called from the event loop (each queues work for the thread) --------------------
-    def add_inbound(self, sock: socket.socket, fingerprint: str | None) -> None:
-        self.call(lambda: self._add_inbound(sock, fingerprint))
+    def add_inbound(self, sock: socket.socket, plan_id: str, fingerprint: str | None) -> None:
+        self.call(lambda: self._add_inbound(sock, plan_id, fingerprint))
 
-    def set_outbound(self, addr: NodeAddr, sock: socket.socket) -> None:
-        self.call(lambda: self._replace(self.outbound, addr, sock, "out"))
+    def set_outbound(self, plan_id: str, sock: socket.socket) -> None:
+        self.call(lambda: self._replace(self.outbound, plan_id, sock, "out"))
 
     def set_sink(self, plan_id: str, sock: socket.socket) -> None:
         self.call(lambda: self._replace(self.sinks, plan_id, sock, "sink"))
 
-    def has_outbound(self, addr: NodeAddr) -> bool:
-        return addr in self.outbound
+    async def install(self, stage: Stage) -> None:
+        """Make a loaded stage live (after its earlier stage of the same plan, if any, with
+        that one's connections and sessions)."""
+        def install() -> None:
+            self._close_plan(stage.plan_id)
+            self.store.install(stage)
+        await self.submit(install)
+
+    async def unload(self, plan_id: str) -> int:
+        """Unload a plan: its data connections, sessions and (unless shared) layers."""
+        def unload() -> int:
+            self._close_plan(plan_id)
+            return self.store.unload(plan_id)
+        return await self.submit(unload)
 
     # ---- the thread ----------------------------------------------------------------------
-    def _add_inbound(self, sock: socket.socket, fingerprint: str | None) -> None:
-        self.inbound[sock] = fingerprint
+    def _add_inbound(self, sock: socket.socket, plan_id: str, fingerprint: str | None) -> None:
+        if plan_id not in self.store.stages:  # unloaded while the connection was handed over
+            sock.close()
+            return
+        self.inbound[sock] = (plan_id, fingerprint)
         self.add(sock, "in")
+
+    def _close_plan(self, plan_id: str) -> None:
+        socks = [s for s, (p, _) in self.inbound.items() if p == plan_id]
+        socks += [t[plan_id] for t in (self.outbound, self.sinks) if plan_id in t]
+        for sock in socks:
+            self.close_conn(sock, f"plan {plan_id[:12]} unloaded")
 
     def _replace(self, table: dict, key: Any, sock: socket.socket, role: str) -> None:
         old = table.get(key)
         table[key] = sock
         self.add(sock, role)  # outbound and sinks are read only to see them close
-        if old is not None:
+        if old is not None and old is not sock:
             self.close_conn(old)
 
     def on_closed(self, sock: socket.socket, reason: str) -> None:
@@ -123,7 +150,7 @@ class DataPlane(FrameThread):
 
     def _step(self, sock: socket.socket, msg: m.Forward, t_in: float) -> None:
         try:
-            stage = check_forward(self.store, msg, self.inbound.get(sock))
+            stage = check_forward(self.store, msg, *self.inbound[sock])
         except EdgeliteError as exc:  # the sender gets the refusal, the connection stays
             self.bad_frames += 1
             log.info("forward refused: %s", exc)
@@ -201,8 +228,7 @@ class DataPlane(FrameThread):
         kind = m.Forward if stage.next_addr else m.Result
         out = kind(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
                    hidden=hidden, error=error, trace=trace)
-        dest = (self.outbound.get(stage.next_addr) if stage.next_addr
-                else self.sinks.get(msg.plan_id))
+        dest = (self.outbound if stage.next_addr else self.sinks).get(msg.plan_id)
         if dest is None:
             log.warning("plan %s: no connection onward; step dropped", msg.plan_id)
         elif not self.send(dest, out):

@@ -5,14 +5,26 @@ message each (net/messages.py). A connection that asks for `data` is handed to t
 (dataplane.py): one thread that reads steps, runs the stage's layers and writes each result
 straight on to the next stage (or, from the last stage, to the plan's client). A bad frame costs
 its sender an error reply, never the node or another session.
+
+Ownership: a client is its key (Auth.client; without one, its connection). A plan belongs to
+the client that loaded it: `load` answers with the plan's capability, which every data
+connection of the plan must present; other clients cannot load over the plan, end its
+sessions or see it in stats (only counts). When a client's last control connection has been
+closed for `owner_grace_s`, its plans are unloaded (their files stay).
+
+Housekeeping (one task, every `supervise_s`): the data plane's thread is restarted if it died,
+orphaned plans are unloaded, idle sessions expire, abandoned partial uploads are deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import logging
 import platform
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +43,39 @@ from edgelite.net.linkprobe import ProbeConfig, UdpEcho, probe_peer
 from edgelite.net.schema import Message
 from edgelite.node.blobs import BlobStore, check_sha
 from edgelite.node.dataplane import DataPlane
-from edgelite.node.profile import measure_flops
-from edgelite.node.stages import StageStore
+from edgelite.node.profile import loaded_flops, measure_flops
+from edgelite.node.stages import Stage, StageStore
 
 log = logging.getLogger(__name__)
-Handler = Callable[[Any], Awaitable[Message]]
+Handler = Callable[[Any, str], Awaitable[Message]]  # (request, its client's owner key) -> reply
+PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for
+
+
+def probe_config(raw: dict[str, Any], cfg: NodeConfig) -> ProbeConfig:
+    """A link probe's settings from a request, each field type-checked and within this node's
+    limits (a probe makes the node send packets and bytes: a request may not ask for many)."""
+    caps: dict[str, tuple[float, float]] = {
+        "pings": (1, 1000), "bulk_start_bytes": (1, cfg.max_probe_bytes),
+        "bulk_max_bytes": (1, cfg.max_probe_bytes), "bulk_min_seconds": (0, cfg.max_probe_timeout_s),
+        "udp_packets": (0, cfg.max_probe_packets), "udp_interval_s": (0, 1),
+        "udp_wait_s": (0, cfg.max_probe_timeout_s), "timeout_s": (0.01, cfg.max_probe_timeout_s)}
+    known = {f.name: f for f in dataclasses.fields(ProbeConfig)}
+    values: dict[str, Any] = {}
+    for key, v in raw.items():
+        f = known.get(key) if type(key) is str else None
+        if f is None:
+            raise ProtocolError(f"probe_link.config: unknown field {str(key)[:40]!r}")
+        kind = type(f.default)
+        if kind is bool:
+            if type(v) is not bool:
+                raise ProtocolError(f"probe_link.config.{key}: expected true or false")
+        elif type(v) not in ((int,) if kind is int else (int, float)):
+            raise ProtocolError(f"probe_link.config.{key}: expected a number, got {type(v).__name__}")
+        elif not caps[key][0] <= v <= caps[key][1]:
+            raise ProtocolError(f"probe_link.config.{key}: {v} is outside "
+                                f"{caps[key][0]:g}..{caps[key][1]:g} (this node's limit)")
+        values[key] = v
+    return ProbeConfig(**values)
 
 
 @dataclass
@@ -47,14 +87,24 @@ class Node:
     limits: WireLimits = field(default_factory=WireLimits)
 
     def __post_init__(self) -> None:
-        self.store = StageStore(BlobStore(self.data_dir), self.cfg.kv_budget_bytes, self.cfg.runtime)
-        self.data = DataPlane(self.name, self.store, self.cfg, self.limits)
+        c = self.cfg
+        blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
+        self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client)
+        self.data = DataPlane(self.name, self.store, c, self.limits)
         self.server: asyncio.Server | None = None
         self.conns: set[Conn] = set()  # open client connections, closed on shutdown
         self.handlers: set[asyncio.Task[None]] = set()  # their handler tasks (owned by the server)
         self.bad_frames = 0
+        self.refused_connections = 0
+        self.restarts = 0  # data plane threads restarted after dying
         self.udp: asyncio.DatagramTransport | None = None
         self.udp_port = 0
+        self.owners: dict[str, int] = {}  # client key -> its open control connections
+        self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
+        self.loading: set[str] = set()  # plan ids being loaded
+        self.bulk_slots = asyncio.Semaphore(c.bulk_concurrency)
+        self.probe_slots = asyncio.Semaphore(c.probe_concurrency)
+        self.profiling = False
         # FLOP/s measurements run here, off the loop (forward steps run in the data plane)
         self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="profile")
         self._handlers: dict[type[Message], Handler] = {
@@ -90,7 +140,7 @@ class Node:
         assert self.server is not None
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._reaper())
+                tg.create_task(self._housekeeping())
                 tg.create_task(self.server.serve_forever())
         finally:
             await self.close()
@@ -112,16 +162,27 @@ class Node:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
         conn = Conn(reader, writer, self.limits, f"{host}:{port}")
+        if len(self.conns) >= self.cfg.max_connections:
+            self.refused_connections += 1
+            log.warning("%s: refused: %d connections open (max_connections)", conn.peer, len(self.conns))
+            await self._try_send(conn, m.Error(message=f"this node has {len(self.conns)} connections "
+                                                       f"open, its limit; try later"))
+            await conn.close()
+            return
         me = asyncio.current_task()
         self.conns.add(conn)
         if me is not None:
             self.handlers.add(me)
+        owner = None
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
             auth = await asyncio.wait_for(
                 server_handshake(conn, self.token, self.name, fps, self.port, self.udp_port),
                 self.cfg.handshake_timeout_s)
-            await self._serve(conn, auth.fingerprint)
+            owner = auth.client or f"connection-{secrets.token_hex(16)}"
+            self.owners[owner] = self.owners.get(owner, 0) + 1
+            self.orphaned.pop(owner, None)
+            await self._serve(conn, auth.fingerprint, owner)
         except (AuthError, ProtocolError) as exc:
             self.bad_frames += 1
             log.warning("%s: %s; closing", conn.peer, exc)
@@ -129,11 +190,15 @@ class Node:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", conn.peer, exc)
         finally:
+            if owner is not None:
+                self.owners[owner] -= 1
+                if not self.owners[owner]:
+                    del self.owners[owner]
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
 
-    async def _serve(self, conn: Conn, fingerprint: str | None) -> None:
+    async def _serve(self, conn: Conn, fingerprint: str | None, owner: str) -> None:
         while True:
             try:
                 frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
@@ -149,7 +214,7 @@ class Node:
                 handler = self._handlers.get(type(msg))
                 if handler is None:
                     raise ProtocolError(f"{msg.TYPE} is not a request this node serves")
-                await conn.send(await handler(msg))
+                await conn.send(await handler(msg, owner))
             except EdgeliteError as exc:  # the request was bad; the connection stays usable
                 self.bad_frames += 1
                 log.info("%s: %s refused: %s", conn.peer, frame.get("type"), exc)
@@ -164,7 +229,9 @@ class Node:
     async def _data(self, conn: Conn, msg: m.OpenData, fingerprint: str | None) -> bool:
         """Hand this connection to the data plane: `in` carries steps into this node, `sink`
         takes a plan's results back to its client. False: the connection stays here."""
-        self.store.stage_for(msg.plan_id, fingerprint)
+        stage = self.store.stage_for(msg.plan_id, fingerprint)
+        if not hmac.compare_digest(stage.capability.encode(), msg.capability.encode()):
+            raise ProtocolError(f"data: wrong capability for plan {msg.plan_id[:12]}")
         if conn.reader._buffer:  # the sender must wait for data_ok before sending steps
             raise ProtocolError("data sent before data_ok")
         sock = detach(conn.writer)  # no read can slip in now
@@ -176,77 +243,127 @@ class Node:
             log.debug("%s: gone before data_ok: %r", conn.peer, exc)
             return True
         if msg.role == "in":
-            self.data.add_inbound(sock, fingerprint)
+            self.data.add_inbound(sock, msg.plan_id, fingerprint)
         else:
             self.data.set_sink(msg.plan_id, sock)
         return True
 
     # ---- control requests --------------------------------------------------------------
-    async def _ping(self, msg: m.Ping) -> m.Pong:
+    async def _ping(self, msg: m.Ping, _owner: str) -> m.Pong:
         # the receive time on this node's clock: senders get one-way delay variation from it
         return m.Pong(id=msg.id, t=msg.t, rt=time.monotonic())
 
-    async def _bulk(self, msg: m.Bulk) -> m.BulkAck:
+    async def _bulk(self, msg: m.Bulk, _owner: str) -> m.BulkAck:
         if msg.reply_bytes > self.cfg.bulk_reply_max_bytes:
-            raise ProtocolError(f"bulk reply_bytes must be at most {self.cfg.bulk_reply_max_bytes}")
-        return m.BulkAck(id=msg.id, received=len(msg.data), data=bytes(msg.reply_bytes))
+            raise ProtocolError(f"bulk.reply_bytes: {msg.reply_bytes} is over this node's limit "
+                                f"of {self.cfg.bulk_reply_max_bytes}")
+        if self.bulk_slots.locked():
+            raise ProtocolError(f"bulk: {self.cfg.bulk_concurrency} transfers are under way "
+                                f"(bulk_concurrency); try later")
+        async with self.bulk_slots:
+            return m.BulkAck(id=msg.id, received=len(msg.data), data=bytes(msg.reply_bytes))
 
-    async def _profile(self, msg: m.ProfileRequest) -> m.ProfileReply:
-        flops = await asyncio.get_running_loop().run_in_executor(
-            self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.manifest)
+    async def _profile(self, msg: m.ProfileRequest, _owner: str) -> m.ProfileReply:
+        if self.profiling:
+            raise ProtocolError("profile: a profile is being measured already; try later")
+        self.profiling = True
+        try:
+            flops = await self.data.submit(lambda: loaded_flops(self.store))
+            if flops is None:
+                c = self.cfg
+                flops = await asyncio.get_running_loop().run_in_executor(
+                    self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.manifest,
+                    c.max_profile_hidden, c.max_profile_bytes)
+        finally:
+            self.profiling = False
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
                                                   "provider": self.cfg.runtime.provider,
                                                   **flops, **host_profile(), **budget})
 
-    async def _probe_link(self, msg: m.ProbeLink) -> m.LinkReport:
-        try:
-            cfg = ProbeConfig(**msg.config)
-        except TypeError as exc:
-            raise ProtocolError(f"probe_link config: {exc}") from exc
-        stats = await probe_peer(msg.peer, self.token, cfg)
+    async def _probe_link(self, msg: m.ProbeLink, _owner: str) -> m.LinkReport:
+        """Measure the link to another node. Packets go only to a peer that has completed the
+        handshake with this cluster's token (probe_peer connects first), within the limits."""
+        cfg = probe_config(msg.config, self.cfg)
+        if self.probe_slots.locked():
+            raise ProtocolError(f"probe_link: {self.cfg.probe_concurrency} probes are under way "
+                                f"(probe_concurrency); try later")
+        async with self.probe_slots:
+            stats = await probe_peer(msg.peer, self.token, cfg)
         return m.LinkReport(id=msg.id, link=stats.to_json())
 
-    async def _stats(self, msg: m.StatsRequest) -> m.StatsReply:
+    async def _stats(self, msg: m.StatsRequest, owner: str) -> m.StatsReply:
+        d = self.data
         return m.StatsReply(id=msg.id, stats={
-            "node": self.name, "bad_frames": self.bad_frames + self.data.bad_frames,
-            "batches": self.data.batches, "batched_steps": self.data.batched_steps,
-            **self.store.stats()})
+            "node": self.name, "bad_frames": self.bad_frames + d.bad_frames,
+            "batches": d.batches, "batched_steps": d.batched_steps,
+            "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
+                           "restarts": self.restarts},
+            "connections": len(self.conns), "refused_connections": self.refused_connections,
+            **self.store.stats(owner)})
 
-    async def _files(self, msg: m.FilesQuery) -> m.FilesState:
+    async def _files(self, msg: m.FilesQuery, _owner: str) -> m.FilesState:
         shas = [check_sha(s) for s in msg.sha256]
         b = self.store.blobs
         return m.FilesState(id=msg.id, have=[s for s in shas if b.has(s)],
                             partial={s: b.partial(s) for s in shas})
 
-    async def _upload(self, msg: m.Upload) -> m.UploadAck:
+    async def _upload(self, msg: m.Upload, _owner: str) -> m.UploadAck:
         held = await asyncio.to_thread(self.store.blobs.append, check_sha(msg.sha256), msg.offset,
                                        msg.total, msg.data)
         return m.UploadAck(id=msg.id, held=held, complete=held == msg.total)
 
-    async def _load(self, msg: m.Load) -> m.Loaded:
-        stage = await asyncio.to_thread(self.store.build, msg.plan_id, msg.manifest, msg.first,
-                                        msg.last, msg.next)
-        if msg.next is not None:
-            await self._connect_onward(msg.next, msg.plan_id, stage.manifest.fingerprint)
-        self.store.stages[msg.plan_id] = stage
-        log.info("loaded plan %s: layers %d-%d, next %s", msg.plan_id, msg.first, msg.last, msg.next)
-        return m.Loaded(id=msg.id, first=msg.first, last=msg.last)
-
-    async def _end(self, msg: m.EndSession) -> m.Ended:
-        session = msg.session
-        return m.Ended(id=msg.id, freed=await self.data.submit(lambda: self.store.end(session)))
-
-    async def _connect_onward(self, addr: NodeAddr, plan_id: str, fingerprint: str) -> None:
-        """A data connection to the next stage (which has loaded the plan already)."""
+    async def _load(self, msg: m.Load, owner: str) -> m.Loaded:
+        pid = msg.plan_id
+        existing = self.store.stages.get(pid)
+        if pid in self.loading or (existing is not None and existing.owner != owner):
+            raise ProtocolError(f"load: plan_id {pid[:12]} is another client's")
+        if existing is None and len(self.store.plans_of(owner)) >= self.cfg.max_plans_per_client:
+            raise ProtocolError(f"load: this client has {self.cfg.max_plans_per_client} plans "
+                                f"loaded here, the limit (max_plans_per_client)")
+        if (msg.next is None) != (msg.next_capability is None):
+            raise ProtocolError("load: next and next_capability go together")
+        self.loading.add(pid)
         try:
-            conn, _ = await connect(addr, self.token, fingerprint, self.limits,
+            stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
+                                            msg.last, msg.next, owner, msg.next_capability)
+            try:
+                await self.data.install(stage)
+            except BaseException:
+                self.store.release(stage)
+                raise
+            if msg.next is not None:
+                try:
+                    await self._connect_onward(stage)
+                except BaseException:
+                    await self.data.unload(pid)
+                    raise
+        finally:
+            self.loading.discard(pid)
+        log.info("loaded plan %s: layers %d-%d, next %s", pid, msg.first, msg.last, msg.next)
+        return m.Loaded(id=msg.id, first=msg.first, last=msg.last, capability=stage.capability)
+
+    async def _end(self, msg: m.EndSession, owner: str) -> m.Ended:
+        stage = self.store.stages.get(msg.plan_id)
+        if stage is None or stage.owner != owner:
+            raise ProtocolError(f"end: plan {msg.plan_id[:12]} is not loaded here by this client")
+        plan_id, session = msg.plan_id, msg.session
+        return m.Ended(id=msg.id, freed=await self.data.submit(
+            lambda: self.store.end(plan_id, session)))
+
+    async def _connect_onward(self, stage: Stage) -> None:
+        """A data connection of the stage's plan to its next stage (which has loaded it)."""
+        addr = stage.next_addr
+        assert addr is not None and stage.next_capability is not None
+        try:
+            conn, _ = await connect(addr, self.token, stage.manifest.fingerprint, self.limits,
                                     self.cfg.forward_connect_timeout_s)
         except (ConnectionError, AuthError) as exc:
             raise EdgeliteError(f"next stage {exc}") from exc
         try:
-            await conn.send(m.OpenData(id=0, plan_id=plan_id, role="in"))
+            await conn.send(m.OpenData(id=0, plan_id=stage.plan_id, role="in",
+                                       capability=stage.next_capability))
             reply = await asyncio.wait_for(conn.recv(), self.cfg.forward_connect_timeout_s)
             if not isinstance(reply, m.DataReady):
                 raise EdgeliteError(f"next stage {addr}: "
@@ -254,14 +371,54 @@ class Node:
         except BaseException:
             await conn.close()
             raise
-        self.data.set_outbound(addr, detach(conn.writer))
+        self.data.set_outbound(stage.plan_id, detach(conn.writer))
 
-    async def _reaper(self) -> None:
+    # ---- housekeeping -------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        swept = 0.0
         while True:
-            await asyncio.sleep(min(60.0, self.cfg.session_ttl_s))
-            if n := self.store.expire(self.cfg.session_ttl_s):
+            await asyncio.sleep(self.cfg.supervise_s)
+            await self._supervise()
+            await self._release_orphans()
+            if n := await self.data.submit(lambda: self.store.expire(self.cfg.session_ttl_s)):
                 log.info("expired %d idle sessions", n)
+            if time.monotonic() - swept >= PART_SWEEP_S:
+                swept = time.monotonic()
+                await asyncio.to_thread(self.store.blobs.clean_parts)
 
+    async def _supervise(self) -> None:
+        """Restart the data plane's thread if it ended without being stopped (its connections
+        are gone with it; stages reconnect onward, clients open theirs again)."""
+        old = self.data
+        if old.thread.is_alive() or old.stopping:
+            return
+        self.restarts += 1
+        log.error("the data plane thread ended unexpectedly; restarting it (restart %d)", self.restarts)
+        self.data = DataPlane(self.name, self.store, self.cfg, self.limits)
+        self.data.bad_frames, self.data.failures = old.bad_frames, old.failures
+        self.data.batches, self.data.batched_steps = old.batches, old.batched_steps
+        self.data.start()
+        for stage in list(self.store.stages.values()):
+            if stage.next_addr is not None:
+                try:
+                    await self._connect_onward(stage)
+                except (EdgeliteError, OSError) as exc:
+                    log.warning("plan %s: no connection onward after the restart: %s",
+                                stage.plan_id[:12], exc)
+
+    async def _release_orphans(self) -> None:
+        """Unload the plans of clients with no control connection for owner_grace_s."""
+        now = time.monotonic()
+        owners = {s.owner for s in self.store.stages.values()} - set(self.owners)
+        self.orphaned = {o: self.orphaned.get(o, now) for o in owners}
+        for owner, since in list(self.orphaned.items()):
+            if now - since < self.cfg.owner_grace_s:
+                continue
+            for plan_id in self.store.plans_of(owner):
+                freed = await self.data.unload(plan_id)
+                log.info("unloaded plan %s of a client that left (%d sessions freed)",
+                         plan_id[:12], freed)
+            del self.orphaned[owner]
 
 
 @contextlib.asynccontextmanager

@@ -10,6 +10,7 @@ touches sessions (steps, ending, expiry) runs on the data plane's thread.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Stage:
     last: int
     layers: LayerRange
     next_addr: NodeAddr | None
+    owner: str = ""  # the client (control connection) that loaded it
+    capability: str = ""  # what opens a data connection of this plan
+    next_capability: str | None = None  # what opens the next stage's
 
 
 @dataclass
@@ -49,12 +53,16 @@ class StageStore:
     blobs: BlobStore
     kv_budget_bytes: int
     runtime: RuntimeConfig
+    max_sessions_per_client: int = 64
     stages: dict[str, Stage] = field(default_factory=dict)
     sessions: dict[tuple[str, str], Session] = field(default_factory=dict)
     runs: int = 0
     run_ms_total: float = 0.0
+    # layer ranges open here, and how many loaded (or loading) stages use each
     ranges: dict[tuple[str, int, int], LayerRange] = field(default_factory=dict)
+    users: dict[tuple[str, int, int], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # stats vs the data plane
+    ranges_lock: threading.Lock = field(default_factory=threading.Lock)  # loads vs unloads
 
     # ---- stages (event loop / worker thread) ---------------------------------------------
     def files(self, m: mf.Manifest) -> ModelFiles:
@@ -63,12 +71,8 @@ class StageStore:
 
         def graph(e: mf.FileEntry) -> bytes:
             for d in e.data:
-                if not self.blobs.has(d.sha256):
-                    raise ModelFileError(f"data file {d.file} ({d.sha256[:12]}) is not deployed "
-                                         f"to this node")
-            if not self.blobs.has(e.sha256):
-                raise ModelFileError(f"{e.file} ({e.sha256[:12]}) is not deployed to this node")
-            return self.blobs.path(e.sha256).read_bytes()
+                self.blobs.verified(d.sha256, f"data file {d.file}")
+            return self.blobs.verified(e.sha256, e.file).read_bytes()
 
         def locate(name: str) -> str:
             if name not in names:
@@ -78,17 +82,56 @@ class StageStore:
         return ModelFiles(self.blobs.dir, graph, locate)
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
-              next_addr: NodeAddr | None) -> Stage:
-        """Open a stage from deployed blobs (blocking: call in a thread)."""
+              next_addr: NodeAddr | None, owner: str,
+              next_capability: str | None = None) -> Stage:
+        """Open a stage from deployed blobs (blocking: call in a thread), with a new capability.
+        It holds its layer range until `release`d (unload does that)."""
         m = mf.parse(manifest_json, Path(self.blobs.dir))
         if not 0 <= first <= last < m.num_layers:
-            raise EdgeliteError(f"layers {first}-{last} outside 0-{m.num_layers - 1}")
+            raise EdgeliteError(f"load: layers {first}-{last} outside 0-{m.num_layers - 1}")
         key = (m.fingerprint, first, last)
-        if key not in self.ranges:
-            self.ranges[key] = LayerRange(m, first, last, self.runtime, self.files(m))
-        return Stage(plan_id, m, first, last, self.ranges[key], next_addr)
+        with self.ranges_lock:  # loads take turns: one range is never opened twice
+            layers = self.ranges.get(key)
+            if layers is None:
+                layers = self.ranges[key] = LayerRange(m, first, last, self.runtime, self.files(m))
+            self.users[key] = self.users.get(key, 0) + 1
+        return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
+                     next_capability)
 
-    def stage_for(self, plan_id: str, fingerprint: str | None) -> Stage:
+    def release(self, stage: Stage) -> None:
+        """A stage no longer uses its layer range; the last user closes it."""
+        key = (stage.manifest.fingerprint, stage.first, stage.last)
+        with self.ranges_lock:
+            self.users[key] = self.users.get(key, 1) - 1
+            if self.users[key] > 0:
+                return
+            del self.users[key]
+            layers = self.ranges.pop(key, None)
+        if layers is not None:
+            layers.close()
+
+    def plans_of(self, owner: str) -> list[str]:
+        return [p for p, s in self.stages.items() if s.owner == owner]
+
+    def install(self, stage: Stage) -> None:
+        """Make a built stage the plan's (its owner's earlier stage of that plan is unloaded).
+        On the data plane's thread."""
+        self.unload(stage.plan_id)
+        self.stages[stage.plan_id] = stage
+
+    def unload(self, plan_id: str) -> int:
+        """Drop a plan: its sessions' KV, and its layers when no other plan uses them (the files
+        stay deployed). Returns the sessions freed. On the data plane's thread."""
+        stage = self.stages.pop(plan_id, None)
+        if stage is None:
+            return 0
+        freed = [k for k in self.sessions if k[0] == plan_id]
+        for k in freed:
+            self._drop(k)
+        self.release(stage)
+        return len(freed)
+
+    def stage_for(self, plan_id: str, fingerprint: str | None = None) -> Stage:
         """The loaded stage of a plan, refused when missing or when the connection asking was
         opened for another model."""
         stage = self.stages.get(plan_id)
@@ -122,6 +165,10 @@ class StageStore:
                                    f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
         if sess is None:
+            mine = sum(1 for s in self.sessions.values() if s.stage.owner == stage.owner)
+            if mine >= self.max_sessions_per_client:
+                raise KVBudgetExceeded(f"this client holds {mine} sessions on this node; the "
+                                       f"limit is {self.max_sessions_per_client}")
             with self.lock:
                 sess = self.sessions[key] = Session(stage, pool.acquire(), time.monotonic())
         return sess
@@ -148,10 +195,9 @@ class StageStore:
             self.run_ms_total += ms
         return ms
 
-    def end(self, session: str, plan_id: str | None = None) -> int:
-        """Free a session's KV (in one plan, or in every plan); returns the bytes freed."""
-        keys = [k for k in self.sessions if k[1] == session and plan_id in (None, k[0])]
-        return sum(self._drop(k) for k in keys)
+    def end(self, plan_id: str, session: str) -> int:
+        """Free a session's KV; returns the bytes freed."""
+        return self._drop((plan_id, session)) if (plan_id, session) in self.sessions else 0
 
     def _drop(self, key: tuple[str, str]) -> int:
         with self.lock:
@@ -168,15 +214,18 @@ class StageStore:
             self._drop(k)
         return len(old)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, owner: str | None = None) -> dict[str, Any]:
+        """The node's figures; plans and sessions of other clients than `owner` only as counts."""
         with self.lock:
             sessions = list(self.sessions.values())
             runs, ms = self.runs, self.run_ms_total
+        mine = [s for s in self.stages.values() if s.owner == owner]
         return {"sessions": len(sessions),
+                "own_sessions": sum(1 for s in sessions if s.stage.owner == owner),
+                "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions),
                 "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
                 "runs": runs,
                 "ms_per_run": ms / runs if runs else 0.0,
-                "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last]}
-                           for s in self.stages.values()]}
+                "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last]} for s in mine]}
