@@ -104,6 +104,8 @@ class GatewayConfig:
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped
     client_send_timeout_s: float = 10.0  # a client that takes no frame for this long is dropped
     latency_window: int = 4096  # TTFT and inter-token samples kept per tier (the latest)
+    prefill_chunk_tokens: int = 256  # a prompt is prefilled this much per step, between decodes
+    reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again
 
 
 @dataclass(frozen=True)

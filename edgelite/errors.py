@@ -39,6 +39,11 @@ class ProtocolError(EdgeliteError):
     """A peer sent a frame that breaks the wire protocol (size, type, tensor layout)."""
 
 
+class StreamError(ProtocolError):
+    """The framing itself broke (a length over the limit, a frame cut short or too slow): the
+    connection cannot be followed any further and is closed."""
+
+
 class AuthError(EdgeliteError):
     """Handshake failed: wrong cluster token, protocol version or model fingerprint."""
 

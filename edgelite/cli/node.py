@@ -86,6 +86,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--memory-mb", type=float,
                    help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")
+    n.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other limit or timeout of the node's config (NodeConfig in "
+                        "edgelite/config.py), e.g. --set disk_quota_bytes=4000000000 "
+                        "--set owner_grace_s=5")
     n.add_argument("--plain", action="store_true", help="log lines only, no live panel (default "
                                                         "when stdout is not a terminal)")
     n.set_defaults(func=run)
@@ -96,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
     runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
                             kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider
-    cfg = NodeConfig(host=args.host, port=args.port, runtime=runtime,
-                     kv_budget_bytes=int(args.kv_budget_mb * 2**20),
-                     batch_max_steps=max(1, args.max_batch),
-                     memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
+    settings = dict(host=args.host, port=args.port, runtime=runtime,
+                    kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+                    batch_max_steps=max(1, args.max_batch),
+                    memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
+    cfg = NodeConfig(**{**settings, **options.config_overrides(args.set, NodeConfig)})
     args.data_dir.mkdir(parents=True, exist_ok=True)
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))
     panel = not args.plain and sys.stdout.isatty()

@@ -6,6 +6,7 @@ Defaults come from the config dataclasses (stated once, there); `--help` shows t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,33 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
     if not values or values[0] < 1:
         raise EdgeliteError(f"{flag} {text!r}: expected positive integers, e.g. 128,256,512")
     return values
+
+
+def config_overrides(items: list[str], cls: type) -> dict[str, Any]:
+    """`--set NAME=VALUE` flags as fields of a config dataclass (numbers and true/false only)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        f = fields.get(name.strip())
+        kind = type(f.default) if f is not None else None
+        if not eq or kind not in (int, float, bool):
+            settable = sorted(k for k, v in fields.items() if type(v.default) in (int, float, bool))
+            raise EdgeliteError(f"--set {item!r}: expected NAME=VALUE, NAME one of "
+                                f"{', '.join(settable)}")
+        try:
+            if kind is bool:
+                if text.strip().lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value: Any = text.strip().lower() in ("true", "1")
+            else:
+                value = kind(text)
+        except ValueError as exc:
+            raise EdgeliteError(f"--set {item!r}: {text!r} is not a {kind.__name__}") from exc
+        if kind is not bool and value < 0:
+            raise EdgeliteError(f"--set {item!r}: must not be negative")
+        out[name.strip()] = value
+    return out
 
 
 def token(args: argparse.Namespace, required: bool = False) -> str | None:

@@ -39,6 +39,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                     help="past this wait a request outranks every new arrival")
     sv.add_argument("--max-preemptions", type=int, default=s.max_preemptions,
                     help="how often one request may be preempted")
+    sv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="any other limit or timeout of the gateway (GatewayConfig in "
+                         "edgelite/config.py), e.g. --set max_requests_per_user=4")
     sv.set_defaults(func=run)
 
 
@@ -64,6 +67,8 @@ async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int
 
 async def serve(args: argparse.Namespace) -> int:
     users = load_users(args.users)
+    gateway_cfg = GatewayConfig(**{"host": args.host, "port": args.port,
+                                   **options.config_overrides(args.set, GatewayConfig)})
     console = views.stderr_console()
     with views.connect_bars(console, live=console.is_terminal) as progress:
         llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
@@ -78,7 +83,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("scheduler: %d KV tokens (cluster %d), %d requests at once", kv, cluster_kv,
                  args.max_requests)
         gw = Gateway(llm.backend, llm.tokenizer, users, sched,
-                     GatewayConfig(host=args.host, port=args.port), llm.generation)
+                     gateway_cfg, llm.generation)
         await gw.start()
         print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
         await gw.run()

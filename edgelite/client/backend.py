@@ -31,9 +31,26 @@ log = logging.getLogger(__name__)
 class ClusterBackend:
     """Steps through the plan's node stages (see stepplane.py for a step's life)."""
 
-    def __init__(self, cluster: Cluster, plane: StepPlane) -> None:
-        self.cluster, self.plane = cluster, plane
+    def __init__(self, cluster: Cluster, plane: StepPlane, routes: Routes | None = None) -> None:
+        self.cluster, self.plane, self.routes = cluster, plane, routes
         self.manifest = cluster.manifest
+
+    @property
+    def healthy(self) -> bool:
+        """Every stage still connected and the step thread running (else `reopen`)."""
+        return (not self.cluster.lost and self.plane.gone is None
+                and self.plane.thread.is_alive())
+
+    async def reopen(self) -> None:
+        """Deploy the same plan again on new connections, e.g. once a restarted node is back.
+        Every session is gone (its KV with it). NodeUnavailable while a node is still away;
+        the backend can be reopened again later."""
+        plan, token, cfg = self.plan, self.cluster.token, self.cluster.cfg
+        await self.plane.stop()
+        await self.cluster.close()
+        part = self.plane.part
+        part.reset()
+        self.cluster, self.plane = await _deploy(self.manifest, plan, token, cfg, part, self.routes)
 
     @property
     def plan(self) -> Plan:
@@ -77,6 +94,24 @@ class ClusterBackend:
         await self.cluster.close()
 
 
+async def _deploy(manifest: Manifest, plan: Plan, token: str, cfg: ClientConfig, part: ClientPart,
+                  routes: Routes | None, progress: Progress | None = None) -> tuple[Cluster, StepPlane]:
+    """Deploy the plan's node stages and start the step plane that drives them with `part`."""
+    cluster = Cluster(manifest, token, cfg)
+    try:
+        sockets = await cluster.deploy(plan, routes, progress)
+        assert sockets is not None
+        stages = plan.remote
+        plane = StepPlane(asyncio.get_running_loop(), part, cluster.plan_id,
+                          stages[0].addr, stages[-1].addr, cfg, cluster.limits)  # type: ignore[arg-type]
+        plane.start()
+        plane.attach(*sockets)
+    except BaseException:
+        await cluster.close()
+        raise
+    return cluster, plane
+
+
 async def open_backend(manifest: Manifest, plan: Plan, token: str | None,
                        cfg: ClientConfig | None = None, runtime: RuntimeConfig | None = None,
                        routes: Routes | None = None, progress: Progress | None = None) -> Backend:
@@ -87,19 +122,8 @@ async def open_backend(manifest: Manifest, plan: Plan, token: str | None,
     if token is None:
         raise NodeError("the cluster token is needed to reach the nodes: --token or "
                         "EDGELITE_TOKEN (each node prints it when it starts)")
-    cluster = Cluster(manifest, token, cfg)
-    try:
-        sockets = await cluster.deploy(plan, routes, progress)
-        assert sockets is not None
-        local = plan.local
-        part = await asyncio.to_thread(ClientPart, manifest, runtime,
-                                       (local.first, local.last) if local else None)
-        stages = plan.remote
-        plane = StepPlane(asyncio.get_running_loop(), part, cluster.plan_id,
-                          stages[0].addr, stages[-1].addr, cfg, cluster.limits)  # type: ignore[arg-type]
-        plane.start()
-        plane.attach(*sockets)
-    except BaseException:
-        await cluster.close()
-        raise
-    return ClusterBackend(cluster, plane)
+    local = plan.local
+    part = await asyncio.to_thread(ClientPart, manifest, runtime,
+                                   (local.first, local.last) if local else None)
+    cluster, plane = await _deploy(manifest, plan, token, cfg, part, routes, progress)
+    return ClusterBackend(cluster, plane, routes)

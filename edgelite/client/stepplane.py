@@ -94,6 +94,8 @@ class StepPlane(FrameThread):
 
     async def step(self, session: SessionId, ids: np.ndarray) -> np.ndarray:
         """Append ids (1, seq) to the session; the logits (vocab,) of its last position."""
+        if not self.thread.is_alive():
+            raise self.gone or EdgeliteError("this plan's step thread is not running (closed)")
         job = Job(session, ids, self.loop.create_future())
         self.call(lambda: self._begin(job))
         return await job.fut

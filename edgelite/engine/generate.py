@@ -37,6 +37,15 @@ class Backend(Protocol):
         """Release threads and connections."""
         ...
 
+    @property
+    def healthy(self) -> bool:
+        """False once a part of it is lost (a node gone): `reopen` before the next step."""
+        ...
+
+    async def reopen(self) -> None:
+        """Set it up again after a loss (every session is gone); raises while it cannot."""
+        ...
+
 
 class LocalBackend:
     """All layers in this process; ONNX runs in one long-lived worker thread, off the event
@@ -56,6 +65,13 @@ class LocalBackend:
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+    @property
+    def healthy(self) -> bool:
+        return True  # nothing here can be lost
+
+    async def reopen(self) -> None:
+        """Nothing to set up again."""
 
 
 @dataclass

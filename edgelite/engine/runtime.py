@@ -17,6 +17,7 @@ from edgelite.engine import onnxgraph
 from edgelite.engine.kv import Slot
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
 from edgelite.engine.session import open_model
+from edgelite.errors import EdgeliteError, ModelFileError
 from edgelite.manifest import FileEntry, Manifest
 
 
@@ -32,13 +33,27 @@ class _Piece:
         model = onnxgraph.relocated(files.graph(entry), files.locate)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}")
 
+    def check_output(self, name: str, axis: int, field: str, value: int) -> None:
+        """A fixed dimension of an output against the manifest (which must match its files)."""
+        shape = next((o.shape for o in self.session.get_outputs() if o.name == name), None)
+        if shape is None:
+            raise ModelFileError(f"the graph has no output {name}")
+        if axis < len(shape) and isinstance(shape[axis], int) and shape[axis] != value:
+            raise ModelFileError(f"the manifest says {field} = {value}, but the graph's {name} "
+                                 f"has {shape[axis]} there (dims {shape})")
+
 
 class Embedding(_Piece):
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
         super().__init__(manifest, manifest.embed, cfg, files, "the embedding")
+        self.check_output("hidden_0", 2, "hidden_size", manifest.hidden_size)
+        self.vocab = manifest.vocab_size
 
     def run(self, ids: np.ndarray) -> np.ndarray:
         """ids (batch, seq) -> hidden (batch, seq, hidden_size)."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise EdgeliteError(f"token ids must be in 0..{self.vocab - 1}; got "
+                                f"{int(ids.min())}..{int(ids.max())}")
         return self.session.run(None, {"input_ids": ids.astype(np.int64, copy=False)})[0]
 
 
@@ -69,6 +84,7 @@ class ExactRows:
 class Head(_Piece):
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
         super().__init__(manifest, manifest.head, cfg, files, "the head")
+        self.check_output("logits", 2, "vocab_size", manifest.vocab_size)
         spec = manifest.quantization.get("exact_head")
         self.exact = None
         if spec and cfg.exact_head_candidates > 0:
@@ -121,6 +137,11 @@ class ClientPart:
         slot = self.slots.pop(session, None)
         if slot is not None and self.prefix is not None:
             self.prefix.pool.release(slot)
+
+    def reset(self) -> None:
+        """Forget every session (the stages lost theirs: the plan is deployed again)."""
+        for session in list(self.slots):
+            self.end(session)
 
 
 class LocalChain:

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from edgelite.config import WireLimits
-from edgelite.errors import ProtocolError
+from edgelite.errors import ProtocolError, StreamError
 from edgelite.net.schema import Message, parse
 
 LEN = struct.Struct(">I")  # the frame length prefix
@@ -46,13 +46,13 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, body_timeout_
     head = await reader.readexactly(4)
     (n,) = LEN.unpack(head)
     if n > max_bytes:
-        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+        raise StreamError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
     try:
         return await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
     except asyncio.IncompleteReadError as exc:
-        raise ProtocolError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
+        raise StreamError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
     except TimeoutError as exc:
-        raise ProtocolError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
+        raise StreamError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
 
 
 def detach(writer: asyncio.StreamWriter) -> socket.socket:

@@ -68,8 +68,9 @@ class FrameThread:
         connection is closed too."""
         self.bad_frames += 1
         log.info("%s: bad frame: %s%s", self.thread.name, exc, "; closing" if fatal else "")
-        self.send(sock, m.Error(message=str(exc)))
-        if fatal:
+        if not self.send(sock, m.Error(message=str(exc))):
+            self.close_conn(sock, "broken while sending")
+        elif fatal:
             self.close_conn(sock, f"bad frame: {exc}")
 
     def on_closed(self, sock: socket.socket, reason: str) -> None:
@@ -255,6 +256,20 @@ class FrameThread:
         while not self._todo.empty():
             self._guarded(self._todo.get(), "queued work")
 
+    def _parse(self, buf: bytearray, n: int) -> tuple[Message, None] | tuple[None, ProtocolError]:
+        """The frame at the head of buf (n bytes after its length) as a message, without
+        copying it. The views on buf are released before returning, even when the error's
+        traceback still refers to them (buf is resized next)."""
+        whole = memoryview(buf)
+        body = whole[4:4 + n]
+        try:
+            return parse(unpack(body), self.limits), None
+        except ProtocolError as exc:
+            return None, exc
+        finally:
+            body.release()
+            whole.release()
+
     def _read(self, sock: socket.socket) -> None:
         """Take what has arrived and handle each complete frame."""
         buf = self.buffers.setdefault(sock, bytearray())
@@ -283,14 +298,11 @@ class FrameThread:
                 return
             self.partial_since.pop(sock, None)
             t_in = time.perf_counter()  # the frame is here: time spent on it starts
-            try:
-                with memoryview(buf) as view:
-                    msg = parse(unpack(view[4:4 + n]), self.limits)
-            except ProtocolError as exc:  # a whole frame that is wrong: refuse it, read on
-                del buf[:4 + n]
-                self.on_bad_frame(sock, exc, fatal=False)
-                continue
+            msg, bad = self._parse(buf, n)
             del buf[:4 + n]
+            if bad is not None:  # a whole frame that is wrong: refuse it, read on
+                self.on_bad_frame(sock, bad, fatal=False)
+                continue
             try:
                 self.on_frame(sock, msg, t_in)
             except Exception as exc:  # noqa: BLE001 - see _guarded

@@ -20,7 +20,8 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     a = np.ascontiguousarray(a)
     if a.dtype.name not in DTYPES:
         raise ProtocolError(f"dtype {a.dtype.name} cannot be sent; known: {', '.join(DTYPES)}")
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.data.cast("B")}
+    data = a.data.cast("B") if a.size else b""  # (a view with a zero in its shape cannot be cast)
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}
 
 
 def decode_tensor(obj: Any, limits: WireLimits, name: str = "tensor") -> np.ndarray:

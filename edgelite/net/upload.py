@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from edgelite.manifest import DataFile, FileEntry
+from edgelite.manifest import DataFile, FileEntry, check_file
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
 
@@ -25,7 +25,8 @@ def _read_chunk(path: Path, offset: int, size: int) -> bytes:
 async def push_files(link: NodeLink, root: Path, entries: list[FileEntry], chunk_bytes: int,
                      timeout_s: float, progress: Progress | None = None) -> int:
     """Upload the entries' graphs and data files (under `root`) the node lacks; returns bytes
-    sent."""
+    sent. A local file that is missing or not the manifest's size is named before anything is
+    sent (the node checks each file's sha256 when it is complete)."""
     files: list[FileEntry | DataFile] = [f for e in entries for f in (e, *e.data)]
     shas = sorted({f.sha256 for f in files})
     state = await link.request(m.FilesQuery(id=0, sha256=shas), m.FilesState, timeout_s)
@@ -34,7 +35,7 @@ async def push_files(link: NodeLink, root: Path, entries: list[FileEntry], chunk
     for e in todo:
         offset = min(int(state.partial.get(e.sha256, 0)), e.bytes)
         sent += offset
-        path = root / e.file
+        path = await asyncio.to_thread(check_file, root / e.file, e.sha256, e.bytes, False)
         while chunk := await asyncio.to_thread(_read_chunk, path, offset, chunk_bytes):
             await link.request(m.Upload(id=0, sha256=e.sha256, offset=offset, total=e.bytes,
                                         data=chunk), m.UploadAck, timeout_s)

@@ -5,7 +5,8 @@ Uploads append to <sha256>.part at the stated offset (so a broken transfer resum
 stopped) and become a blob only when the whole file hashes to its name. Uploads are bounded (a
 declared size, a disk quota); partial uploads nobody finishes are deleted. A blob is checked
 again before it is loaded (its hash is cached by size, mtime and inode, so an unchanged file is
-not hashed twice); symbolic links and other non-files are refused.
+not hashed twice; the change time is in the key too, which no one can set back); symbolic
+links and other non-files are refused.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BlobStore:
         self.dir = root / "blobs"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes, self.quota_bytes, self.part_ttl_s = max_file_bytes, quota_bytes, part_ttl_s
-        self._verified: dict[str, tuple[int, int, int]] = {}  # sha -> (size, mtime_ns, inode)
+        self._verified: dict[str, tuple[int, ...]] = {}  # sha -> (size, mtime, ctime, inode)
 
     def path(self, sha: str) -> Path:
         return self.dir / check_sha(sha)
@@ -99,7 +100,7 @@ class BlobStore:
         if st is None:
             raise ModelFileError(f"{what} ({sha[:12]}) is not deployed to this node"
                                  + (" (a symbolic link there is refused)" if path.is_symlink() else ""))
-        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if self._verified.get(sha) != key:
             if sha256_file(path) != sha:
                 raise ModelFileError(f"{what} ({sha[:12]}) on this node was changed since it was "

@@ -34,7 +34,7 @@ from typing import Any
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.profile import host_profile
-from edgelite.errors import AuthError, EdgeliteError, ProtocolError
+from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, bound_port, detach, pack
@@ -48,7 +48,7 @@ from edgelite.node.stages import Stage, StageStore
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, str], Awaitable[Message]]  # (request, its client's owner key) -> reply
-PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for
+PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for (at most)
 
 
 def probe_config(raw: dict[str, Any], cfg: NodeConfig) -> ProbeConfig:
@@ -199,13 +199,15 @@ class Node:
             await conn.close()
 
     async def _serve(self, conn: Conn, fingerprint: str | None, owner: str) -> None:
+        """Answer requests until the peer closes. A bad request gets an error reply and the
+        connection stays; a broken stream (StreamError) ends it."""
         while True:
+            frame: dict[str, Any] = {}
             try:
-                frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
-            except asyncio.IncompleteReadError:
-                return  # clean close between frames
-            rid = frame.get("id") if type(frame.get("id")) is int else None
-            try:
+                try:
+                    frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
+                except asyncio.IncompleteReadError:
+                    return  # clean close between frames
                 msg = m.parse(frame, self.limits)
                 if isinstance(msg, m.OpenData):
                     if await self._data(conn, msg, fingerprint):
@@ -215,9 +217,12 @@ class Node:
                 if handler is None:
                     raise ProtocolError(f"{msg.TYPE} is not a request this node serves")
                 await conn.send(await handler(msg, owner))
+            except StreamError:
+                raise
             except EdgeliteError as exc:  # the request was bad; the connection stays usable
                 self.bad_frames += 1
-                log.info("%s: %s refused: %s", conn.peer, frame.get("type"), exc)
+                rid = frame.get("id") if type(frame.get("id")) is int else None
+                log.info("%s: %s refused: %s", conn.peer, str(frame.get("type"))[:40], exc)
                 await conn.send(m.Error(message=str(exc), id=rid))
 
     async def _try_send(self, conn: Conn, msg: Message) -> None:
@@ -382,7 +387,7 @@ class Node:
             await self._release_orphans()
             if n := await self.data.submit(lambda: self.store.expire(self.cfg.session_ttl_s)):
                 log.info("expired %d idle sessions", n)
-            if time.monotonic() - swept >= PART_SWEEP_S:
+            if time.monotonic() - swept >= min(PART_SWEEP_S, self.cfg.part_ttl_s):
                 swept = time.monotonic()
                 await asyncio.to_thread(self.store.blobs.clean_parts)
 

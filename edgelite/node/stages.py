@@ -10,6 +10,8 @@ touches sessions (steps, ending, expiry) runs on the data plane's thread.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import threading
 import time
@@ -39,6 +41,7 @@ class Stage:
     owner: str = ""  # the client (control connection) that loaded it
     capability: str = ""  # what opens a data connection of this plan
     next_capability: str | None = None  # what opens the next stage's
+    range_key: tuple[str, int, int] = ("", 0, 0)  # its LayerRange in StageStore.ranges
 
 
 @dataclass
@@ -89,18 +92,24 @@ class StageStore:
         m = mf.parse(manifest_json, Path(self.blobs.dir))
         if not 0 <= first <= last < m.num_layers:
             raise EdgeliteError(f"load: layers {first}-{last} outside 0-{m.num_layers - 1}")
-        key = (m.fingerprint, first, last)
+        # the files and every manifest value: a manifest that says something else about the
+        # same files opens (and is checked against them) on its own
+        digest = hashlib.sha256(json.dumps(m.to_json(), sort_keys=True).encode()).hexdigest()
+        key = (digest, first, last)
+        for e in m.layers[first:last + 1]:  # again for an open range: files can change on disk
+            for d in (e, *e.data):
+                self.blobs.verified(d.sha256, d.file)
         with self.ranges_lock:  # loads take turns: one range is never opened twice
             layers = self.ranges.get(key)
             if layers is None:
                 layers = self.ranges[key] = LayerRange(m, first, last, self.runtime, self.files(m))
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
-                     next_capability)
+                     next_capability, key)
 
     def release(self, stage: Stage) -> None:
         """A stage no longer uses its layer range; the last user closes it."""
-        key = (stage.manifest.fingerprint, stage.first, stage.last)
+        key = stage.range_key
         with self.ranges_lock:
             self.users[key] = self.users.get(key, 1) - 1
             if self.users[key] > 0:
@@ -215,13 +224,14 @@ class StageStore:
         return len(old)
 
     def stats(self, owner: str | None = None) -> dict[str, Any]:
-        """The node's figures; plans and sessions of other clients than `owner` only as counts."""
+        """The node's figures. `owner`: a client, who sees other clients' plans and sessions
+        only as counts (None: the node's own operator, who sees everything)."""
         with self.lock:
             sessions = list(self.sessions.values())
             runs, ms = self.runs, self.run_ms_total
-        mine = [s for s in self.stages.values() if s.owner == owner]
+        mine = [s for s in self.stages.values() if owner is None or s.owner == owner]
         return {"sessions": len(sessions),
-                "own_sessions": sum(1 for s in sessions if s.stage.owner == owner),
+                "own_sessions": sum(1 for s in sessions if owner is None or s.stage.owner == owner),
                 "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions),
                 "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),

@@ -11,7 +11,14 @@ once its queue is full or a send stalls). A client's requests end when it discon
 
 Each scheduler step becomes backend calls: admitted requests prefill their prompt, resumed ones
 recompute prompt + generated tokens (their KV was dropped when they were preempted), running
-ones decode one token; all of a step's calls go through the pipeline at once.
+ones decode one token; all of a step's calls go through the pipeline at once. A prompt is
+prefilled `prefill_chunk_tokens` at a time, one chunk per step, so a long prompt shares the
+pipeline with everyone else's decode steps instead of stalling their streams.
+
+A client that disconnects has its requests cancelled (queued ones are never prefilled). When a
+node is lost (e.g. it restarted), every running request keeps its tokens and goes back to the
+queue; the gateway deploys the plan again (every `reconnect_interval_s` until the nodes are
+back) and the requests resume where they were.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from edgelite.config import GatewayConfig, GenerationConfig, WireLimits
 from edgelite.engine.generate import Backend
 from edgelite.engine.sampling import sample
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
-from edgelite.errors import AuthError, EdgeliteError, ProtocolError
+from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, bound_port
@@ -111,6 +118,7 @@ class Job:
     decoder: StreamDecoder
     session: SessionId = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
     token_times: list[float] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
@@ -148,6 +156,9 @@ class Gateway:
         self.wake = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.eos = set(backend.manifest.eos_token_ids)
+        self.cancelled = 0  # requests of clients that left before they finished
+        self.reconnects = 0  # times the plan was deployed again after a lost node
+        self.reconnect_failures = 0
 
     @property
     def port(self) -> int:
@@ -188,17 +199,18 @@ class Gateway:
             log.debug("%s: connection ended: %r", peer, exc)
         finally:
             if client is not None:
-                client.gone = True  # its requests stop at their next step
+                client.gone = True  # the scheduling loop cancels its requests
+                self.wake.set()
             await conn.close()
 
     async def _read(self, client: Client) -> None:
         while not client.gone:
+            frame: dict[str, Any] = {}
             try:
-                frame = await asyncio.wait_for(client.conn.recv_frame(), self.cfg.idle_timeout_s)
-            except asyncio.IncompleteReadError:
-                return
-            rid = frame.get("id") if type(frame.get("id")) is int else None
-            try:
+                try:
+                    frame = await asyncio.wait_for(client.conn.recv_frame(), self.cfg.idle_timeout_s)
+                except asyncio.IncompleteReadError:
+                    return
                 msg = m.parse(frame, self.limits)
                 if isinstance(msg, m.GatewayStatsRequest):
                     client.post(m.GatewayStats(id=msg.id, stats=self.stats()))
@@ -206,7 +218,10 @@ class Gateway:
                     self._submit(client, msg)
                 else:
                     raise ProtocolError(f"{msg.TYPE} is not a gateway request")
-            except EdgeliteError as exc:
+            except StreamError:
+                raise  # the stream cannot be followed: the client goes
+            except EdgeliteError as exc:  # a bad request: refused, the connection stays
+                rid = frame.get("id") if type(frame.get("id")) is int else None
                 client.post(m.Error(message=str(exc), id=rid))
 
     def _secret(self, auth: m.Auth) -> str | None:
@@ -252,29 +267,88 @@ class Gateway:
     # ---- the scheduling loop -------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
+            await self._cancel_gone()
+            if not self.backend.healthy:
+                await self._recover()
+                continue
             d = self.sched.step(time.monotonic())
             for r in d.preempt:
                 job = self.jobs[r.rid]
                 self._tier(job).preemptions += 1
                 log.info("preempted %s (tier %d) after %d tokens; its KV is dropped and will "
                          "be recomputed", r.rid[:12], r.tier, r.generated)
-                await self.backend.end(job.session)
+                await self._end(job)
             if d.idle:
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.cfg.idle_poll_s)
                 continue
-            work = ([(r, self.jobs[r.rid].prompt) for r in d.admit]
-                    + [(r, self.jobs[r.rid].prompt + self.jobs[r.rid].tokens) for r in d.resume]
-                    + [(r, self.jobs[r.rid].tokens[-1:]) for r in d.decode])
+            for r in d.admit:
+                self.jobs[r.rid].pending = list(self.jobs[r.rid].prompt)
+            for r in d.resume:
+                job = self.jobs[r.rid]
+                job.pending = job.prompt + job.tokens
+            work = [(r, self._next_ids(self.jobs[r.rid])) for r in (*d.admit, *d.resume, *d.decode)]
             results = await asyncio.gather(
                 *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
-                  for r, ids in work), return_exceptions=True)
-            for (r, _), logits in zip(work, results, strict=True):
-                await self._deliver(self.jobs[r.rid], logits)
+                  for r, (ids, _) in work), return_exceptions=True)
+            lost = not self.backend.healthy
+            for (r, (_, last)), logits in zip(work, results, strict=True):
+                if lost and isinstance(logits, BaseException):
+                    continue  # the request goes back to the queue (_recover)
+                if last or isinstance(logits, BaseException):
+                    await self._deliver(self.jobs[r.rid], logits)
+
+    def _next_ids(self, job: Job) -> tuple[list[int], bool]:
+        """What a request sends this step: the next chunk of its prefill, or its last token;
+        and whether the result gives its next token."""
+        if job.pending:
+            chunk = job.pending[:self.cfg.prefill_chunk_tokens]
+            del job.pending[:len(chunk)]
+            return chunk, not job.pending
+        return job.tokens[-1:], True
+
+    async def _end(self, job: Job) -> None:
+        """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
+        try:
+            await self.backend.end(job.session)
+        except EdgeliteError as exc:
+            log.debug("ending %s: %s", job.req.rid[:12], exc)
+
+    async def _cancel_gone(self) -> None:
+        """Cancel the requests of clients that went away: queued ones are never prefilled,
+        running ones free their KV now."""
+        for job in [j for j in self.jobs.values() if j.client.gone]:
+            held = job.req.queue == "running"
+            log.info("cancelled %s of %s (%s), who left after %d tokens", job.req.rid[:12],
+                     job.client.conn.peer, job.req.queue, len(job.tokens))
+            self.sched.cancel(job.req)
+            del self.jobs[job.req.rid]
+            self.cancelled += 1
+            if held:
+                await self._end(job)
+
+    async def _recover(self) -> None:
+        """A node was lost: running requests go back to the queue (their tokens kept), and the
+        plan is deployed again until that works."""
+        back = self.sched.lost_kv()
+        if back:
+            log.warning("a node was lost; %d running requests wait to resume", len(back))
+        try:
+            await self.backend.reopen()
+        except EdgeliteError as exc:
+            self.reconnect_failures += 1
+            log.warning("deploying the plan again failed (%s); retrying in %g s", exc,
+                        self.cfg.reconnect_interval_s)
+            await asyncio.sleep(self.cfg.reconnect_interval_s)
+            return
+        self.reconnects += 1
+        log.info("the plan is deployed again; %d requests resume", len(back))
 
     async def _deliver(self, job: Job, logits: np.ndarray | BaseException) -> None:
         r = job.req
+        if job.client.gone:
+            return  # cancelled at the top of the next round
         if isinstance(logits, BaseException):
             if not isinstance(logits, EdgeliteError):
                 raise logits
@@ -288,13 +362,13 @@ class Gateway:
             job.tokens.append(tok)
             job.token_times.append(time.monotonic())
             job.client.post(m.TokenPiece(id=job.rid, text=job.decoder.push(tok), token_id=tok))
-        self.sched.advance(r, done=eos or job.client.gone)
+        self.sched.advance(r, done=eos)
         if r.queue == "finished":
             await self._finish(job, finish="eos" if eos else "length")
 
     async def _finish(self, job: Job, error: str | None = None, finish: str = "length") -> None:
         del self.jobs[job.req.rid]
-        await self.backend.end(job.session)
+        await self._end(job)
         st = self._tier(job)
         t = job.token_times
         if t:
@@ -319,5 +393,7 @@ class Gateway:
         per_tier = {str(t): {q: sum(1 for r in rs if r.tier == t) for q, rs in queues.items()}
                     for t in sorted({u.tier for u in self.users.values()})}
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
+                "cancelled": self.cancelled, "reconnects": self.reconnects,
+                "reconnect_failures": self.reconnect_failures,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}

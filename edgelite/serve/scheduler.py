@@ -261,6 +261,36 @@ class Scheduler:
             self.finished.append(r)
             self.finished_count += 1
 
+    def cancel(self, r: Request) -> None:
+        """Drop a request wherever it is (its client went away); its KV is freed at once."""
+        if r.queue == "running":
+            self.running.remove(r)
+            self.kv_used -= r.held
+        elif r.queue == "waiting":
+            self.fresh = [e for e in self.fresh if e[2] is not r]
+            self.overdue = [e for e in self.overdue if e[2] is not r]
+            self.deadlines = [e for e in self.deadlines if e[2] is not r]
+            for heap in (self.fresh, self.overdue, self.deadlines):
+                heapq.heapify(heap)
+        elif r.queue == "preempted":
+            self.preempted = [e for e in self.preempted if e[2] is not r]
+            heapq.heapify(self.preempted)
+        else:
+            return
+        r.kv, r.held, r.queue = 0, 0, "cancelled"
+
+    def lost_kv(self) -> list[Request]:
+        """The nodes lost every session's KV (a node restarted): each running request goes to
+        the preempted queue, to be recomputed from prompt + generated tokens on resume. Not
+        counted as a preemption. Returns them."""
+        lost = list(self.running)
+        for r in lost:
+            self.running.remove(r)
+            self.kv_used -= r.held
+            r.kv, r.held, r.queue = 0, 0, "preempted"
+            heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
+        return lost
+
     def wait_bound_steps(self, ahead: int, max_output: int) -> int:
         """Steps after its patience deadline within which a request with `ahead` requests in
         front of it (see the module docstring) is admitted; max_output: the largest any of

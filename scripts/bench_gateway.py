@@ -1,0 +1,180 @@
+"""Other users' time to first token with and without a hostile client, through `edgelite serve`
+on 2 node processes (SmolLM2-135M int4, split in two, loopback).
+
+Rounds alternate between kinds (the order rotates each round): "baseline" (only the ordinary
+users), "never_reads" (plus a client that asks for long replies and never reads its socket),
+"flood" (plus a client sending requests as fast as it can, far past its limit, reading nothing),
+"long_prompt" (plus a user whose prompt is ~1,500 tokens, prefilled in chunks between the
+others' decode steps). In each round `--users` ordinary users each send `--requests` short
+requests one after another; their time to first token (send -> first piece) and gaps between
+pieces are collected per kind. Prints one JSON object with p50/p99 per kind and the ratios to
+the baseline.
+
+    python scripts/bench_gateway.py [--rounds 3] [--users 4] [--requests 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_local import edgelite_export
+
+from edgelite.cli.localnodes import TOKEN, start_node
+from edgelite.config import GenerationConfig
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.serve.client import GatewayClient
+
+KINDS = ("baseline", "never_reads", "flood", "long_prompt")
+USERS = [{"name": f"u{i}", "token": f"t{i}", "tier": 0} for i in range(8)] + [
+    {"name": "bad", "token": "t-bad", "tier": 0}]
+PROMPTS = ["What is a phone?", "Name three colours.", "Say hello.", "Count to five.",
+           "What is the sky?", "Why is grass green?", "Tell me a fact.", "What is rain?"]
+
+
+def start_gateway(model: Path, nodes: list, users: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgelite", "serve", "--model", str(model), "--nodes",
+             ",".join(n.addr for n in nodes), "--split", "0-14,15-29", "--token", TOKEN,
+             "--port", "0", "--users", str(users), "--threads", "1", "--no-spin"],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if found := re.search(r"listening on [\d.]+:(\d+)", line):
+            return proc, int(found.group(1))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("gateway did not start: " + log.read_text()[-2000:])
+
+
+async def user(addr: NodeAddr, who: dict, requests: int, ttft: list[float], gaps: list[float]) -> None:
+    c = await GatewayClient.connect(addr, who["name"], who["token"])
+    try:
+        for i in range(requests):
+            rid = 1000 + i
+            t0 = time.perf_counter()
+            await c.conn.send(m.GenerateRequest(id=rid, prompt=PROMPTS[i % len(PROMPTS)],
+                                                max_tokens=24, temperature=0.0))
+            last = None
+            while True:
+                msg = await c.conn.recv()
+                if getattr(msg, "id", None) != rid:
+                    continue
+                now = time.perf_counter()
+                if isinstance(msg, m.TokenPiece):
+                    if last is None:
+                        ttft.append((now - t0) * 1e3)
+                    else:
+                        gaps.append((now - last) * 1e3)
+                    last = now
+                elif isinstance(msg, m.Done):
+                    break
+                else:
+                    raise RuntimeError(f"{who['name']}: {getattr(msg, 'message', msg.TYPE)}")
+    finally:
+        await c.close()
+
+
+async def hostile(addr: NodeAddr, kind: str, stop: asyncio.Event) -> None:
+    bad = USERS[-1]
+    if kind == "never_reads":
+        c = await GatewayClient.connect(addr, bad["name"], bad["token"])
+        for i in range(8):
+            await c.conn.send(m.GenerateRequest(id=2**50 + i, prompt="Tell me a long story.",
+                                                max_tokens=400))
+        await stop.wait()
+        await c.close()
+    elif kind == "flood":
+        sent = 0
+        while not stop.is_set() and sent < 200_000:
+            try:
+                c = await GatewayClient.connect(addr, bad["name"], bad["token"])
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            with contextlib.suppress(ConnectionError, OSError):
+                while not stop.is_set() and sent < 200_000:
+                    for _ in range(100):
+                        await c.conn.send(m.GenerateRequest(id=sent, prompt="Say hi.", max_tokens=64))
+                        sent += 1
+                    await asyncio.sleep(0.005)
+            await c.close()
+    elif kind == "long_prompt":
+        c = await GatewayClient.connect(addr, bad["name"], bad["token"])
+        long_text = " ".join(f"item {i} is a thing;" for i in range(250))  # ~1,500 tokens
+        while not stop.is_set():
+            async for _ in c.generate([{"role": "user", "content": long_text}],
+                                      GenerationConfig(max_tokens=8)):
+                pass
+        await c.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(xs, q)), 1) if xs else float("nan")
+
+
+async def run(port: int, rounds: int, users: int, requests: int) -> dict:
+    addr = NodeAddr("127.0.0.1", port)
+    ttft: dict[str, list[float]] = {k: [] for k in KINDS}
+    gaps: dict[str, list[float]] = {k: [] for k in KINDS}
+    await user(addr, USERS[0], 2, [], [])  # warm up
+    for r in range(rounds):
+        order = list(KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)])
+        for kind in order:
+            stop = asyncio.Event()
+            async with asyncio.TaskGroup() as tg:
+                bad = tg.create_task(hostile(addr, kind, stop)) if kind != "baseline" else None
+                await asyncio.sleep(0.5 if bad else 0)
+                await asyncio.gather(*(user(addr, USERS[i], requests, ttft[kind], gaps[kind])
+                                       for i in range(users)))
+                stop.set()
+            await asyncio.sleep(1.0)  # the hostile client's leftovers are cancelled
+    base99 = pct(ttft["baseline"], 99)
+    return {k: {"ttft_ms_p50": pct(ttft[k], 50), "ttft_ms_p99": pct(ttft[k], 99),
+                "gap_ms_p50": pct(gaps[k], 50), "gap_ms_p99": pct(gaps[k], 99),
+                "gap_ms_max": round(max(gaps[k]), 1) if gaps[k] else None,
+                "samples": len(ttft[k]),
+                "ttft_p99_vs_baseline": round(pct(ttft[k], 99) / base99, 2)} for k in KINDS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--models", type=Path, default=Path("models/bench"))
+    args = ap.parse_args()
+    model = edgelite_export(args.models / "smol-int4-fast")
+    tmp = Path(tempfile.mkdtemp())
+    users = tmp / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    nodes = [start_node(tmp / f"n{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
+    gw, port = start_gateway(model, nodes, users, tmp / "gateway.log")
+    try:
+        out = asyncio.run(run(port, args.rounds, args.users, args.requests))
+    finally:
+        gw.kill()
+        gw.wait(10)
+        for n in nodes:
+            n.kill()
+    print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": 2, "users": args.users,
+                      "requests_each": args.requests, "rounds": args.rounds, "results": out},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

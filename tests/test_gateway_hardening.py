@@ -1,0 +1,215 @@
+"""The gateway under hostile or unlucky clients (class 8 of the hardening issue): a client that
+never reads, one that floods, one that leaves with requests queued; a node that restarts; a
+long prompt among streaming users. Real `edgelite serve` and node processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from edgelite.cli.localnodes import TOKEN
+from edgelite.config import GenerationConfig
+from edgelite.errors import NodeError
+from edgelite.ids import NodeAddr
+from edgelite.net import messages as m
+from edgelite.serve.client import GatewayClient
+
+pytestmark = pytest.mark.e2e
+USERS = [{"name": "a", "token": "t-a", "tier": 0}, {"name": "b", "token": "t-b", "tier": 0},
+         {"name": "bad", "token": "t-bad", "tier": 0}]
+
+
+def _gateway(model: Path, nodes: list, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    log = (tmp_path / "gateway.log").open("w")
+    split = "0-2" if len(nodes) == 1 else "0-0,1-2"
+    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
+           ",".join(n.addr for n in nodes), "--split", split, "--token", TOKEN, "--port", "0",
+           "--users", str(users), "--threads", "1", *extra]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
+    finally:
+        log.close()
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if found := re.search(r"listening on [\d.]+:(\d+)", line):
+            return proc, int(found.group(1))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("gateway did not start: " + (tmp_path / "gateway.log").read_text()[-2000:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(10)
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+async def _ask(port: int, user: str, prompt: str, n: int = 8) -> list[int]:
+    c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), user, f"t-{user}")
+    try:
+        async for _ in c.generate([{"role": "user", "content": prompt}], GenerationConfig(max_tokens=n)):
+            pass
+        assert c.last is not None
+        return c.last.token_ids
+    finally:
+        await c.close()
+
+
+async def _stats(port: int) -> dict:
+    c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "a", "t-a")
+    try:
+        return await c.stats()
+    finally:
+        await c.close()
+
+
+def _solo(model: Path, prompt: str, n: int = 8) -> list[int]:
+    return json.loads(run_cli("generate", "--model", str(model), "--json", "--max-tokens", str(n),
+                              prompt).stdout)["token_ids"]
+
+
+def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> None:
+    model = exported["llama"]
+    node = node_factory()
+    proc, port = _gateway(model, [node], tmp_path, "--set", "client_send_timeout_s=2",
+                          "--set", "max_requests_per_user=4", "--set", "client_queue_frames=64")
+    want = _solo(model, "hello there")
+    try:
+        async def main() -> dict:
+            addr = NodeAddr("127.0.0.1", port)
+            # a client that asks for long replies and never reads its socket
+            sleeper = await GatewayClient.connect(addr, "bad", "t-bad")
+            for i in range(4):
+                await sleeper.conn.send(m.GenerateRequest(id=2**50 + i, prompt="x " * 40,
+                                                          max_tokens=150))
+            # a flood: far more requests than a user may have; the rest are refused
+            flood = await GatewayClient.connect(addr, "b", "t-b")
+            for i in range(200):
+                await flood.conn.send(m.GenerateRequest(id=i, prompt="y", max_tokens=4))
+            refused = done = 0
+            while refused + done < 200:
+                msg = await asyncio.wait_for(flood.conn.recv(), 30)
+                if isinstance(msg, m.Error):
+                    assert "limit is 4" in msg.message, msg
+                    refused += 1
+                done += isinstance(msg, m.Done)
+            assert refused >= 190 and done >= 4
+            await flood.close()
+            # meanwhile an ordinary user is served, with the right tokens
+            got = await asyncio.wait_for(asyncio.gather(*(_ask(port, "a", "hello there")
+                                                          for _ in range(3))), 60)
+            assert all(g == want for g in got)
+            # a client that leaves with requests queued: they are cancelled, not prefilled
+            leaver = await GatewayClient.connect(addr, "b", "t-b")
+            for i in range(4):
+                await leaver.conn.send(m.GenerateRequest(id=i, prompt="z " * 30, max_tokens=50))
+            await leaver.close()
+            for _ in range(100):
+                stats = await _stats(port)
+                if stats["cancelled"] >= 4 and stats["queues"]["waiting"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            await sleeper.close()
+            return stats
+
+        stats = asyncio.run(asyncio.wait_for(main(), 120))
+        assert stats["cancelled"] >= 4, stats
+    finally:
+        _stop(proc)
+
+
+def test_gateway_resumes_after_a_node_restart(exported, node_factory, tmp_path) -> None:
+    model = exported["llama"]
+    node = node_factory()
+    proc, port = _gateway(model, [node], tmp_path, "--set", "reconnect_interval_s=0.3")
+    want = _solo(model, "hello there", 40)
+    try:
+        async def main() -> dict:
+            assert await _ask(port, "a", "hello there", 40) == want
+            # a request in flight while its node dies and comes back on the same address
+            running = asyncio.create_task(_ask(port, "a", "hello there", 40))
+            await asyncio.sleep(0.3)
+            node.kill()
+            restarted = node_factory(extra=("--port", str(node.port)))
+            assert restarted.port == node.port
+            assert await asyncio.wait_for(running, 60) == want  # resumed, nothing lost
+            assert await _ask(port, "b", "hello there", 40) == want
+            return await _stats(port)
+
+        stats = asyncio.run(asyncio.wait_for(main(), 120))
+        assert stats["reconnects"] >= 1, stats
+    finally:
+        _stop(proc)
+
+
+def test_long_prompts_are_prefilled_in_chunks(exported, node_factory, tmp_path) -> None:
+    model = exported["llama"]
+    node = node_factory()
+    proc, port = _gateway(model, [node], tmp_path, "--set", "prefill_chunk_tokens=16")
+    long_prompt = " ".join(["word"] * 50)
+    want = _solo(model, long_prompt)
+    try:
+        async def main() -> None:
+            got = await asyncio.gather(_ask(port, "a", long_prompt), _ask(port, "b", "hi"))
+            assert got[0] == want  # a prompt sent in 16-token chunks reads the same
+            with pytest.raises(NodeError, match="max_tokens"):
+                await _ask(port, "b", "hi", 10**6)
+
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        _stop(proc)
+
+
+def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
+    """The gateway's per-client writer: a full queue or a stalled send drops that client;
+    posting never waits (the scheduling loop calls it)."""
+    from edgelite.config import GatewayConfig, WireLimits
+    from edgelite.net.frames import Conn
+    from edgelite.serve.gateway import Client, User
+
+    async def client(cfg: GatewayConfig) -> tuple[Client, socket.socket, asyncio.Task[None]]:
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader, writer = await asyncio.open_connection(sock=ours)
+        c = Client(Conn(reader, writer, WireLimits(), "sleeper"), User("bad", "t", 0), cfg)
+        return c, theirs, asyncio.get_running_loop().create_task(c.write())
+
+    async def main() -> None:
+        piece = m.TokenPiece(id=2**52, text="x" * 4000, token_id=1)
+        # a burst larger than the queue: dropped at once, and post() never waited
+        c, theirs, writing = await client(GatewayConfig(client_queue_frames=8, client_send_timeout_s=60))
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            c.post(piece)
+        assert c.gone and time.perf_counter() - t0 < 0.5
+        await asyncio.wait_for(writing, 5)
+        theirs.close()
+        # frames within the queue, but nobody reads: the stalled send drops it after its deadline
+        c, theirs, writing = await client(GatewayConfig(client_queue_frames=10**6,
+                                                        client_send_timeout_s=0.5))
+        t0 = time.perf_counter()
+        while not c.gone and time.perf_counter() - t0 < 10:
+            c.post(piece)
+            await asyncio.sleep(0.001)
+        assert c.gone and time.perf_counter() - t0 < 5
+        await asyncio.wait_for(writing, 5)
+        theirs.close()
+
+    asyncio.run(main())
