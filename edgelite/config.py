@@ -104,7 +104,9 @@ class GatewayConfig:
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped
     client_send_timeout_s: float = 10.0  # a client that takes no frame for this long is dropped
     latency_window: int = 4096  # TTFT and inter-token samples kept per tier (the latest)
-    prefill_chunk_tokens: int = 256  # a prompt is prefilled this much per step, between decodes
+    prefill_chunk_tokens: int = 64  # a prompt is prefilled this much per step, between decodes
+    max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
+    flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
     reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again
 
 
@@ -119,6 +121,8 @@ class SchedulerConfig:
     tier_patience_scale: float = 1.0  # tier t is overdue after P * scale**t (< 1: sooner)
     slope: float = 1e6  # second term per overdue second: overdue beats any static difference
     max_requests: int = 8  # running at once (one decode step serves them all)
+    fair_share: bool = True  # several users active: each runs at most max_requests // users
+    fair_window_s: float = 2.0  # a user stays active this long after its last request ran
     max_step_tokens: int = 2048  # prefill tokens one step may admit
     kv_tokens: int = 8192  # KV memory, in tokens, for all running requests together
     max_preemptions: int = 2  # per request

@@ -6,7 +6,8 @@ users), "never_reads" (plus a client that asks for long replies and never reads 
 "flood" (plus a client sending requests as fast as it can, far past its limit, reading nothing),
 "long_prompt" (plus a user whose prompt is ~1,500 tokens, prefilled in chunks between the
 others' decode steps). In each round `--users` ordinary users each send `--requests` short
-requests one after another; their time to first token (send -> first piece) and gaps between
+requests one after another (a random pause of up to 300 ms before each, the same in every kind
+of round); their time to first token (send -> first piece) and gaps between
 pieces are collected per kind. Prints one JSON object with p50/p99 per kind and the ratios to
 the baseline.
 
@@ -19,35 +20,41 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing as mp
+import random
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from bench_local import edgelite_export
 
 from edgelite.cli.localnodes import TOKEN, start_node
 from edgelite.config import GenerationConfig
+from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.serve.client import GatewayClient
 
 KINDS = ("baseline", "never_reads", "flood", "long_prompt")
 USERS = [{"name": f"u{i}", "token": f"t{i}", "tier": 0} for i in range(8)] + [
-    {"name": "bad", "token": "t-bad", "tier": 0}]
+    {"name": k, "token": f"t-{k}", "tier": 0} for k in ("never_reads", "flood", "long_prompt")]
 PROMPTS = ["What is a phone?", "Name three colours.", "Say hello.", "Count to five.",
            "What is the sky?", "Why is grass green?", "Tell me a fact.", "What is rain?"]
 
 
-def start_gateway(model: Path, nodes: list, users: Path, log: Path) -> tuple[subprocess.Popen, int]:
+def start_gateway(model: Path, nodes: list, users: Path, log: Path,
+                  settings: list[str]) -> tuple[subprocess.Popen, int]:
     with log.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edgelite", "serve", "--model", str(model), "--nodes",
+            [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
              ",".join(n.addr for n in nodes), "--split", "0-14,15-29", "--token", TOKEN,
-             "--port", "0", "--users", str(users), "--threads", "1", "--no-spin"],
+             "--port", "0", "--users", str(users), "--threads", "1", "--no-spin",
+             *(x for kv in settings for x in ("--set", kv))],
             stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -61,10 +68,19 @@ def start_gateway(model: Path, nodes: list, users: Path, log: Path) -> tuple[sub
     raise RuntimeError("gateway did not start: " + log.read_text()[-2000:])
 
 
-async def user(addr: NodeAddr, who: dict, requests: int, ttft: list[float], gaps: list[float]) -> None:
+def log_tail(log: Path) -> str:
+    return "\n".join(line for line in log.read_text().splitlines()[-40:])
+
+
+async def user(addr: NodeAddr, who: dict, requests: int, ttft: list[float], gaps: list[float],
+               seed: int) -> None:
+    """One ordinary user: requests one after another, with a random pause (0-300 ms) before
+    each (the same pauses in every kind of round), so users do not all arrive at once."""
+    rng = random.Random(seed)
     c = await GatewayClient.connect(addr, who["name"], who["token"])
     try:
         for i in range(requests):
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
             rid = 1000 + i
             t0 = time.perf_counter()
             await c.conn.send(m.GenerateRequest(id=rid, prompt=PROMPTS[i % len(PROMPTS)],
@@ -89,25 +105,29 @@ async def user(addr: NodeAddr, who: dict, requests: int, ttft: list[float], gaps
         await c.close()
 
 
-async def hostile(addr: NodeAddr, kind: str, stop: asyncio.Event) -> None:
-    bad = USERS[-1]
+async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any) -> None:  # mp Events
+    """The hostile client of a round (in a process of its own: its CPU is not the users').
+    `ready` is set once it is at it (its requests sent)."""
+    bad = next(u for u in USERS if u["name"] == kind)
     if kind == "never_reads":
         c = await GatewayClient.connect(addr, bad["name"], bad["token"])
         for i in range(8):
             await c.conn.send(m.GenerateRequest(id=2**50 + i, prompt="Tell me a long story.",
                                                 max_tokens=400))
-        await stop.wait()
+        ready.set()
+        await asyncio.to_thread(stop.wait)
         await c.close()
     elif kind == "flood":
         sent = 0
-        while not stop.is_set() and sent < 200_000:
+        while not stop.is_set() and sent < 1_000_000:
             try:
                 c = await GatewayClient.connect(addr, bad["name"], bad["token"])
-            except OSError:
+            except (OSError, EdgeliteError):  # cut off for flooding: try again soon
                 await asyncio.sleep(0.05)
                 continue
             with contextlib.suppress(ConnectionError, OSError):
-                while not stop.is_set() and sent < 200_000:
+                while not stop.is_set():
+                    ready.set()
                     for _ in range(100):
                         await c.conn.send(m.GenerateRequest(id=sent, prompt="Say hi.", max_tokens=64))
                         sent += 1
@@ -115,12 +135,17 @@ async def hostile(addr: NodeAddr, kind: str, stop: asyncio.Event) -> None:
             await c.close()
     elif kind == "long_prompt":
         c = await GatewayClient.connect(addr, bad["name"], bad["token"])
-        long_text = " ".join(f"item {i} is a thing;" for i in range(250))  # ~1,500 tokens
+        long_text = " ".join(f"item {i} is a thing;" for i in range(160))  # ~1,400 tokens
+        ready.set()
         while not stop.is_set():
             async for _ in c.generate([{"role": "user", "content": long_text}],
                                       GenerationConfig(max_tokens=8)):
                 pass
         await c.close()
+
+
+def hostile_process(port: int, kind: str, stop: Any, ready: Any) -> None:
+    asyncio.run(hostile(NodeAddr("127.0.0.1", port), kind, stop, ready))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -131,23 +156,34 @@ async def run(port: int, rounds: int, users: int, requests: int) -> dict:
     addr = NodeAddr("127.0.0.1", port)
     ttft: dict[str, list[float]] = {k: [] for k in KINDS}
     gaps: dict[str, list[float]] = {k: [] for k in KINDS}
-    await user(addr, USERS[0], 2, [], [])  # warm up
+    await user(addr, USERS[0], 2, [], [], 0)  # warm up
     for r in range(rounds):
         order = list(KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)])
         for kind in order:
-            stop = asyncio.Event()
-            async with asyncio.TaskGroup() as tg:
-                bad = tg.create_task(hostile(addr, kind, stop)) if kind != "baseline" else None
-                await asyncio.sleep(0.5 if bad else 0)
-                await asyncio.gather(*(user(addr, USERS[i], requests, ttft[kind], gaps[kind])
-                                       for i in range(users)))
+            ctx = mp.get_context("spawn")
+            stop, ready = ctx.Event(), ctx.Event()
+            bad = None
+            if kind != "baseline":
+                bad = ctx.Process(target=hostile_process, args=(port, kind, stop, ready), daemon=True)
+                bad.start()
+                await asyncio.to_thread(ready.wait, 60)
+                await asyncio.sleep(1.0)  # its requests are in (running, or being refused)
+            try:
+                await asyncio.gather(*(user(addr, USERS[i], requests, ttft[kind], gaps[kind],
+                                            seed=1000 * r + i) for i in range(users)))
+            finally:
                 stop.set()
+                if bad is not None:
+                    await asyncio.to_thread(bad.join, 30)
+                    if bad.is_alive():
+                        bad.kill()
             await asyncio.sleep(1.0)  # the hostile client's leftovers are cancelled
     base99 = pct(ttft["baseline"], 99)
     return {k: {"ttft_ms_p50": pct(ttft[k], 50), "ttft_ms_p99": pct(ttft[k], 99),
                 "gap_ms_p50": pct(gaps[k], 50), "gap_ms_p99": pct(gaps[k], 99),
                 "gap_ms_max": round(max(gaps[k]), 1) if gaps[k] else None,
-                "samples": len(ttft[k]),
+                "samples": len(ttft[k]), "ttft_ms_p90": pct(ttft[k], 90),
+                "ttft_ms_top3": [round(x) for x in sorted(ttft[k])[-3:]],
                 "ttft_p99_vs_baseline": round(pct(ttft[k], 99) / base99, 2)} for k in KINDS}
 
 
@@ -157,21 +193,27 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--models", type=Path, default=Path("models/bench"))
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="gateway settings (edgelite serve --set)")
     args = ap.parse_args()
     model = edgelite_export(args.models / "smol-int4-fast")
     tmp = Path(tempfile.mkdtemp())
     users = tmp / "users.json"
     users.write_text(json.dumps({"users": USERS}))
     nodes = [start_node(tmp / f"n{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
-    gw, port = start_gateway(model, nodes, users, tmp / "gateway.log")
+    gw, port = start_gateway(model, nodes, users, tmp / "gateway.log", args.set)
     try:
         out = asyncio.run(run(port, args.rounds, args.users, args.requests))
+    except BaseException:
+        print(log_tail(tmp / "gateway.log"), file=sys.stderr)
+        raise
     finally:
         gw.kill()
         gw.wait(10)
         for n in nodes:
             n.kill()
     print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": 2, "users": args.users,
+                      "gateway_settings": args.set,
                       "requests_each": args.requests, "rounds": args.rounds, "results": out},
                      indent=1))
 

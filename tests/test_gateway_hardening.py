@@ -5,6 +5,7 @@ long prompt among streaming users. Real `edgelite serve` and node processes on l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -19,14 +20,14 @@ import pytest
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import GenerationConfig
-from edgelite.errors import NodeError
+from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.serve.client import GatewayClient
 
 pytestmark = pytest.mark.e2e
 USERS = [{"name": "a", "token": "t-a", "tier": 0}, {"name": "b", "token": "t-b", "tier": 0},
-         {"name": "bad", "token": "t-bad", "tier": 0}]
+         {"name": "bad", "token": "t-bad", "tier": 0}, {"name": "f", "token": "t-f", "tier": 0}]
 
 
 def _gateway(model: Path, nodes: list, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int]:
@@ -98,19 +99,27 @@ def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> Non
             for i in range(4):
                 await sleeper.conn.send(m.GenerateRequest(id=2**50 + i, prompt="x " * 40,
                                                           max_tokens=150))
-            # a flood: far more requests than a user may have; the rest are refused
-            flood = await GatewayClient.connect(addr, "b", "t-b")
+            # a flood: far more requests than a user may have; the rest are refused, and a
+            # client refused too often in a row is cut off (its user waits before reconnecting)
+            flood = await GatewayClient.connect(addr, "f", "t-f")
             for i in range(200):
-                await flood.conn.send(m.GenerateRequest(id=i, prompt="y", max_tokens=4))
-            refused = done = 0
-            while refused + done < 200:
-                msg = await asyncio.wait_for(flood.conn.recv(), 30)
-                if isinstance(msg, m.Error):
-                    assert "limit is 4" in msg.message, msg
-                    refused += 1
-                done += isinstance(msg, m.Done)
-            assert refused >= 190 and done >= 4
+                try:
+                    await flood.conn.send(m.GenerateRequest(id=i, prompt="y", max_tokens=4))
+                except (ConnectionError, OSError):
+                    break
+            refused, cut = 0, None
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while cut is None:
+                    msg = await asyncio.wait_for(flood.conn.recv(), 30)
+                    if isinstance(msg, m.Error) and msg.id is None:
+                        cut = msg.message
+                    elif isinstance(msg, m.Error):
+                        assert "limit is 4" in msg.message, msg
+                        refused += 1
+            assert refused == 33 and cut is not None and "refused in a row" in cut
             await flood.close()
+            with pytest.raises(NodeUnavailable, match="may connect again"):
+                await GatewayClient.connect(addr, "f", "t-f")
             # meanwhile an ordinary user is served, with the right tokens
             got = await asyncio.wait_for(asyncio.gather(*(_ask(port, "a", "hello there")
                                                           for _ in range(3))), 60)

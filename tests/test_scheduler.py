@@ -135,3 +135,29 @@ def test_decode_preempts_lowest_priority_and_resume_recomputes() -> None:
             s.advance(r)
     assert preempted and preempted[0] is b  # the low tier goes first
     assert b.preemptions == 1 and s.pinned(b)
+
+
+def test_one_user_cannot_hold_every_slot_while_others_wait() -> None:
+    """Fair shares: a user running every slot gives one up to a newcomer at once; while the
+    newcomer waits, the first user's own queue is passed over; alone, it used every slot."""
+    cfg = SchedulerConfig(context_limit=512, max_requests=4, kv_tokens=10_000, max_preemptions=3)
+    s = Scheduler(cfg)
+    hog = [Request(f"h{i}", 0, 10, 100, 0.0, user="hog") for i in range(6)]
+    for r in hog:
+        s.submit(r)
+    d = s.step(0.1)
+    assert len(d.admit) == 4  # alone: all four slots
+    for r in d.admit:
+        s.advance(r)
+    s.submit(Request("n", 0, 10, 10, 0.2, user="new"))
+    d = s.step(0.3)
+    assert [r.rid for r in d.admit] == ["n"] and len(d.preempt) == 1
+    victim = d.preempt[0]
+    assert victim.user == "hog" and victim.queue == "waiting" and victim.generated == 1
+    assert victim.requeued == 1 and victim.preemptions == 0
+    assert sum(r.user == "hog" for r in s.running) == 3
+    s.submit(Request("n2", 0, 10, 10, 0.4, user="new"))
+    d = s.step(0.5)  # hog is above its share (2): n2 takes one of its slots, not a hog request
+    assert [r.rid for r in d.admit] == ["n2"]
+    assert sum(r.user == "hog" for r in s.running) == 2
+    assert all(r.user == "hog" for r in s.waiting())

@@ -77,8 +77,10 @@ class Client:
 
     def __init__(self, conn: Conn, user: User, cfg: GatewayConfig) -> None:
         self.conn, self.user, self.cfg = conn, user, cfg
-        self.queue: asyncio.Queue[Message] = asyncio.Queue(cfg.client_queue_frames)
+        self.queue: asyncio.Queue[Message | None] = asyncio.Queue(cfg.client_queue_frames)
         self.gone = False
+        self.refused = 0  # requests refused in a row (a flood is disconnected)
+        self.closing = False  # the writer sends what is queued, then the connection ends
 
     def post(self, msg: Message) -> None:
         """Queue a frame without waiting; a client this far behind is dropped."""
@@ -95,10 +97,19 @@ class Client:
         self.gone = True
         self.conn.writer.close()
 
+    def finish(self, last: Message) -> None:
+        """Send `last` after what is queued, then end the connection (the writer's last act)."""
+        self.post(last)
+        self.closing = True
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(None)
+
     async def write(self) -> None:
         """The writer task: send queued frames; a send that stalls drops the client."""
         while not self.gone:
             msg = await self.queue.get()
+            if msg is None:
+                return
             try:
                 await asyncio.wait_for(self.conn.send(msg), self.cfg.client_send_timeout_s)
             except (TimeoutError, ConnectionError, OSError):
@@ -157,6 +168,8 @@ class Gateway:
         self.server: asyncio.Server | None = None
         self.eos = set(backend.manifest.eos_token_ids)
         self.cancelled = 0  # requests of clients that left before they finished
+        self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
+        self.floods = 0
         self.reconnects = 0  # times the plan was deployed again after a lost node
         self.reconnect_failures = 0
 
@@ -188,6 +201,9 @@ class Gateway:
             writing = asyncio.get_running_loop().create_task(client.write(), name=f"to {peer}")
             try:
                 await self._read(client)
+                if client.closing:  # its last frames go out first (bounded by the send timeout)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(writing), self.cfg.client_send_timeout_s)
             finally:
                 writing.cancel()
                 await asyncio.gather(writing, return_exceptions=True)
@@ -223,10 +239,36 @@ class Gateway:
             except EdgeliteError as exc:  # a bad request: refused, the connection stays
                 rid = frame.get("id") if type(frame.get("id")) is int else None
                 client.post(m.Error(message=str(exc), id=rid))
+                client.refused += 1
+                if client.refused > self.cfg.max_refused_in_a_row:
+                    self._flooded(client)
+                    return
+            else:
+                client.refused = 0
+
+    def _flooded(self, client: Client) -> None:
+        """A client whose requests keep being refused is cut off, and its user may not connect
+        again for `flood_cooldown_s` (a flood costs one handshake per cooldown, no more)."""
+        name = client.user.name
+        self.cooldown[name] = time.monotonic() + self.cfg.flood_cooldown_s
+        self.floods += 1
+        log.warning("%s (%s): %d requests refused in a row; disconnected, the user may "
+                    "reconnect in %g s", client.conn.peer, name, client.refused,
+                    self.cfg.flood_cooldown_s)
+        client.finish(m.Error(message=f"{client.refused} requests refused in a row; disconnected "
+                                      f"for {self.cfg.flood_cooldown_s:g} s"))
 
     def _secret(self, auth: m.Auth) -> str | None:
+        """The user's token (None: unknown user); a user cooling down after a flood is refused
+        before the handshake completes."""
         user = self.users.get(auth.user) if auth.user is not None else None
-        return user.token if user else None
+        if user is None:
+            return None
+        wait = self.cooldown.get(user.name, 0.0) - time.monotonic()
+        if wait > 0:
+            raise AuthError(f"user {user.name} sent a flood of refused requests; it may connect "
+                            f"again in {wait:.1f} s")
+        return user.token
 
     def _submit(self, client: Client, msg: m.GenerateRequest) -> None:
         user, d = client.user, self.defaults
@@ -243,7 +285,8 @@ class Gateway:
             max_tokens=max_tokens, seed=seed,
             temperature=msg.temperature if msg.temperature is not None else d.temperature,
             top_p=msg.top_p if msg.top_p is not None else d.top_p)
-        req = Request(new_session_id(), user.tier, len(prompt), max_tokens, time.monotonic())
+        req = Request(new_session_id(), user.tier, len(prompt), max_tokens, time.monotonic(),
+                      user=user.name)
         try:
             self.sched.submit(req)
         except ValueError as exc:
@@ -275,23 +318,22 @@ class Gateway:
             for r in d.preempt:
                 job = self.jobs[r.rid]
                 self._tier(job).preemptions += 1
-                log.info("preempted %s (tier %d) after %d tokens; its KV is dropped and will "
-                         "be recomputed", r.rid[:12], r.tier, r.generated)
-                await self._end(job)
+                log.info("preempted %s (tier %d, user %s) after %d tokens; its KV is dropped and "
+                         "will be recomputed", r.rid[:12], r.tier, r.user, r.generated)
+            ends = [self._end(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
             if d.idle:
+                await asyncio.gather(*ends)
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.cfg.idle_poll_s)
                 continue
-            for r in d.admit:
-                self.jobs[r.rid].pending = list(self.jobs[r.rid].prompt)
-            for r in d.resume:
+            for r in (*d.admit, *d.resume):  # (a request put back for fair shares has tokens)
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
             work = [(r, self._next_ids(self.jobs[r.rid])) for r in (*d.admit, *d.resume, *d.decode)]
-            results = await asyncio.gather(
-                *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
-                  for r, (ids, _) in work), return_exceptions=True)
+            results = (await asyncio.gather(
+                *ends, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
+                         for r, (ids, _) in work), return_exceptions=True))[len(ends):]
             lost = not self.backend.healthy
             for (r, (_, last)), logits in zip(work, results, strict=True):
                 if lost and isinstance(logits, BaseException):
@@ -318,15 +360,16 @@ class Gateway:
     async def _cancel_gone(self) -> None:
         """Cancel the requests of clients that went away: queued ones are never prefilled,
         running ones free their KV now."""
+        ends = []
         for job in [j for j in self.jobs.values() if j.client.gone]:
-            held = job.req.queue == "running"
             log.info("cancelled %s of %s (%s), who left after %d tokens", job.req.rid[:12],
                      job.client.conn.peer, job.req.queue, len(job.tokens))
+            if job.req.queue == "running":
+                ends.append(self._end(job))
             self.sched.cancel(job.req)
             del self.jobs[job.req.rid]
             self.cancelled += 1
-            if held:
-                await self._end(job)
+        await asyncio.gather(*ends)
 
     async def _recover(self) -> None:
         """A node was lost: running requests go back to the queue (their tokens kept), and the
@@ -393,7 +436,7 @@ class Gateway:
         per_tier = {str(t): {q: sum(1 for r in rs if r.tier == t) for q, rs in queues.items()}
                     for t in sorted({u.tier for u in self.users.values()})}
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
-                "cancelled": self.cancelled, "reconnects": self.reconnects,
+                "cancelled": self.cancelled, "floods": self.floods, "reconnects": self.reconnects,
                 "reconnect_failures": self.reconnect_failures,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}

@@ -24,6 +24,15 @@ resume preempted requests as KV memory allows. Decoding needs one more KV token 
 request; when that does not fit, the lowest-priority running request below the preemption cap is
 preempted. A request that reached the cap is never preempted again.
 
+Fair shares (beyond DESIGN.md): with several users active (holding waiting, running or preempted
+requests, or having had one within `fair_window_s`), a user may run at most
+max_requests // active users requests; its other waiting requests are passed over meanwhile
+(they keep their place). When every slot is taken, a request of a user below its share takes
+one from the user furthest above it: that request goes back to waiting and keeps its tokens.
+This is not counted against max_preemptions: its user keeps running its share, so it cannot
+starve. One user with many requests (a flood, or replies nobody reads) cannot hold everyone
+else's slots; alone, a user may use them all.
+
 Waiting bound (what the tests check): an overdue request is never passed by a later-overdue one
 and nothing is admitted around it (no backfilling past an overdue head). Every request ahead of
 it (the overdue ones before it and those holding or waiting for KV at its deadline) finishes
@@ -36,7 +45,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from edgelite.config import SchedulerConfig
@@ -57,6 +66,8 @@ class Request:
     queue: str = "new"
     overdue: bool = False  # waited past the patience threshold
     entered: bool = False  # (re)admitted this step: its next token's KV is already charged
+    user: str = ""  # whose it is (fair shares of the running slots are per user)
+    requeued: int = 0  # times it gave its slot to a user below its fair share
 
     @property
     def remaining(self) -> int:
@@ -95,6 +106,7 @@ class Scheduler:
         self.kv_used = 0
         self.last_admit = -float("inf")
         self._seq = itertools.count()
+        self.seen: dict[str, float] = {}  # user -> when it last had a request here (fair shares)
 
     # ---- priority ------------------------------------------------------------------------
     def static_priority(self, r: Request) -> float:
@@ -181,21 +193,77 @@ class Scheduler:
         i = bisect.bisect_left(self.cfg.kv_buckets, tokens)
         return self.cfg.kv_buckets[i] if i < len(self.cfg.kv_buckets) else tokens
 
+    def _share(self, now: float) -> int | None:
+        """Running slots per user while several users are active (None: no limit). A user is
+        active with a request waiting, running or preempted, and for `fair_window_s` after one
+        of its requests ran (so that users asking one thing after another keep their share)."""
+        if not self.cfg.fair_share:
+            return None
+        for r in self.running:
+            self.seen[r.user] = now
+        for heap in (self.overdue, self.fresh, self.preempted):
+            for e in heap:
+                self.seen[e[2].user] = now
+        for u in [u for u, t in self.seen.items() if now - t > self.cfg.fair_window_s]:
+            del self.seen[u]
+        return max(1, self.cfg.max_requests // len(self.seen)) if len(self.seen) > 1 else None
+
     def _admit(self, d: Decision, now: float) -> None:
         tokens = 0
-        for heap in (self.overdue, self.fresh):
-            while heap:
-                r = heap[0][2]
-                fits = (len(self.running) < self.cfg.max_requests
-                        and tokens + r.prompt_len <= self.cfg.max_step_tokens
-                        and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
-                if not fits:
-                    return  # in priority order: nothing is admitted around the head
-                heapq.heappop(heap)
-                tokens += r.prompt_len
-                self._run(r)
-                r.admitted_at = now
-                d.admit.append(r)
+        share = self._share(now)
+        per_user = Counter(r.user for r in self.running)
+        passed: list[tuple[list, tuple[float, int, Request]]] = []  # over their share: put back
+        try:
+            for heap in (self.overdue, self.fresh):
+                while heap:
+                    r = heap[0][2]
+                    if share is not None and per_user[r.user] >= share:
+                        passed.append((heap, heapq.heappop(heap)))  # keeps its place
+                        continue
+                    if share is not None and len(self.running) >= self.cfg.max_requests:
+                        victim = self._over_share(per_user, share)
+                        if victim is not None:
+                            passed.append(self._requeue(victim))  # (not back before the end)
+                            d.preempt.append(victim)
+                            per_user[victim.user] -= 1
+                    fits = (len(self.running) < self.cfg.max_requests
+                            and tokens + r.prompt_len <= self.cfg.max_step_tokens
+                            and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
+                    if not fits:
+                        return  # in priority order: nothing is admitted around the head
+                    heapq.heappop(heap)
+                    tokens += r.prompt_len
+                    self._run(r)
+                    per_user[r.user] += 1
+                    r.admitted_at = now
+                    d.admit.append(r)
+        finally:
+            for heap, entry in passed:
+                heapq.heappush(heap, entry)
+
+    def _over_share(self, per_user: Counter[str], share: int) -> Request | None:
+        """The lowest-priority running request (not pinned, not admitted this step) of the user
+        furthest above its share, if any user is above it."""
+        over = [u for u, n in per_user.items() if n > share]
+        if not over:
+            return None
+        user = max(over, key=lambda u: per_user[u])
+        cands = [r for r in self.running if r.user == user and not r.entered]
+        return min(cands, key=self.decode_priority) if cands else None
+
+    def _requeue(self, r: Request) -> tuple[list, tuple[float, int, Request]]:
+        """Back to waiting (fair share): its KV is dropped, its tokens are kept (the caller
+        prefills prompt + generated on its next admission). Returns the heap and entry it
+        goes back into (the caller pushes it once this step's admissions are done)."""
+        self.running.remove(r)
+        self.kv_used -= r.held
+        r.kv, r.held, r.queue = 0, 0, "waiting"
+        r.requeued += 1  # not a preemption: its user keeps its share, so it cannot starve
+        seq = next(self._seq)
+        if r.overdue:
+            return self.overdue, (-(self.static_priority(r) - self.cfg.slope * self.deadline(r)), seq, r)
+        heapq.heappush(self.deadlines, (self.deadline(r), seq, r))
+        return self.fresh, (-self.static_priority(r), seq, r)
 
     def _run(self, r: Request) -> None:
         r.queue, r.kv, r.entered = "running", self.charge(r), True
