@@ -73,6 +73,21 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
                 np.testing.assert_allclose(out, _solo(layers, p, s), atol=1e-5, rtol=0)
             stats = (await be.cluster.stats())[be.plan.stages[0].addr]
             assert stats["batches"] == 1 and stats["batched_steps"] == len(lengths), stats
+            # a prompt's chunk and its one-token last chunk arrive between two sessions'
+            # decode steps: the one-token step waits for its prompt, it does not join the batch
+            prompt_p = rng.standard_normal((1, 3, m.hidden_size)).astype(np.float32)
+            step_p = rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
+            steps_in.writer.write(_frame(plan, "s0", 2, lengths[0] + 1, steps[0])
+                                  + _frame(plan, "p", 0, 0, prompt_p) + _frame(plan, "p", 1, 3, step_p)
+                                  + _frame(plan, "s1", 2, lengths[1] + 1, steps[1]))
+            await steps_in.writer.drain()
+            got = {}
+            for _ in range(4):
+                msg = await asyncio.wait_for(sink.recv(), 10)
+                got[(msg.session, msg.start)] = msg
+            assert all(msg.error is None for msg in got.values()), [g.error for g in got.values()]
+            np.testing.assert_allclose(got[("p", 3)].hidden, _solo(layers, prompt_p, step_p),
+                                       atol=1e-5, rtol=0)
             await sink.close()
             await steps_in.close()
         finally:

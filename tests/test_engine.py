@@ -101,3 +101,31 @@ def test_shapes_stay_bounded_and_memory_goes_back(tmp_path: Path) -> None:
     assert pool.bucket(total) == min(b for b in cfg.kv_buckets if b >= total) and pool.sessions == 1
     chain.end("chat")
     assert pool.sessions == 0
+
+
+
+def test_prompt_cut_runs_fewest_padded_tokens() -> None:
+    """chunks_of covers the prompt in order with chunks no longer than the largest size, and
+    no other cut of its tail (whole chunks, then one padded chunk) runs fewer padded tokens +
+    overhead per chunk."""
+    import itertools
+
+    from edgelite.engine.runtime import _pad, chunks_of
+
+    sizes = (16, 64, 256)
+
+    def cost(cut: list[int]) -> int:
+        return sum(_pad(k, sizes) + 4 for k in cut)
+
+    for n in range(1, 700):
+        bounds = list(chunks_of(n, sizes, 4))
+        ends = [a for a, _ in bounds[1:]] + [n]
+        assert bounds[0][0] == 0 and all(a < b <= a + 256 for a, b in bounds)
+        assert [b for _, b in bounds] == ends
+        rest = n - 256 * ((n - 1) // 256)  # what is left after the leading full chunks
+        cut = [b - a for a, b in bounds][(n - 1) // 256:]
+        best = min(cost([*c, rest - sum(c)])
+                   for r in range(8) for c in itertools.combinations_with_replacement(sizes, r)
+                   if 0 < rest - sum(c))
+        assert cost(cut) <= best, (n, cut)
+    assert [b - a for a, b in chunks_of(35, sizes, 4)] == [16, 16, 3]  # not one chunk of 64

@@ -145,7 +145,7 @@ class StepPlane(FrameThread):
                 f"session {job.session[:12]}: {state.broken or 'a step is in flight already'}"))
             return
         n = int(job.ids.shape[1])
-        bounds = list(chunks_of(n, self.part.max_chunk))
+        bounds = list(chunks_of(n, self.part.cfg.prefill_chunks, self.part.cfg.chunk_overhead_tokens))
         for k, (a, b) in enumerate(bounds):
             try:
                 hidden = self.part.front(job.session, job.ids[:, a:b])

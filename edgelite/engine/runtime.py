@@ -7,6 +7,8 @@ step, so attention never materialises (prompt x prompt) scores and shapes stay f
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +23,40 @@ from edgelite.errors import EdgeliteError, ModelFileError
 from edgelite.manifest import FileEntry, Manifest
 
 
-def chunks_of(n: int, max_chunk: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each chunk of a prompt of n tokens."""
-    for a in range(0, n, max_chunk):
-        yield a, min(n, a + max_chunk)
+def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk of a prompt of n tokens: the largest size while more than it
+    is left, then the cut of the rest that runs the fewest padded tokens (each chunk costs
+    `overhead` tokens more: a call, a hop). E.g. sizes (16, 64, 256): 35 -> 16+16+3 (48
+    padded, not 64); 60 -> 60 (one chunk of 64)."""
+    big = sizes[-1]
+    a = 0
+    while n - a > big:
+        yield a, a + big
+        a += big
+    for size in _cut(n - a, tuple(sizes), overhead):
+        yield a, a + size
+        a += size
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut(rest: int, sizes: tuple[int, ...], overhead: int) -> tuple[int, ...]:
+    """The chunk lengths for `rest` <= sizes[-1] tokens (whole sizes first, the padded one
+    last) with the fewest padded tokens + overhead per chunk."""
+    if rest <= 0:
+        return ()
+    best = (_pad(rest, sizes) + overhead, (rest,))
+    for c in sizes:
+        if c < rest:
+            tail = _cut(rest - c, sizes, overhead)
+            cost = c + overhead + sum(_pad(k, sizes) + overhead for k in tail)
+            if cost < best[0]:
+                best = (cost, (c, *tail))
+    return best[1]
+
+
+def _pad(k: int, sizes: tuple[int, ...]) -> int:
+    """The tokens a chunk of k runs as (a single token is a decode step)."""
+    return 1 if k == 1 else sizes[bisect.bisect_left(sizes, k)]
 
 
 class _Piece:
@@ -157,7 +189,7 @@ class LocalChain:
     def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, n) appended to the session -> logits (vocab,) of the last position."""
         hidden = None
-        for a, b in chunks_of(ids.shape[1], self.layers.max_chunk):
+        for a, b in chunks_of(ids.shape[1], self.layers.chunks, self.part.cfg.chunk_overhead_tokens):
             hidden = self.part.front(session, ids[:, a:b])
         assert hidden is not None
         return self.part.head(hidden)
@@ -165,7 +197,7 @@ class LocalChain:
     def logits_all(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, n) appended to the session -> logits (n, vocab) at every position."""
         out = []
-        for a, b in chunks_of(ids.shape[1], self.layers.max_chunk):
+        for a, b in chunks_of(ids.shape[1], self.layers.chunks, self.part.cfg.chunk_overhead_tokens):
             out.append(self.part.head_.run(self.part.front(session, ids[:, a:b]))[0])
         return np.concatenate(out)
 

@@ -161,17 +161,22 @@ class DataPlane(FrameThread):
 
     def on_idle(self) -> None:
         """Run the steps read this round: decode steps of one stage together (up to the batch
-        size), everything else one by one, in arrival order otherwise."""
+        size), everything else one by one, in arrival order otherwise. A step never joins a
+        batch ahead of an earlier step of its own session (a prompt's last chunk may be one
+        token: it must not run before the chunks it follows)."""
         while self.ready:
             first = self.ready.pop(0)
             group, rest = [first], []
+            waiting: set[str] = set()  # sessions with an earlier step left for later
             for r in self.ready:
                 if (first.decode and r.decode and r.stage is first.stage
                         and len(group) < self.cfg.batch_max_steps
+                        and r.msg.session not in waiting
                         and all(g.msg.session != r.msg.session for g in group)):
                     group.append(r)
                 else:
                     rest.append(r)
+                    waiting.add(r.msg.session)
             self.ready = rest
             if len(group) == 1:
                 self._forward(first.stage, first.msg, first.t_in)
