@@ -19,6 +19,9 @@ class RuntimeConfig:
     # a prompt runs in chunks of these sizes (the last one padded up): bounded shapes, and
     # no (prompt x prompt) attention at once
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
+    # what a chunk costs beyond its padded tokens (a call, a hop), in tokens: prompts are cut
+    # into the chunks that run the fewest padded tokens + this per chunk
+    chunk_overhead_tokens: int = 4
     # KV is accounted per session in these capacities (positions); the largest caps the context
     kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
@@ -92,6 +95,17 @@ class ClientConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """`edgelite serve --http`: the OpenAI-compatible API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 1024 * 1024  # a request body larger than this is refused (413)
+    sse_keepalive_s: float = 5.0  # a streamed reply with nothing new this long gets a comment
+    keep_alive_s: int = 5  # an idle HTTP/1.1 connection is closed after this
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 7080
@@ -104,7 +118,9 @@ class GatewayConfig:
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped
     client_send_timeout_s: float = 10.0  # a client that takes no frame for this long is dropped
     latency_window: int = 4096  # TTFT and inter-token samples kept per tier (the latest)
+    rate_window_s: float = 10.0  # tokens/s in stats and /metrics: over this last stretch
     prefill_chunk_tokens: int = 64  # a prompt is prefilled this much per step, between decodes
+    prefill_step_tokens: int = 64  # prefill tokens of all requests together in one step (>= 1 chunk)
     max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
     flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
     reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again

@@ -66,3 +66,7 @@ class PlanInfeasible(EdgeliteError):
 
 class KVBudgetExceeded(EdgeliteError):
     """A session's KV cache would exceed the node's memory budget."""
+
+
+class QueueFull(EdgeliteError):
+    """A user has as many requests queued or running as it may; try again later."""

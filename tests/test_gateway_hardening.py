@@ -87,7 +87,7 @@ def _solo(model: Path, prompt: str, n: int = 8) -> list[int]:
 
 def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> None:
     model = exported["llama"]
-    node = node_factory()
+    node = node_factory(log_file=tmp_path / "node.log")
     proc, port = _gateway(model, [node], tmp_path, "--set", "client_send_timeout_s=2",
                           "--set", "max_requests_per_user=4", "--set", "client_queue_frames=64")
     want = _solo(model, "hello there")

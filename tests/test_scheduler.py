@@ -153,6 +153,14 @@ def test_one_user_cannot_hold_every_slot_while_others_wait() -> None:
     d = s.step(0.3)
     assert [r.rid for r in d.admit] == ["n"] and len(d.preempt) == 1
     victim = d.preempt[0]
+    s.advance(d.admit[0])
+    held = {r.rid: r.held for r in s.running}
+    d2 = s.step(0.35)  # 3 hog requests and 1 new one decode: hog decodes its share (2) only
+    assert sorted(r.user for r in d2.decode) == ["hog", "hog", "new"]
+    assert [r.user for r in d2.paused] == ["hog"] and d2.paused[0].queue == "running"
+    assert d2.paused[0].held == held[d2.paused[0].rid]  # paused: its KV is kept
+    for r in d2.decode:
+        s.advance(r)
     assert victim.user == "hog" and victim.queue == "waiting" and victim.generated == 1
     assert victim.requeued == 1 and victim.preemptions == 0
     assert sum(r.user == "hog" for r in s.running) == 3

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,13 +41,13 @@ from edgelite.config import GatewayConfig, GenerationConfig, WireLimits
 from edgelite.engine.generate import Backend
 from edgelite.engine.sampling import sample
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
-from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
+from edgelite.errors import AuthError, EdgeliteError, ProtocolError, QueueFull, StreamError
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, bound_port
 from edgelite.net.handshake import server_handshake
 from edgelite.net.schema import Message
-from edgelite.serve.scheduler import Request, Scheduler
+from edgelite.serve.scheduler import Decision, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,23 @@ def load_users(path: Path) -> dict[str, User]:
     return {u.name: u for u in users}
 
 
+class Sink(Protocol):
+    """Where a request's frames go: a wire client, or an HTTP request (`serve/http.py`).
+    `gone` set: its requests are cancelled at the next step."""
+
+    user: User
+    peer: str
+    gone: bool
+
+    def post(self, msg: Message) -> None: ...
+
+
 class Client:
     """One connected client: its user, and a bounded queue of frames its writer task sends."""
 
     def __init__(self, conn: Conn, user: User, cfg: GatewayConfig) -> None:
         self.conn, self.user, self.cfg = conn, user, cfg
+        self.peer = conn.peer
         self.queue: asyncio.Queue[Message | None] = asyncio.Queue(cfg.client_queue_frames)
         self.gone = False
         self.refused = 0  # requests refused in a row (a flood is disconnected)
@@ -122,7 +134,7 @@ class Job:
     """One client request: the scheduler's Request plus what the gateway needs to serve it."""
 
     req: Request
-    client: Client
+    client: Sink
     rid: int
     prompt: list[int]
     gen: GenerationConfig
@@ -130,6 +142,7 @@ class Job:
     session: SessionId = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
+    prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     token_times: list[float] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
@@ -172,6 +185,8 @@ class Gateway:
         self.floods = 0
         self.reconnects = 0  # times the plan was deployed again after a lost node
         self.reconnect_failures = 0
+        self.tokens_total = 0  # tokens streamed to every client since the start
+        self.token_times: deque[float] = deque(maxlen=self.cfg.latency_window)  # the latest
 
     @property
     def port(self) -> int:
@@ -181,12 +196,13 @@ class Gateway:
         self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)
 
     async def run(self) -> None:
-        if self.server is None:
-            await self.start()
-        assert self.server is not None
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.server.serve_forever())
-            tg.create_task(self._loop())
+        """The scheduling loop; the native port, if `start` opened it, serves meanwhile and is
+        closed on the way out."""
+        try:
+            await self._loop()
+        finally:
+            if self.server is not None:
+                self.server.close()
 
     # ---- clients -------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -271,29 +287,38 @@ class Gateway:
         return user.token
 
     def _submit(self, client: Client, msg: m.GenerateRequest) -> None:
-        user, d = client.user, self.defaults
-        max_tokens = msg.max_tokens if msg.max_tokens is not None else d.max_tokens
-        if max_tokens > self.cfg.max_tokens_limit:
+        d = self.defaults
+        self.submit(client, msg.id, self._prompt(msg), GenerationConfig(
+            max_tokens=msg.max_tokens if msg.max_tokens is not None else d.max_tokens,
+            seed=msg.seed if msg.seed is not None else d.seed,
+            temperature=msg.temperature if msg.temperature is not None else d.temperature,
+            top_p=msg.top_p if msg.top_p is not None else d.top_p))
+
+    def submit(self, sink: Sink, rid: int, prompt: list[int], gen: GenerationConfig) -> None:
+        """Queue a request: its pieces, then Done or Error (with id `rid`), go to `sink`.
+        Raises ProtocolError for a request out of bounds, QueueFull when its user has
+        `max_requests_per_user` already."""
+        user = sink.user
+        if gen.max_tokens > self.cfg.max_tokens_limit:
             raise ProtocolError(f"max_tokens must be at most {self.cfg.max_tokens_limit}")
         mine = sum(1 for j in self.jobs.values() if j.client.user is user)
         if mine >= self.cfg.max_requests_per_user:
-            raise EdgeliteError(f"user {user.name} has {mine} requests queued or running; the "
-                                f"limit is {self.cfg.max_requests_per_user}")
-        prompt = self._prompt(msg)
-        seed = msg.seed if msg.seed is not None else d.seed
-        gen = GenerationConfig(
-            max_tokens=max_tokens, seed=seed,
-            temperature=msg.temperature if msg.temperature is not None else d.temperature,
-            top_p=msg.top_p if msg.top_p is not None else d.top_p)
-        req = Request(new_session_id(), user.tier, len(prompt), max_tokens, time.monotonic(),
+            raise QueueFull(f"user {user.name} has {mine} requests queued or running; the "
+                            f"limit is {self.cfg.max_requests_per_user}")
+        req = Request(new_session_id(), user.tier, len(prompt), gen.max_tokens, time.monotonic(),
                       user=user.name)
         try:
             self.sched.submit(req)
         except ValueError as exc:
-            raise EdgeliteError(str(exc)) from exc
-        rng = np.random.default_rng(seed if seed is not None else secrets.randbits(64))
-        self.jobs[req.rid] = Job(req, client, msg.id, prompt, gen, StreamDecoder(self.tok), rng=rng)
+            raise ProtocolError(str(exc)) from exc
+        rng = np.random.default_rng(gen.seed if gen.seed is not None else secrets.randbits(64))
+        self.jobs[req.rid] = Job(req, sink, rid, prompt, gen, StreamDecoder(self.tok), rng=rng)
         self.wake.set()
+
+    @property
+    def ready(self) -> bool:
+        """Requests can run now (the plan is deployed and every node answers)."""
+        return self.backend.healthy
 
     def _prompt(self, msg: m.GenerateRequest) -> list[int]:
         if msg.messages is not None:
@@ -316,8 +341,12 @@ class Gateway:
                 continue
             d = self.sched.step(time.monotonic())
             for r in d.preempt:
-                job = self.jobs[r.rid]
-                self._tier(job).preemptions += 1
+                if r.queue == "waiting":  # put back for fair shares (not a preemption)
+                    log.info("%s (user %s) gives its slot back to another user after %d tokens; "
+                             "its KV is dropped and will be recomputed", r.rid[:12], r.user,
+                             r.generated)
+                    continue
+                self._tier(self.jobs[r.rid]).preemptions += 1
                 log.info("preempted %s (tier %d, user %s) after %d tokens; its KV is dropped and "
                          "will be recomputed", r.rid[:12], r.tier, r.user, r.generated)
             ends = [self._end(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
@@ -330,7 +359,7 @@ class Gateway:
             for r in (*d.admit, *d.resume):  # (a request put back for fair shares has tokens)
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
-            work = [(r, self._next_ids(self.jobs[r.rid])) for r in (*d.admit, *d.resume, *d.decode)]
+            work = [(r, self._next_ids(self.jobs[r.rid])) for r in self._this_step(d)]
             results = (await asyncio.gather(
                 *ends, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
                          for r, (ids, _) in work), return_exceptions=True))[len(ends):]
@@ -340,6 +369,29 @@ class Gateway:
                     continue  # the request goes back to the queue (_recover)
                 if last or isinstance(logits, BaseException):
                     await self._deliver(self.jobs[r.rid], logits)
+
+    def _this_step(self, d: Decision) -> list[Request]:
+        """The requests that run this step: every decoding one, and prefill chunks up to
+        `prefill_step_tokens` (at least one chunk), the shortest remaining prefill first, a
+        prefill left out for steps gaining a chunk's worth each step. So a long prompt, or a
+        long conversation recomputed after a preemption, costs others' decode steps at most
+        one budget, and a short prompt is not queued behind it."""
+        chunk = self.cfg.prefill_chunk_tokens
+        decoding, prefilling = [], []
+        for r in (*d.admit, *d.resume, *d.decode):
+            (prefilling if self.jobs[r.rid].pending else decoding).append(r)
+        prefilling.sort(key=lambda r: len(self.jobs[r.rid].pending) - chunk * self.jobs[r.rid].prefill_waits)
+        budget = self.cfg.prefill_step_tokens
+        for k, r in enumerate(prefilling):
+            job = self.jobs[r.rid]
+            size = min(chunk, len(job.pending))
+            if k == 0 or size <= budget:
+                budget -= size
+                job.prefill_waits = 0
+                decoding.append(r)
+            else:
+                job.prefill_waits += 1
+        return decoding
 
     def _next_ids(self, job: Job) -> tuple[list[int], bool]:
         """What a request sends this step: the next chunk of its prefill, or its last token;
@@ -363,7 +415,7 @@ class Gateway:
         ends = []
         for job in [j for j in self.jobs.values() if j.client.gone]:
             log.info("cancelled %s of %s (%s), who left after %d tokens", job.req.rid[:12],
-                     job.client.conn.peer, job.req.queue, len(job.tokens))
+                     job.client.peer, job.req.queue, len(job.tokens))
             if job.req.queue == "running":
                 ends.append(self._end(job))
             self.sched.cancel(job.req)
@@ -404,6 +456,8 @@ class Gateway:
         if not eos:
             job.tokens.append(tok)
             job.token_times.append(time.monotonic())
+            self.tokens_total += 1
+            self.token_times.append(job.token_times[-1])
             job.client.post(m.TokenPiece(id=job.rid, text=job.decoder.push(tok), token_id=tok))
         self.sched.advance(r, done=eos)
         if r.queue == "finished":
@@ -430,13 +484,23 @@ class Gateway:
     def _tier(self, job: Job) -> TierStats:
         return self.tiers.setdefault(job.client.user.tier, TierStats(self.cfg.latency_window))
 
+    def tokens_per_s(self) -> float:
+        """Tokens streamed per second over the last `rate_window_s`."""
+        since = time.monotonic() - self.cfg.rate_window_s
+        recent = sum(1 for t in reversed(self.token_times) if t >= since)
+        return round(recent / self.cfg.rate_window_s, 2)
+
     def stats(self) -> dict[str, Any]:
         s = self.sched
         queues = {"waiting": s.waiting(), "running": s.running, "preempted": s.preempted_list()}
+        tiers = {0} | {u.tier for u in self.users.values()} | {
+            r.tier for rs in queues.values() for r in rs}
         per_tier = {str(t): {q: sum(1 for r in rs if r.tier == t) for q, rs in queues.items()}
-                    for t in sorted({u.tier for u in self.users.values()})}
+                    for t in sorted(tiers)}
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
                 "cancelled": self.cancelled, "floods": self.floods, "reconnects": self.reconnects,
                 "reconnect_failures": self.reconnect_failures,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
+                "tokens_total": self.tokens_total, "tokens_per_s": self.tokens_per_s(),
+                "preemptions": sum(st.preemptions for st in self.tiers.values()),
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}

@@ -24,14 +24,18 @@ resume preempted requests as KV memory allows. Decoding needs one more KV token 
 request; when that does not fit, the lowest-priority running request below the preemption cap is
 preempted. A request that reached the cap is never preempted again.
 
-Fair shares (beyond DESIGN.md): with several users active (holding waiting, running or preempted
-requests, or having had one within `fair_window_s`), a user may run at most
-max_requests // active users requests; its other waiting requests are passed over meanwhile
-(they keep their place). When every slot is taken, a request of a user below its share takes
-one from the user furthest above it: that request goes back to waiting and keeps its tokens.
+Fair shares (beyond DESIGN.md), within a tier (between tiers, priority decides): with several
+users of a tier active (holding waiting, running or preempted requests, or having had one
+within `fair_window_s`), a user may run at most max_requests // active users of its tier;
+its other waiting requests are passed over meanwhile (they keep their place). When every slot
+is taken, a request of a user below its share takes one from the user of its tier furthest
+above it: that request goes back to waiting and keeps its tokens.
 This is not counted against max_preemptions: its user keeps running its share, so it cannot
-starve. One user with many requests (a flood, or replies nobody reads) cannot hold everyone
-else's slots; alone, a user may use them all.
+starve. While several users of a tier have running requests, each decodes at most
+max_requests // those users of them a step (its highest-priority ones); the rest are paused
+(KV kept, no token this step), so one user's many requests do not slow everyone's steps.
+One user with many requests (a flood, or replies nobody reads) cannot hold everyone else's
+slots; alone, a user may use them all.
 
 Waiting bound (what the tests check): an overdue request is never passed by a later-overdue one
 and nothing is admitted around it (no backfilling past an overdue head). Every request ahead of
@@ -49,6 +53,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from edgelite.config import SchedulerConfig
+
+
+def _shares(users_per_tier: Counter[int], slots: int) -> dict[int, int]:
+    """Running slots per user, for each tier with several users (fair shares are within a
+    tier: between tiers, priority decides)."""
+    return {t: max(1, slots // n) for t, n in users_per_tier.items() if n > 1}
 
 
 @dataclass(eq=False)
@@ -87,6 +97,7 @@ class Decision:
     resume: list[Request] = field(default_factory=list)  # re-prefill prompt + generated
     preempt: list[Request] = field(default_factory=list)  # drop their KV
     decode: list[Request] = field(default_factory=list)  # one token each
+    paused: list[Request] = field(default_factory=list)  # running, KV kept, no token this step
 
     @property
     def idle(self) -> bool:
@@ -106,7 +117,7 @@ class Scheduler:
         self.kv_used = 0
         self.last_admit = -float("inf")
         self._seq = itertools.count()
-        self.seen: dict[str, float] = {}  # user -> when it last had a request here (fair shares)
+        self.seen: dict[tuple[int, str], float] = {}  # (tier, user) -> when it last had work
 
     # ---- priority ------------------------------------------------------------------------
     def static_priority(self, r: Request) -> float:
@@ -193,39 +204,40 @@ class Scheduler:
         i = bisect.bisect_left(self.cfg.kv_buckets, tokens)
         return self.cfg.kv_buckets[i] if i < len(self.cfg.kv_buckets) else tokens
 
-    def _share(self, now: float) -> int | None:
+    def _shares(self, now: float) -> dict[int, int]:
         """Running slots per user while several users are active (None: no limit). A user is
         active with a request waiting, running or preempted, and for `fair_window_s` after one
         of its requests ran (so that users asking one thing after another keep their share)."""
         if not self.cfg.fair_share:
-            return None
+            return {}
         for r in self.running:
-            self.seen[r.user] = now
+            self.seen[r.tier, r.user] = now
         for heap in (self.overdue, self.fresh, self.preempted):
             for e in heap:
-                self.seen[e[2].user] = now
-        for u in [u for u, t in self.seen.items() if now - t > self.cfg.fair_window_s]:
-            del self.seen[u]
-        return max(1, self.cfg.max_requests // len(self.seen)) if len(self.seen) > 1 else None
+                self.seen[e[2].tier, e[2].user] = now
+        for k in [k for k, t in self.seen.items() if now - t > self.cfg.fair_window_s]:
+            del self.seen[k]
+        return _shares(Counter(tier for tier, _ in self.seen), self.cfg.max_requests)
 
     def _admit(self, d: Decision, now: float) -> None:
         tokens = 0
-        share = self._share(now)
-        per_user = Counter(r.user for r in self.running)
+        shares = self._shares(now)
+        per_user = Counter((r.tier, r.user) for r in self.running)
         passed: list[tuple[list, tuple[float, int, Request]]] = []  # over their share: put back
         try:
             for heap in (self.overdue, self.fresh):
                 while heap:
                     r = heap[0][2]
-                    if share is not None and per_user[r.user] >= share:
+                    share = shares.get(r.tier)
+                    if share is not None and per_user[r.tier, r.user] >= share:
                         passed.append((heap, heapq.heappop(heap)))  # keeps its place
                         continue
                     if share is not None and len(self.running) >= self.cfg.max_requests:
-                        victim = self._over_share(per_user, share)
+                        victim = self._over_share(per_user, r.tier, share)
                         if victim is not None:
                             passed.append(self._requeue(victim))  # (not back before the end)
                             d.preempt.append(victim)
-                            per_user[victim.user] -= 1
+                            per_user[victim.tier, victim.user] -= 1
                     fits = (len(self.running) < self.cfg.max_requests
                             and tokens + r.prompt_len <= self.cfg.max_step_tokens
                             and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
@@ -234,21 +246,22 @@ class Scheduler:
                     heapq.heappop(heap)
                     tokens += r.prompt_len
                     self._run(r)
-                    per_user[r.user] += 1
+                    per_user[r.tier, r.user] += 1
                     r.admitted_at = now
                     d.admit.append(r)
         finally:
             for heap, entry in passed:
                 heapq.heappush(heap, entry)
 
-    def _over_share(self, per_user: Counter[str], share: int) -> Request | None:
-        """The lowest-priority running request (not pinned, not admitted this step) of the user
-        furthest above its share, if any user is above it."""
-        over = [u for u, n in per_user.items() if n > share]
+    def _over_share(self, per_user: Counter[tuple[int, str]], tier: int, share: int
+                    ) -> Request | None:
+        """The lowest-priority running request (not admitted this step) of the user of `tier`
+        furthest above its share, if any user of that tier is above it."""
+        over = [k for k, n in per_user.items() if k[0] == tier and n > share]
         if not over:
             return None
-        user = max(over, key=lambda u: per_user[u])
-        cands = [r for r in self.running if r.user == user and not r.entered]
+        key = max(over, key=lambda k: per_user[k])
+        cands = [r for r in self.running if (r.tier, r.user) == key and not r.entered]
         return min(cands, key=self.decode_priority) if cands else None
 
     def _requeue(self, r: Request) -> tuple[list, tuple[float, int, Request]]:
@@ -286,6 +299,16 @@ class Scheduler:
             self._preempt(v)
             d.preempt.append(v)
         d.decode = sorted(self.running, key=self.decode_priority, reverse=True)
+        if self.cfg.fair_share:
+            users = {(r.tier, r.user) for r in d.decode}
+            shares = _shares(Counter(tier for tier, _ in users), self.cfg.max_requests)
+            taken: Counter[tuple[int, str]] = Counter()
+            for r in d.decode:
+                taken[r.tier, r.user] += 1
+                if r.tier in shares and taken[r.tier, r.user] > shares[r.tier]:
+                    d.paused.append(r)
+            if d.paused:
+                d.decode = [r for r in d.decode if r not in d.paused]
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
