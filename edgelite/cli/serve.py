@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import edgelite
 from edgelite.cli import options, runner, views
 from edgelite.client.backend import ClusterBackend
 from edgelite.client.llm import LLM
-from edgelite.config import GatewayConfig, RuntimeConfig, SchedulerConfig
+from edgelite.config import GatewayConfig, HttpConfig, RuntimeConfig, SchedulerConfig
+from edgelite.errors import EdgeliteError, MissingDependency
 from edgelite.serve.gateway import Gateway, load_users
 from edgelite.serve.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from edgelite.serve.http import HttpApi
 
 log = logging.getLogger(__name__)
 LOCAL_KV_TOKENS = 8192  # the scheduler's KV budget when every layer runs here
@@ -29,8 +35,17 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     options.cluster_flags(sv)
     sv.add_argument("--host", default=g.host, help="address to listen on")
     sv.add_argument("--port", type=int, default=g.port, help="0 = any free port (printed)")
-    sv.add_argument("--users", type=Path, required=True,
-                    help='users.json: {"users": [{"name", "token", "tier"}]}')
+    sv.add_argument("--users", type=Path,
+                    help='users.json: {"users": [{"name", "token", "tier"}]} (needed by the '
+                         'native port; without it HTTP requests need no token)')
+    sv.add_argument("--http", metavar="[HOST:]PORT",
+                    help="also serve the OpenAI-compatible API here (host default 127.0.0.1; "
+                         "needs the http extra: pip install 'edgelite[http]')")
+    sv.add_argument("--http-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a limit or timeout of the HTTP API (HttpConfig in edgelite/config.py), "
+                         "e.g. --http-set sse_keepalive_s=2")
+    sv.add_argument("--no-native", action="store_true",
+                    help="serve only the HTTP API (no native gateway port)")
     sv.add_argument("--kv-tokens", type=int, help="KV memory for the scheduler, in tokens "
                                                   "(default: what the nodes' budgets hold)")
     sv.add_argument("--max-requests", type=int, default=s.max_requests,
@@ -65,14 +80,35 @@ async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int
     return (None if tokens == math.inf else int(tokens)), buckets
 
 
+def http_address(spec: str) -> tuple[str, int]:
+    """--http "[HOST:]PORT" -> (host, port)."""
+    host, _, port = spec.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise EdgeliteError(f"--http {spec}: expected [HOST:]PORT with a port in 0-65535")
+    return host or HttpConfig.host, number
+
+
 async def serve(args: argparse.Namespace) -> int:
-    users = load_users(args.users)
+    if args.users is None and not args.no_native:
+        raise EdgeliteError("the native gateway port needs --users; for the HTTP API alone "
+                            "add --http [HOST:]PORT --no-native")
+    if args.no_native and not args.http:
+        raise EdgeliteError("--no-native leaves nothing to serve without --http")
+    users = load_users(args.users) if args.users is not None else None
     gateway_cfg = GatewayConfig(**{"host": args.host, "port": args.port,
                                    **options.config_overrides(args.set, GatewayConfig)})
-    console = views.stderr_console()
-    with views.connect_bars(console, live=console.is_terminal) as progress:
-        llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
-    async with llm:
+    async with contextlib.AsyncExitStack() as stack:
+        api = None
+        if args.http:
+            api = await stack.enter_async_context(_http(args, users))
+        console = views.stderr_console()
+        with views.connect_bars(console, live=console.is_terminal) as progress:
+            llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+        await stack.enter_async_context(llm)
         nodes_kv, buckets = await kv_of(llm, options.runtime_config(args))
         cluster_kv = nodes_kv or args.kv_tokens or LOCAL_KV_TOKENS
         kv = min(cluster_kv, args.kv_tokens or cluster_kv)
@@ -82,9 +118,32 @@ async def serve(args: argparse.Namespace) -> int:
                                           max_preemptions=args.max_preemptions))
         log.info("scheduler: %d KV tokens (cluster %d), %d requests at once", kv, cluster_kv,
                  args.max_requests)
-        gw = Gateway(llm.backend, llm.tokenizer, users, sched,
-                     gateway_cfg, llm.generation)
-        await gw.start()
-        print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
+        gw = Gateway(llm.backend, llm.tokenizer, users or {}, sched, gateway_cfg, llm.generation)
+        if not args.no_native:
+            await gw.start()
+            print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
+        if api is not None:
+            api.gateway = gw  # /health turns 200
         await gw.run()
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _http(args: argparse.Namespace, users: dict | None) -> AsyncIterator[HttpApi]:
+    """The HTTP API, listening from before the plan is made (/health: 503 until deployed)."""
+    try:
+        from edgelite.serve.http import HttpApi, served
+    except ImportError as exc:
+        raise MissingDependency(f"--http needs the http extra ({exc.name} is missing): "
+                                "pip install 'edgelite[http]'") from exc
+    host, port = http_address(args.http)
+    if users is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the HTTP API on %s has no --users: anyone who reaches it may use the "
+                    "cluster", host)
+    model_id = Path(args.model).name
+    api = HttpApi(model_id, users, HttpConfig(**{
+        "host": host, "port": port, **options.config_overrides(args.http_set, HttpConfig)}))
+    async with served(api) as bound:
+        print(f"edgelite HTTP API (OpenAI-compatible) listening on http://{host}:{bound}/v1 "
+              f"(model {model_id!r})", flush=True)
+        yield api

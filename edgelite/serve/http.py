@@ -1,0 +1,503 @@
+"""The OpenAI-compatible HTTP API (`edgelite serve --http HOST:PORT`), over the same gateway,
+scheduler and tiers as the native protocol.
+
+POST /v1/chat/completions and /v1/completions (`stream` true: server-sent events ending with
+`data: [DONE]`), GET /v1/models, /health (503 until the plan is deployed, and while a lost node
+is being replaced) and /metrics (Prometheus text). `Authorization: Bearer <token>` names a user
+of users.json (its tier comes from the file); without users every request is "anonymous".
+Errors are OpenAI's error JSON. A client that disconnects cancels its request.
+
+The HTTP layer is Starlette on uvicorn with its pure-Python h11 protocol: both are small,
+maintained, pure-Python wheels (they install in Termux without a compiler), and an optional
+extra (`pip install edgelite[http]`). Imported only when `--http` is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgelite.config import GenerationConfig, HttpConfig
+from edgelite.errors import EdgeliteError, ProtocolError, QueueFull
+from edgelite.net import messages as m
+from edgelite.net.schema import Message
+from edgelite.serve.gateway import Gateway, User
+
+log = logging.getLogger(__name__)
+ANONYMOUS = User("anonymous", "", 0)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: Ctrl-C belongs to the command that runs us."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with this HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass(eq=False)
+class HttpSink:
+    """One HTTP request as the gateway sees a client: what it posts lands in `queue`."""
+
+    user: User
+    peer: str
+    gone: bool = False
+    queue: asyncio.Queue[Message | None] = field(default_factory=asyncio.Queue)
+
+    def post(self, msg: Message) -> None:
+        if not self.gone:
+            self.queue.put_nowait(msg)  # unbounded: a request posts at most max_tokens + 1
+
+
+@dataclass
+class Call:
+    """A parsed completion request."""
+
+    prompt: list[int]
+    gen: GenerationConfig
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+class StopMatcher:
+    """Streams text while holding back what could be the start of a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """-> (text that may be sent now, whether a stop string was reached)."""
+        self.held += text
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.held = self.held[:cut], ""
+            return out, True
+        if self.hold == 0:
+            out, self.held = self.held, ""
+            return out, False
+        out, self.held = self.held[:-self.hold], self.held[-self.hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class HttpApi:
+    """The Starlette app. `gateway` is None until the plan is deployed (/health says 503)."""
+
+    def __init__(self, model_id: str, users: dict[str, User] | None, cfg: HttpConfig) -> None:
+        self.model_id, self.cfg = model_id, cfg
+        self.by_token = {u.token: u for u in users.values()} if users else None
+        self.gateway: Gateway | None = None
+        self.requests_total = 0
+        self.disconnects = 0  # requests whose client went away before the end
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # ---- serving -------------------------------------------------------------------------
+    def bind(self) -> socket.socket:
+        """The listening socket (port 0: any free port; `.getsockname()` tells)."""
+        try:
+            sock = socket.create_server((self.cfg.host, self.cfg.port), reuse_port=False)
+        except OSError as exc:
+            raise EdgeliteError(f"cannot listen on {self.cfg.host}:{self.cfg.port} for HTTP: "
+                                f"{exc.strerror or exc}") from exc
+        sock.setblocking(False)
+        return sock
+
+    async def serve(self, sock: socket.socket) -> None:
+        config = uvicorn.Config(self.app, http="h11", lifespan="off", log_config=None,
+                                access_log=False, timeout_keep_alive=self.cfg.keep_alive_s)
+        await _Server(config).serve(sockets=[sock])
+
+    # ---- endpoints -----------------------------------------------------------------------
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._user(request)
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "edgelite"}]})
+
+    async def health(self, request: Request) -> Response:
+        gw = self.gateway
+        if gw is None:
+            return JSONResponse({"status": "starting", "detail": "the cluster is being planned "
+                                 "and deployed"}, status_code=503)
+        if not gw.ready:
+            return JSONResponse({"status": "unavailable", "detail": "a node was lost; the plan "
+                                 "is being deployed again"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id})
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(self.prometheus(), media_type="text/plain; version=0.0.4")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        try:
+            user = self._user(request)
+            body = await self._body(request)
+            gw = self._gateway()
+            call = self._parse(body, gw, chat)
+            sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
+            rid = secrets.randbits(48)
+            try:
+                gw.submit(sink, rid, call.prompt, call.gen)
+            except QueueFull as exc:
+                raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from exc
+            except ProtocolError as exc:
+                raise ApiError(400, str(exc)) from exc
+        except ApiError as exc:
+            return exc.response()
+        self.requests_total += 1
+        name = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        if call.stream:
+            return StreamingResponse(self._events(request, sink, call, name),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, sink, call, name)
+
+    # ---- requests ------------------------------------------------------------------------
+    def _user(self, request: Request) -> User:
+        if self.by_token is None:
+            return ANONYMOUS
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing 'Authorization: Bearer <token>'", "authentication_error",
+                           code="invalid_api_key")
+        for known, user in self.by_token.items():
+            if hmac.compare_digest(known.encode(), token.strip().encode()):
+                return user
+        raise ApiError(401, "unknown token", "authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        size = int(request.headers.get("content-length") or 0)
+        if size > self.cfg.max_body_bytes:
+            raise ApiError(413, f"request body of {size} bytes exceeds {self.cfg.max_body_bytes}")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.cfg.max_body_bytes:
+                raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    def _gateway(self) -> Gateway:
+        if self.gateway is None or not self.gateway.ready:
+            raise ApiError(503, "the cluster is not available yet (being planned or deployed "
+                                "again); retry shortly", "server_error", code="unavailable")
+        return self.gateway
+
+    def _parse(self, body: dict[str, Any], gw: Gateway, chat: bool) -> Call:
+        model = body.get("model", self.model_id)
+        if model != self.model_id:
+            raise ApiError(404, f"model {model!r} is not served here; this server has "
+                                f"{self.model_id!r}", param="model", code="model_not_found")
+        n = body.get("n", 1)
+        if n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if chat:
+            prompt = gw.tok.chat_prompt(_messages(body.get("messages")))
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and len(text) == 1:
+                text = text[0]
+            if not isinstance(text, str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+            prompt = gw.tok.encode(text)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        d = gw.defaults
+        if "max_completion_tokens" in body:
+            body["max_tokens"] = body["max_completion_tokens"]
+
+        def pick(name: str, kind: type, lo: float, hi: float, default: Any) -> Any:
+            return default if body.get(name) is None else _number(body[name], name, kind, lo, hi)
+
+        gen = GenerationConfig(
+            max_tokens=pick("max_tokens", int, 1, gw.cfg.max_tokens_limit, d.max_tokens),
+            temperature=pick("temperature", float, 0.0, 2.0, d.temperature),
+            top_p=pick("top_p", float, 0.0, 1.0, d.top_p),
+            seed=pick("seed", int, 0, 2**63 - 1, d.seed),
+            stop=_stops(body.get("stop")))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be true or false", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        return Call(prompt, gen, stream, bool(options.get("include_usage", True)), chat)
+
+    # ---- replies -------------------------------------------------------------------------
+    async def _pieces(self, request: Request, sink: HttpSink, call: Call
+                      ) -> AsyncIterator[tuple[str, m.Done | None]]:
+        """(text, None) per piece as it may be sent (stop strings held back), then ("", Done)
+        with `finish` set to "stop" when a stop string ended it. Raises ApiError if the
+        request failed. The request is cancelled if the client goes or the caller stops."""
+        watcher = asyncio.get_running_loop().create_task(self._watch(request, sink))
+        stops = StopMatcher(call.gen.stop)
+        ids: list[int] = []
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(sink.queue.get(), self.cfg.sse_keepalive_s)
+                except TimeoutError:
+                    yield "", None  # nothing yet (a long prompt): the caller may keep alive
+                    continue
+                if msg is None:  # the client went away
+                    return
+                if isinstance(msg, m.TokenPiece):
+                    ids.append(msg.token_id)
+                    text, stopped = stops.push(msg.text)
+                    if text:
+                        yield text, None
+                    if stopped:
+                        yield "", m.Done(id=msg.id, token_ids=ids, tier=sink.user.tier, finish="stop",
+                                         preemptions=0)
+                        return
+                elif isinstance(msg, m.Done):
+                    if tail := stops.flush():
+                        yield tail, None
+                    yield "", msg
+                    return
+                elif isinstance(msg, m.Error):
+                    raise ApiError(503 if self.gateway is None or not self.gateway.ready else 500,
+                                   msg.message, "server_error")
+        finally:
+            if not sink.gone:  # ended early (a stop string, an error, the client left)
+                sink.gone = True
+                if self.gateway is not None:
+                    self.gateway.wake.set()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _watch(self, request: Request, sink: HttpSink) -> None:
+        """Wait for the client to disconnect; then cancel its request at once."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not sink.gone:
+            self.disconnects += 1
+            log.info("%s (%s) disconnected; its request is cancelled", sink.peer, sink.user.name)
+            sink.gone = True
+            sink.queue.put_nowait(None)
+            if self.gateway is not None:
+                self.gateway.wake.set()
+
+    async def _whole(self, request: Request, sink: HttpSink, call: Call, name: str) -> Response:
+        parts: list[str] = []
+        done: m.Done | None = None
+        try:
+            async for text, end in self._pieces(request, sink, call):
+                parts.append(text)
+                done = end or done
+        except ApiError as exc:
+            return exc.response()
+        if done is None:
+            return Response(status_code=499)  # the client left: nobody reads this
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(done.finish),
+                                  "logprobs": None}
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({
+            "id": name, "object": "chat.completion" if call.chat else "text_completion",
+            "created": int(time.time()), "model": self.model_id, "choices": [choice],
+            "usage": _usage(call, done), "edgelite": _extra(done)})
+
+    async def _events(self, request: Request, sink: HttpSink, call: Call, name: str
+                      ) -> AsyncIterator[bytes]:
+        created, kind = int(time.time()), "chat.completion.chunk" if call.chat else "text_completion"
+
+        def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if call.chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta
+            body = {"id": name, "object": kind, "created": created, "model": self.model_id,
+                    "choices": [choice], **extra}
+            return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+        if call.chat:
+            yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for text, done in self._pieces(request, sink, call):
+                if done is not None:
+                    extra = {"usage": _usage(call, done)} if call.include_usage else {}
+                    yield chunk({} if call.chat else "", _finish(done.finish), **extra,
+                                edgelite=_extra(done))
+                    yield b"data: [DONE]\n\n"
+                    return
+                if text:
+                    yield chunk({"content": text} if call.chat else text)
+                else:
+                    yield b": keep-alive\n\n"
+        except ApiError as exc:
+            yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+    # ---- metrics -------------------------------------------------------------------------
+    def prometheus(self) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, helptext: str, values: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP edgelite_{name} {helptext}")
+            lines.append(f"# TYPE edgelite_{name} {kind}")
+            lines.extend(f"edgelite_{name}{labels} {value:g}" for labels, value in values)
+
+        gw = self.gateway
+        metric("up", "gauge", "1 when the plan is deployed and requests can run",
+               [("", 1.0 if gw is not None and gw.ready else 0.0)])
+        metric("http_requests_total", "counter", "completion requests accepted over HTTP",
+               [("", self.requests_total)])
+        metric("http_disconnects_total", "counter", "HTTP requests whose client left before the end",
+               [("", self.disconnects)])
+        if gw is None:
+            return "\n".join(lines) + "\n"
+        st = gw.stats()
+        metric("queue_length", "gauge", "requests per queue and tier",
+               [(f'{{queue="{q}",tier="{t}"}}', n) for t, qs in st["queues_by_tier"].items()
+                for q, n in qs.items()])
+        metric("requests_cancelled_total", "counter", "requests whose client went away",
+               [("", st["cancelled"])])
+        metric("preemptions_total", "counter", "requests preempted (KV dropped)",
+               [(f'{{tier="{t}"}}', ts["preemptions"]) for t, ts in st["tiers"].items()])
+        metric("requests_done_total", "counter", "requests finished",
+               [(f'{{tier="{t}"}}', ts["done"]) for t, ts in st["tiers"].items()])
+        metric("tokens_total", "counter", "tokens generated", [("", st["tokens_total"])])
+        metric("tokens_per_second", "gauge", f"tokens generated per second over the last "
+               f"{gw.cfg.rate_window_s:g} s", [("", st["tokens_per_s"])])
+        metric("kv_tokens_used", "gauge", "KV positions held by running requests",
+               [("", st["kv_tokens"]["used"])])
+        for what, key in (("ttft", "ttft_ms"), ("inter_token", "itl_ms")):
+            metric(f"{what}_ms", "summary", f"{what.replace('_', '-')} latency per tier (recent)",
+                   [(f'{{tier="{t}",quantile="{q}"}}', ts[f"{key}_p{p}"])
+                    for t, ts in st["tiers"].items() for q, p in (("0.5", 50), ("0.99", 99))])
+        return "\n".join(lines) + "\n"
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
+        content = msg.get("content")
+        if isinstance(content, list):  # [{type: text, text}] parts
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param="messages")
+            content = "".join(texts)  # type: ignore[arg-type]
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        out.append({"role": msg["role"], "content": content})
+    return out
+
+
+def _number(value: Any, name: str, kind: type, lo: float, hi: float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be within {lo:g}..{hi:g}", param=name)
+    return kind(value)
+
+
+def _stops(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if (not isinstance(stops, list) or len(stops) > 4
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    return tuple(stops)
+
+
+def _finish(finish: str) -> str:
+    return "length" if finish == "length" else "stop"  # eos and stop strings: "stop"
+
+
+def _usage(call: Call, done: m.Done) -> dict[str, int]:
+    n = len(done.token_ids)
+    return {"prompt_tokens": len(call.prompt), "completion_tokens": n,
+            "total_tokens": len(call.prompt) + n}
+
+
+def _extra(done: m.Done) -> dict[str, Any]:
+    """edgelite's own fields (OpenAI clients ignore them): the ids, the tier, timings."""
+    return {"token_ids": list(done.token_ids), "tier": done.tier, "ttft_ms": done.ttft_ms,
+            "decode_tok_s": done.decode_tok_s}
+
+
+@contextlib.asynccontextmanager
+async def served(api: HttpApi) -> AsyncIterator[int]:
+    """Serve `api` in a task for the block; yields the bound port."""
+    sock = api.bind()
+    task = asyncio.get_running_loop().create_task(api.serve(sock), name="http")
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        sock.close()

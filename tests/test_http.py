@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP API: `edgelite serve --http` on 2 node processes, driven by the
+official `openai` package and by `curl -N`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import run_cli
+from edgelite.cli.localnodes import TOKEN
+from edgelite.config import HttpConfig
+from edgelite.serve.http import HttpApi, StopMatcher, served
+
+pytestmark = pytest.mark.e2e
+USERS = [{"name": "free", "token": "t-free", "tier": 0}, {"name": "pro", "token": "t-pro", "tier": 2}]
+PROMPTS = ["hello", "tell me a story", "what is a phone", "count to five"]
+
+
+def _start(model: Path, nodes: list, users: Path, log, *extra: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
+           ",".join(n.addr for n in nodes), "--split", "0-0,1-2", "--token", TOKEN,
+           "--users", str(users), "--http", "127.0.0.1:0", "--no-native", "--threads", "1",
+           "--patience-s", "5", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if found := re.search(r"listening on (http://[\d.]+:\d+)/v1", line):
+            base = found.group(1)
+            while time.monotonic() < deadline:  # /health: 503 until the plan is deployed
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            return proc, base
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == 503
+                time.sleep(0.1)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("the HTTP API did not come up (see its log)")
+
+
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
+                                     if ln and not ln.startswith("#"))}
+
+
+@pytest.fixture
+def server(exported, node_factory, tmp_path: Path, request):
+    nodes = [node_factory() for _ in range(2)]
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        proc, base = _start(exported["llama"], nodes, users, f,
+                            "--set", "max_requests_per_user=12", *getattr(request, "param", ()))
+    yield base, log
+    proc.kill()
+    proc.wait(10)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_openai_package_streams_and_answers_like_generate(exported, server) -> None:
+    base, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="t-pro", max_retries=0)
+    model = client.models.list().data[0].id
+    solo = json.loads(run_cli("generate", "--model", str(exported["llama"]), "--json",
+                              "--max-tokens", "12", PROMPTS[1]).stdout)
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
+    assert whole.model_extra["edgelite"]["token_ids"] == solo["token_ids"]
+    assert whole.choices[0].message.content == solo["text"]
+    assert whole.usage.completion_tokens == len(solo["token_ids"])
+    assert whole.usage.prompt_tokens > 0 and whole.choices[0].finish_reason in ("length", "stop")
+
+    pieces, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=12,
+                                                temperature=0, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == solo["text"] and finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == len(solo["token_ids"])
+
+    # /v1/completions: the raw prompt, no chat template; a stop string cuts the text
+    text = client.completions.create(model=model, prompt="the sky is", max_tokens=10).choices[0].text
+    assert text
+    stop = text[2:4]
+    cut = client.completions.create(model=model, prompt="the sky is", max_tokens=10, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # a seed makes sampling repeatable
+    a, b = (client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0,
+                                           seed=7).choices[0].message.content for _ in range(2))
+    assert a == b
+
+    # errors: OpenAI's JSON and status codes
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-9", messages=msgs)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model, messages=msgs, temperature=9)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=model, messages=msgs, n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model, messages=[])
+
+
+@pytest.mark.parametrize("server", [("--http-set", "sse_keepalive_s=0.001")], indirect=True)
+def test_curl_streams_server_sent_events(server) -> None:
+    """(Keep-alive comments every ms while nothing else is ready: the prefill is one.)"""
+    base, _ = server
+    body = json.dumps({"model": "ignored-not", "messages": [{"role": "user", "content": "hi"}]})
+    bad = subprocess.run(["curl", "-sS", "-N", "-H", "Authorization: Bearer t-free", "-H",
+                          "Content-Type: application/json", "-d", body, "-w", "\n%{http_code}",
+                          base + "/v1/chat/completions"], capture_output=True, text=True, timeout=30)
+    assert bad.stdout.endswith("404") and '"model_not_found"' in bad.stdout
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                       "max_tokens": 6})
+    out = subprocess.run(["curl", "-sS", "-N", "-H", "Authorization: Bearer t-free", "-H",
+                          "Content-Type: application/json", "-d", body, base + "/v1/chat/completions"],
+                         capture_output=True, text=True, timeout=30)
+    assert ": keep-alive" in out.stdout.split("data: ", 2)[1]  # before the first token
+    events = [ln[len("data: "):] for ln in out.stdout.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", out.stdout
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 == len(chunks[-1]["edgelite"]["token_ids"])
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_sixteen_streams_match_solo_runs_and_tiers_show(server) -> None:
+    base, _ = server
+
+    async def one(user: str, prompt: str) -> list[int]:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=user, max_retries=0)
+        ids: list[int] = []
+        model = (await client.models.list()).data[0].id
+        async for chunk in await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
+                stream=True):
+            if chunk.model_extra.get("edgelite"):
+                ids = chunk.model_extra["edgelite"]["token_ids"]
+        await client.close()
+        return ids
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        solo = [await one("t-pro", p) for p in PROMPTS]
+        many = await asyncio.gather(*(one("t-pro" if i % 2 else "t-free", PROMPTS[i % 4])
+                                      for i in range(16)))
+        return solo, list(many)
+
+    solo, many = asyncio.run(asyncio.wait_for(main(), 120))
+    assert all(len(s) == 16 for s in solo)
+    for i, ids in enumerate(many):
+        assert ids == solo[i % 4], i
+    m = _metrics(base)
+    assert m['edgelite_requests_done_total{tier="2"}'] == 4 + 8
+    assert m['edgelite_requests_done_total{tier="0"}'] == 8
+    # tier order: the 8 tier-2 streams were admitted before the 8 tier-0 ones
+    assert m['edgelite_ttft_ms{tier="2",quantile="0.5"}'] < m['edgelite_ttft_ms{tier="0",quantile="0.5"}']
+    assert m['edgelite_queue_length{queue="running",tier="0"}'] == 0
+    assert m["edgelite_tokens_total"] == (4 + 16) * 16
+
+
+def test_a_client_that_disconnects_frees_its_request(server) -> None:
+    base, _ = server
+    body = json.dumps({"messages": [{"role": "user", "content": "go on"}], "stream": True,
+                       "max_tokens": 230}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
+        "Authorization": "Bearer t-free", "Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=30)
+    assert resp.readline().startswith(b"data: ")  # the stream began
+    resp.close()  # and the client hangs up
+    gone = time.monotonic()
+    while time.monotonic() - gone < 1.0:
+        m = _metrics(base)
+        if (m["edgelite_requests_cancelled_total"] == 1
+                and m['edgelite_queue_length{queue="running",tier="0"}'] == 0):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the request still runs 1 s after its client left: {m}")
+    assert m["edgelite_http_disconnects_total"] == 1
+    assert m["edgelite_tokens_total"] < 230
+
+
+def test_health_is_503_until_deployed_and_stops_hold_back_text() -> None:
+    async def main() -> int:
+        api = HttpApi("m", None, HttpConfig(port=0))
+        async with served(api) as port:
+            def get() -> int:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        return r.status
+                except urllib.error.HTTPError as exc:
+                    return exc.code
+            return await asyncio.to_thread(get)
+
+    assert asyncio.run(main()) == 503
+    s = StopMatcher(("END", "\n\n"))
+    out = [s.push(t) for t in ("he", "llo E", "N", "D more")]
+    assert "".join(t for t, _ in out) == "hello " and out[-1][1] and not out[1][1]
