@@ -92,6 +92,12 @@ class ClientConfig:
     end_timeout_s: float = 2.0  # freeing a session's KV; best effort
     trace_window: int = 256  # recent steps whose per-stage timings are kept (stats, benchmarks)
     shutdown_timeout_s: float = 5.0  # closing: how long the step thread may take to finish
+    # every stage node is pinged this often on its control connection; one with no answer
+    # for heartbeat_timeout_s is lost (its steps fail at once, even mid-prompt)
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 0.8
+    failover: bool = True  # a lost node: replan on the others and go on (else: an error)
+    max_failovers: int = 3  # recoveries one step may go through before its error is raised
 
 
 @dataclass(frozen=True)

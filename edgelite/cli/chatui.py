@@ -17,7 +17,6 @@ from rich.live import Live
 from rich.text import Text
 
 from edgelite.cli import views as ui
-from edgelite.client.backend import ClusterBackend
 from edgelite.client.llm import LLM
 from edgelite.engine.generate import Stats
 
@@ -40,8 +39,8 @@ class Chat:
                 for addr, s in (await self.llm.node_stats()).items()]
 
     def health(self) -> dict[str, str]:
-        backend = self.llm.backend
-        if not isinstance(backend, ClusterBackend):
+        backend = self.llm.cluster
+        if backend is None:
             return {}
         cluster = backend.cluster
         return {self.label(str(a)): cluster.lost.get(a, "ok") for a in cluster.links}

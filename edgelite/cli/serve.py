@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import edgelite
 from edgelite.cli import options, runner, views
-from edgelite.client.backend import ClusterBackend
 from edgelite.client.llm import LLM
 from edgelite.config import GatewayConfig, HttpConfig, RuntimeConfig, SchedulerConfig
 from edgelite.errors import EdgeliteError, MissingDependency
@@ -67,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
 async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int, ...]]:
     """How many positions of KV the cluster holds (the tightest stage's budget / its bytes per
     position; None when every layer runs here), and the capacity buckets it counts them in."""
-    backend = llm.backend
-    if not isinstance(backend, ClusterBackend):
+    backend = llm.cluster
+    if backend is None:
         return None, runtime.kv_buckets
     stats = await backend.cluster.stats()
     tokens, buckets = math.inf, runtime.kv_buckets

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -19,7 +20,7 @@ from edgelite.config import ClientConfig, RuntimeConfig
 from edgelite.engine.generate import Backend, LocalBackend
 from edgelite.engine.runtime import ClientPart
 from edgelite.errors import NodeError, NodeUnavailable
-from edgelite.ids import SessionId
+from edgelite.ids import NodeAddr, SessionId
 from edgelite.manifest import Manifest
 from edgelite.net.routes import Routes
 from edgelite.net.steptrace import StepTrace
@@ -34,6 +35,54 @@ class ClusterBackend:
     def __init__(self, cluster: Cluster, plane: StepPlane, routes: Routes | None = None) -> None:
         self.cluster, self.plane, self.routes = cluster, plane, routes
         self.manifest = cluster.manifest
+        cluster.on_lost = self._lost
+        self.heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(), name="heartbeat")
+
+    def _lost(self, addr: NodeAddr, reason: str) -> None:
+        """A stage's control connection ended (e.g. the node was killed): its steps fail now,
+        not at their deadline (a middle stage's loss closes no data connection of ours)."""
+        if any(s.addr == addr for s in self.cluster.stages):
+            log.info("node %s is lost: %s", addr, reason)
+            self.plane.fail_all(NodeUnavailable(f"node {addr} is lost: {reason}", node=str(addr)))
+
+    async def _heartbeat(self) -> None:
+        """Watch every stage node (see _watch); the first that goes quiet is lost."""
+        stages = [s.addr for s in self.cluster.stages if s.addr is not None]
+        async with asyncio.TaskGroup() as tg:
+            for addr in stages:
+                tg.create_task(self._watch(addr))
+
+    async def _watch(self, addr: NodeAddr) -> None:
+        """Ping the node every `heartbeat_interval_s` without waiting for the last answer; when
+        no answer came for `heartbeat_timeout_s` it is lost and the steps in flight fail now.
+        (One late answer, e.g. a lost packet on Wi-Fi, is covered by the next ones.)"""
+        cfg = self.cluster.cfg
+        last = time.monotonic()
+        pings: set[asyncio.Task[None]] = set()
+
+        def answered(task: asyncio.Task[None]) -> None:
+            nonlocal last
+            pings.discard(task)
+            if not task.cancelled() and task.exception() is None:
+                last = time.monotonic()
+
+        try:
+            while addr not in self.cluster.lost:
+                task = asyncio.get_running_loop().create_task(
+                    self.cluster.ping(addr, cfg.heartbeat_timeout_s))
+                pings.add(task)
+                task.add_done_callback(answered)
+                await asyncio.sleep(cfg.heartbeat_interval_s)
+                if time.monotonic() - last > cfg.heartbeat_timeout_s:
+                    reason = f"no heartbeat answer for {cfg.heartbeat_timeout_s:g} s"
+                    self.cluster.lost[addr] = reason
+                    log.info("node %s is lost: %s", addr, reason)
+                    self.plane.fail_all(NodeUnavailable(f"node {addr} is lost: {reason}",
+                                                        node=str(addr)))
+        finally:
+            for task in pings:
+                task.cancel()
+            await asyncio.gather(*pings, return_exceptions=True)
 
     @property
     def healthy(self) -> bool:
@@ -46,11 +95,12 @@ class ClusterBackend:
         Every session is gone (its KV with it). NodeUnavailable while a node is still away;
         the backend can be reopened again later."""
         plan, token, cfg = self.plan, self.cluster.token, self.cluster.cfg
-        await self.plane.stop()
-        await self.cluster.close()
+        await self.close()
         part = self.plane.part
         part.reset()
         self.cluster, self.plane = await _deploy(self.manifest, plan, token, cfg, part, self.routes)
+        self.cluster.on_lost = self._lost
+        self.heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(), name="heartbeat")
 
     @property
     def plan(self) -> Plan:
@@ -90,6 +140,9 @@ class ClusterBackend:
         await self.cluster.end(SessionId(session))
 
     async def close(self) -> None:
+        self.cluster.on_lost = lambda _a, _r: None  # our own closing is no loss
+        self.heartbeat.cancel()
+        await asyncio.gather(self.heartbeat, return_exceptions=True)
         await self.plane.stop()
         await self.cluster.close()
 

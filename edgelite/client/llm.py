@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgelite.client.backend import ClusterBackend, open_backend
+from edgelite.client.failover import FailoverBackend, Recovery, Replan
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
 from edgelite.engine.generate import Backend, Stats, generate
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
@@ -32,7 +36,7 @@ from edgelite.net.routes import Routes
 from edgelite.planner.model import Plan
 from edgelite.planner.solve import plan as solve_plan
 from edgelite.planner.solve import split_plan
-from edgelite.prober.cluster import cluster_spec, probe
+from edgelite.prober.cluster import cluster_spec, probe, without
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 Progress = Callable[[str, str, int, int], None]  # (phase: probe | deploy, what, done, total)
@@ -116,7 +120,19 @@ class LLM:
                  plan: Plan | None, probed: dict[str, Any] | None,
                  generation: GenerationConfig) -> None:
         self.manifest, self.backend, self.tokenizer = manifest, backend, tokenizer
-        self.plan, self.probed, self.generation = plan, probed, generation
+        self._plan, self.probed, self.generation = plan, probed, generation
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan steps run on now (a failover replaces it)."""
+        if isinstance(self.backend, FailoverBackend) and self.backend.generation:
+            return self.backend.plan or _local_plan(self.manifest)
+        return self._plan
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """The failovers so far, timed (empty without nodes or failover)."""
+        return self.backend.recoveries if isinstance(self.backend, FailoverBackend) else []
 
     def _cfg(self, **overrides: Any) -> GenerationConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
@@ -141,11 +157,16 @@ class LLM:
         return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop), session)
 
+    @property
+    def cluster(self) -> ClusterBackend | None:
+        """The deployed plan's cluster backend now (None when every layer runs here)."""
+        inner = self.backend.inner if isinstance(self.backend, FailoverBackend) else self.backend
+        return inner if isinstance(inner, ClusterBackend) else None
+
     async def node_stats(self) -> dict[NodeAddr, dict[str, Any]]:
         """Each node's stats ({} when running locally)."""
-        if isinstance(self.backend, ClusterBackend):
-            return await self.backend.cluster.stats()
-        return {}
+        cluster = self.cluster
+        return await cluster.cluster.stats() if cluster is not None else {}
 
     async def close(self) -> None:
         await self.backend.close()
@@ -186,7 +207,37 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     plan = plan or _local_plan(manifest)
     backend = await open_backend(manifest, plan, token, client, runtime, routes,
                                  _phase(progress, "deploy"))
+    ccfg = client or ClientConfig()
+    if plan.remote and ccfg.failover:
+        replan = _replanner(manifest, addrs, token, probed, planning or PlanOptions(), ccfg,
+                            runtime, routes)
+        backend = FailoverBackend(manifest, backend, replan, ccfg, addrs)
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+
+
+def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
+               probed: dict[str, Any] | None, opts: PlanOptions, client: ClientConfig,
+               runtime: RuntimeConfig | None, routes: Routes | None) -> Replan:
+    """How a failover plans and deploys again without some nodes: the planner on the last
+    probe without them, or (a fixed split, nothing probed) the layers spread evenly over the
+    nodes left, or everything here when none is left."""
+
+    async def replan(gone: frozenset[NodeAddr]) -> tuple[Backend, float, float]:
+        t0 = time.monotonic()
+        alive = [a for a in addrs if a not in gone]
+        if probed is not None:
+            spec = cluster_spec(without(probed, {str(a) for a in gone}))
+            plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first)
+        elif alive:
+            cuts = np.array_split(np.arange(manifest.num_layers), len(alive))
+            plan = split_plan([(int(c[0]), int(c[-1])) for c in cuts], alive, manifest.num_layers)
+        else:
+            plan = _local_plan(manifest)
+        t1 = time.monotonic()
+        backend = await open_backend(manifest, plan, token, client, runtime, routes)
+        return backend, (t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3
+
+    return replan
 
 
 def _local_plan(manifest: Manifest) -> Plan:

@@ -205,6 +205,16 @@ def _client_profile(manifest: Manifest | None, threads: int) -> dict[str, Any]:
     return prof
 
 
+def without(probed: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A probe result with these devices (and their links) marked unreachable: a failover
+    plans on the nodes left without measuring again."""
+    gone = "lost since the probe"
+    return {"devices": [{**d, "reachable": False, "reason": gone} if d["name"] in names else d
+                        for d in probed["devices"]],
+            "links": [{**r, "reachable": False} if r["src"] in names or r["dst"] in names else r
+                      for r in probed["links"]]}
+
+
 def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     """The planner's cluster description from a probe result (unreachable devices and links
     left out)."""

@@ -1,0 +1,176 @@
+"""Failover: a backend that outlives the nodes it runs on.
+
+It keeps every live session's token history (the client holds every id anyway). When a step
+fails because a node was lost (its connection closed, it stopped answering heartbeats, or a
+step timed out and it does not answer a ping), it:
+
+1. finds which stage nodes are gone (`detect`: ping each, `heartbeat_timeout_s`);
+2. plans again without them (`plan`: the last probe minus the lost nodes, so no new
+   measurement is needed; a fixed split is spread evenly over the nodes left);
+3. deploys the new plan (`deploy`; the files a node lacks are uploaded) after closing the old;
+4. rebuilds the KV of each session at its next step by replaying its steps through the new
+   stages first, in the shapes they first ran in (`rebuild`), and goes on with the same
+   generation: the ids are those of an uninterrupted run.
+
+A node that answers again is used at the next recovery or the next `connect` (rejoin). If the
+nodes left cannot hold the model, the planner's error says how much memory is short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgelite.config import ClientConfig
+from edgelite.engine.generate import Backend
+from edgelite.errors import EdgeliteError, NodeError
+from edgelite.ids import NodeAddr
+from edgelite.manifest import Manifest
+from edgelite.planner.model import Plan
+
+log = logging.getLogger(__name__)
+
+# (nodes to leave out) -> a backend deployed on the others, ms to plan, ms to deploy
+Replan = Callable[[frozenset[NodeAddr]], Awaitable[tuple[Backend, float, float]]]
+
+
+@dataclass
+class Recovery:
+    """One failover, timed (ms); `detected_at`: time.monotonic() when the loss surfaced."""
+
+    lost: list[str]
+    reason: str
+    detected_at: float
+    detect_ms: float = 0.0
+    plan_ms: float = 0.0
+    deploy_ms: float = 0.0
+    rebuild_ms: float = 0.0  # the first step after it: history of that session + its ids
+    plan: str = ""
+
+    def summary(self) -> str:
+        return (f"lost {', '.join(self.lost) or 'a connection'}; going on with {self.plan} "
+                f"(detect {self.detect_ms:.0f} ms, plan {self.plan_ms:.0f} ms, deploy "
+                f"{self.deploy_ms:.0f} ms)")
+
+
+@dataclass
+class _Sessions:
+    # the steps each session has run (their ids), replayed step by step on new stages: the same
+    # shapes give the same KV to the last bit, so the ids go on exactly as they would have
+    history: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)  # KV to rebuild at their next step
+
+
+class FailoverBackend:
+    """A Backend (see engine/generate.py) over a replaceable inner backend."""
+
+    def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig,
+                 nodes: list[NodeAddr]) -> None:
+        self.manifest, self.inner, self.replan, self.cfg = manifest, inner, replan, cfg
+        self.nodes = nodes
+        self.s = _Sessions()
+        self.generation = 0  # recoveries so far
+        self.lock = asyncio.Lock()
+        self.recoveries: list[Recovery] = []
+        self.on_recovery: Callable[[Recovery], None] = lambda r: None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan steps run on now (None: the local engine)."""
+        plan = getattr(self.inner, "plan", None)
+        return plan if isinstance(plan, Plan) else None
+
+    @property
+    def healthy(self) -> bool:
+        return self.inner.healthy
+
+    async def reopen(self) -> None:
+        """(The gateway after a loss it saw between steps.) Recover now; every session's KV
+        is rebuilt from its history at its next step."""
+        await self._recover(self.generation, "the gateway found the backend unhealthy")
+
+    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+        failovers = 0
+        pending: Recovery | None = None
+        while True:
+            gen = self.generation
+            t0 = time.perf_counter()
+            try:
+                if session in self.s.stale:
+                    for past in self.s.history.get(session, []):
+                        await self.inner.step(session, past)
+                    self.s.stale.discard(session)
+                logits = await self.inner.step(session, ids)
+            except NodeError as exc:
+                if not self.cfg.failover or failovers >= self.cfg.max_failovers:
+                    raise
+                if self.generation != gen:  # another step recovered while this one failed
+                    failovers += 1
+                    continue
+                if not await self._lost_something():
+                    raise  # a step's own error, every node fine: not ours to hide
+                failovers += 1
+                pending = await self._recover(gen, str(exc))
+                continue
+            if pending is not None:  # this step ran the session again on the new stages
+                pending.rebuild_ms = (time.perf_counter() - t0) * 1e3
+            self.s.history.setdefault(session, []).append(ids)
+            return logits
+
+    async def _lost_something(self) -> bool:
+        """A stage node gone or not answering, or the inner backend broken."""
+        if not self.inner.healthy:
+            return True
+        return bool(await self._gone())
+
+    async def _gone(self) -> dict[NodeAddr, str]:
+        cluster = getattr(self.inner, "cluster", None)
+        if cluster is None:
+            return {}
+        gone = dict(cluster.lost)
+        stages = [s.addr for s in cluster.stages if s.addr is not None and s.addr not in gone]
+        answers = await asyncio.gather(*(cluster.ping(a, self.cfg.heartbeat_timeout_s)
+                                         for a in stages), return_exceptions=True)
+        for addr, answer in zip(stages, answers, strict=True):
+            if isinstance(answer, EdgeliteError):
+                gone[addr] = str(answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+        return gone
+
+    async def _recover(self, gen: int, reason: str) -> Recovery | None:
+        async with self.lock:
+            if self.generation != gen:
+                return None  # another step recovered meanwhile
+            t0 = time.monotonic()
+            gone = await self._gone()
+            rec = Recovery([str(a) for a in gone], reason, t0)
+            rec.detect_ms = (time.monotonic() - t0) * 1e3
+            log.info("lost %s (%s); planning again without it", ", ".join(rec.lost) or
+                        "a stage connection", reason)
+            await self.inner.close()
+            self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(frozenset(gone))
+            plan = self.plan
+            rec.plan = ("the local engine" if plan is None or not plan.remote else " -> ".join(
+                f"{s.device} [{s.first}-{s.last}]" for s in plan.stages))
+            self.s.stale = set(self.s.history)
+            self.generation += 1
+            self.recoveries.append(rec)
+            log.warning("%s", rec.summary())
+            self.on_recovery(rec)
+            return rec
+
+    async def end(self, session: str) -> None:
+        self.s.history.pop(session, None)
+        if session in self.s.stale:  # nothing of it on the new stages yet
+            self.s.stale.discard(session)
+            return
+        await self.inner.end(session)
+
+    async def close(self) -> None:
+        await self.inner.close()
