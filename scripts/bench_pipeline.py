@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_local import edgelite_export
+
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node
 from edgelite.cli.runner import install_uvloop
@@ -95,16 +97,16 @@ def time_layers(local: LocalBackend) -> list[float]:
     """Record the single process's decoder-layer time per decode step (ms), to set beside the
     stages' own compute times: the rest of each backend's time is overhead."""
     seconds: list[float] = []
-    run = local.chain.layers.run
+    step = local.chain.layers.step
 
-    def timed(hidden, kv, pos, mask):
+    def timed(slot, hidden):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        out = run(hidden, kv, pos, mask)
+        out = step(slot, hidden)
         if hidden.shape[1] == 1:
             seconds.append((time.perf_counter() - t0) * 1e3)
         return out
 
-    local.chain.layers.run = timed  # type: ignore[method-assign]
+    local.chain.layers.step = timed  # type: ignore[method-assign]
     return seconds
 
 
@@ -127,11 +129,7 @@ async def ping_us(be: ClusterBackend, n: int = 200) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    model = args.models / "smollm2-135m"
-    if not (model / "manifest.json").is_file():
-        from edgelite_export import build
-
-        build.run("smollm2-135m", model, build.Options())
+    model = edgelite_export(args.models / "smol-int4-fast")  # what the demo runs
     m = mf.load(model)
     prompt = Tokenizer(m).chat_prompt([{"role": "user", "content": PROMPT}])
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-"))
@@ -194,7 +192,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="rounds of 1 vs 4 sessions")
     ap.add_argument("--session-tokens", type=int, default=48,
                     help="decode tokens per session (pairs restart their sessions after this many)")
-    ap.add_argument("--models", type=Path, default=Path("models"))
+    ap.add_argument("--models", type=Path, default=Path("models/bench"))
     install_uvloop()  # the same event loop as `edgelite generate` and the nodes
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=1))
 
