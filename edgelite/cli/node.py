@@ -66,7 +66,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n = sub.add_parser("node", parents=parents, formatter_class=options.HelpFormatter,
                        help="run a stage node")
     n.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    n.add_argument("--port", type=int, default=c.port, help="0 = any free port (printed)")
+    n.add_argument("--port", type=options.port_number, default=c.port, help="0 = any free port (printed)")
     n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser(),
                    help="where deployed layer files are kept")
     r = RuntimeConfig

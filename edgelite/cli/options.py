@@ -75,6 +75,17 @@ def cluster_flags(p: argparse.ArgumentParser) -> None:
     planning_flags(p)
 
 
+def port_number(text: str) -> int:
+    """argparse type for --port: 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0: any free port)")
+    return port
+
+
 def int_list(text: str, flag: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers (sorted)."""
     try:

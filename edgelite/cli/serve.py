@@ -33,7 +33,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     options.generation_flags(sv)  # the defaults of requests that do not say
     options.cluster_flags(sv)
     sv.add_argument("--host", default=g.host, help="address to listen on")
-    sv.add_argument("--port", type=int, default=g.port, help="0 = any free port (printed)")
+    sv.add_argument("--port", type=options.port_number, default=g.port, help="0 = any free port (printed)")
     sv.add_argument("--users", type=Path,
                     help='users.json: {"users": [{"name", "token", "tier"}]} (needed by the '
                          'native port; without it HTTP requests need no token)')

@@ -9,6 +9,7 @@ hold a reader forever.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import struct
@@ -18,7 +19,7 @@ from typing import Any
 import msgpack
 
 from edgelite.config import WireLimits
-from edgelite.errors import ProtocolError, StreamError
+from edgelite.errors import EdgeliteError, ProtocolError, StreamError
 from edgelite.net.schema import Message, parse
 
 LEN = struct.Struct(">I")  # the frame length prefix
@@ -109,3 +110,16 @@ def bound_port(server: asyncio.Server | None) -> int:
     if server is None:
         raise RuntimeError("the server has not been started")
     return server.sockets[0].getsockname()[1]
+
+
+async def listen(handler: Any, host: str, port: int) -> asyncio.Server:
+    """asyncio.start_server, with a one-line error when the address cannot be had."""
+    try:
+        return await asyncio.start_server(handler, host, port)
+    except OSError as exc:
+        why = {errno.EADDRINUSE: "the port is in use (another node or program has it; pick another "
+                                 "--port, or 0 for any free one)",
+               errno.EADDRNOTAVAIL: "this device has no such address (--host)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(
+            exc.errno or 0, exc.strerror or str(exc))
+        raise EdgeliteError(f"cannot listen on {host}:{port}: {why}") from None

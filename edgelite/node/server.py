@@ -37,7 +37,7 @@ from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
-from edgelite.net.frames import Conn, bound_port, detach, pack
+from edgelite.net.frames import Conn, bound_port, detach, listen, pack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.linkprobe import ProbeConfig, UdpEcho, probe_peer
 from edgelite.net.schema import Message
@@ -121,7 +121,7 @@ class Node:
         return NodeAddr(self.cfg.host, self.port)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)
+        self.server = await listen(self._handle, self.cfg.host, self.cfg.port)
         loop = asyncio.get_running_loop()
         try:  # the UDP echo for loss probes shares the TCP port number when it is free
             self.udp, _ = await loop.create_datagram_endpoint(

@@ -44,7 +44,7 @@ from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, QueueFull, StreamError
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
-from edgelite.net.frames import Conn, bound_port
+from edgelite.net.frames import Conn, bound_port, listen
 from edgelite.net.handshake import server_handshake
 from edgelite.net.schema import Message
 from edgelite.serve.scheduler import Decision, Request, Scheduler
@@ -193,7 +193,7 @@ class Gateway:
         return bound_port(self.server)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port)
+        self.server = await listen(self._handle, self.cfg.host, self.cfg.port)
 
     async def run(self) -> None:
         """The scheduling loop; the native port, if `start` opened it, serves meanwhile and is
