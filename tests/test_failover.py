@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import edgelite
+from conftest import start_serve
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node
 from edgelite.config import GenerationConfig
@@ -135,18 +132,10 @@ def test_gateway_requests_finish_when_a_node_is_killed(exported, node_factory, t
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"users": [{"name": "u", "token": "t-u", "tier": 0}]}))
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
-         ",".join(n.addr for n in nodes), "--split", "0-0,1-1,2-2", "--token", TOKEN, "--port",
-         "0", "--users", str(users), "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
-    assert proc.stdout is not None
-    port = None
-    for _ in range(50):
-        if found := re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline()):
-            port = int(found.group(1))
-            break
-    assert port is not None
+    proc, found = start_serve(["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+                               "--split", "0-0,1-1,2-2", "--token", TOKEN, "--port", "0",
+                               "--users", str(users), "--threads", "1"], log)
+    port = int(found.group(1))
     prompts = ["hello", "tell me a story", "what is a phone", "count to five"]
 
     async def ask(prompt: str, killer: asyncio.Event | None = None) -> list[int]:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, start_serve
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import HttpConfig
 from edgelite.serve.http import HttpApi, StopMatcher, served
@@ -28,29 +25,22 @@ PROMPTS = ["hello", "tell me a story", "what is a phone", "count to five"]
 
 
 def _start(model: Path, nodes: list, users: Path, log, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
-           ",".join(n.addr for n in nodes), "--split", "0-0,1-2", "--token", TOKEN,
-           "--users", str(users), "--http", "127.0.0.1:0", "--no-native", "--threads", "1",
-           "--patience-s", "5", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
-    assert proc.stdout is not None
+    proc, found = start_serve(["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+                               "--split", "0-0,1-2", "--token", TOKEN, "--users", str(users),
+                               "--http", "127.0.0.1:0", "--no-native", "--threads", "1",
+                               "--patience-s", "5", *extra], log, r"listening on (http://[\d.]+:\d+)/v1")
+    base = found.group(1)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if found := re.search(r"listening on (http://[\d.]+:\d+)/v1", line):
-            base = found.group(1)
-            while time.monotonic() < deadline:  # /health: 503 until the plan is deployed
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            return proc, base
-                except urllib.error.HTTPError as exc:
-                    assert exc.code == 503
-                time.sleep(0.1)
-        if not line and proc.poll() is not None:
-            break
+    while time.monotonic() < deadline:  # /health: 503 until the plan is deployed
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, base
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503
+        time.sleep(0.1)
     proc.kill()
-    raise AssertionError("the HTTP API did not come up (see its log)")
+    raise AssertionError("the HTTP API never became healthy (see its log)")
 
 
 def _metrics(base: str) -> dict[str, float]:

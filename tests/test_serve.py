@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, start_serve
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import GenerationConfig
 from edgelite.errors import NodeUnavailable
@@ -29,20 +27,10 @@ PROMPTS = ["hello", "tell me a story", "what is a phone", "count to five", "the 
 
 
 def _start_gateway(model: Path, nodes: list, users: Path, log) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
-           ",".join(n.addr for n in nodes), "--split", "0-0,1-2", "--token", TOKEN, "--port", "0",
-           "--users", str(users), "--threads", "1", "--patience-s", "0.5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if m := re.search(r"listening on [\d.]+:(\d+)", line):
-            return proc, int(m.group(1))
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("gateway did not start (see its log)")
+    proc, found = start_serve(["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+                               "--split", "0-0,1-2", "--token", TOKEN, "--port", "0", "--users",
+                               str(users), "--threads", "1", "--patience-s", "0.5"], log)
+    return proc, int(found.group(1))
 
 
 async def _client(port: int, user: dict, prompt: str) -> dict:

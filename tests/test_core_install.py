@@ -1,0 +1,92 @@
+"""What a phone has: a venv with only the core dependencies and the onnxruntime Termux ships
+(1.29.0; no highspy, uvloop, torch, onnx, transformers) runs node processes, plans (with the
+exact DP, saying so), deploys and generates the same ids as the full install; the int4 export
+(MatMulNBits, GroupQueryAttention, GatherBlockQuantized, ...) loads and runs on it too."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from edgelite.cli.localnodes import READY, TOKEN
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).parent.parent
+CORE = ["onnxruntime==1.29.0", "numpy", "msgpack", "rich", "tokenizers", "jinja2"]
+
+
+@pytest.fixture(scope="session")
+def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("core-venv")
+    venv.create(root, with_pip=True)
+    py = root / "bin" / "python"
+    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          *CORE], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    absent = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in "
+                             "('highspy', 'uvloop', 'torch', 'onnx', 'transformers') "
+                             "if u.find_spec(m)])"], capture_output=True, text=True)
+    assert absent.stdout.strip() == "[]", absent.stdout
+    return py
+
+
+def _core(py: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "EDGELITE_TOKEN": TOKEN}
+    return subprocess.run([str(py), "-m", "edgelite", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_core_install_runs_the_int4_export(core_python: Path, smollm2_int4: Path) -> None:
+    version = subprocess.run([str(core_python), "-c", "import onnxruntime; print(onnxruntime.__version__)"],
+                             capture_output=True, text=True)
+    assert version.stdout.strip() == "1.29.0"
+    args = ("generate", "--model", str(smollm2_int4), "--json", "--max-tokens", "16",
+            "--threads", "1", "What is a phone?")
+    core = _core(core_python, *args)
+    assert core.returncode == 0, core.stderr[-2000:]
+    full = run_cli(*args)
+    assert json.loads(core.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
+
+
+def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path: Path) -> None:
+    model = exported["llama"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "EDGELITE_TOKEN": TOKEN}
+    procs = []
+    try:
+        addrs = []
+        for i in range(2):
+            p = subprocess.Popen([str(core_python), "-m", "edgelite", "node", "--host", "127.0.0.1",
+                                  "--port", "0", "--data-dir", str(tmp_path / f"n{i}"), "--threads",
+                                  "1", "--memory-mb", "1.5"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, env=env)
+            procs.append(p)
+            assert p.stdout is not None
+            for _ in range(20):
+                if found := READY.search(p.stdout.readline()):
+                    addrs.append(f"127.0.0.1:{found.group(2)}")
+                    break
+        assert len(addrs) == 2
+        res = _core(core_python, "generate", "--model", str(model), "--nodes", ",".join(addrs),
+                    "--json", "--max-tokens", "8", "--client-memory-mb", "1", "hello")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    local = json.loads(run_cli("generate", "--model", str(model), "--json", "--max-tokens", "8",
+                               "hello").stdout)
+    assert out["token_ids"] == local["token_ids"]
+    assert any(s.get("addr") for s in out["plan"]["stages"])  # the nodes run layers
+    assert out["plan"]["solver"] == "dp"
+    assert len(re.findall("highspy is not installed", res.stderr)) == 1
+    assert "Traceback" not in res.stderr
