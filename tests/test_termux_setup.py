@@ -1,0 +1,50 @@
+"""scripts/termux_setup.sh with `pkg` and `pip` replaced by shims that record their calls (no
+network, no Termux): what it installs, that it installs nothing PC-side, that a second run does
+not install edgelite again, and that it ends with the LAN address and a node command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "termux_setup.sh"
+SHIM = """#!/usr/bin/env bash
+echo "{name} $*" >> "{log}"
+if [ "{name}" = pip ] && [ "$1" = show ]; then [ -f "{state}" ]; exit $?; fi
+if [ "{name}" = pip ] && [ "$1" = install ] && [ "$2" = --no-deps ]; then touch "{state}"; fi
+exit 0
+"""
+
+
+def _run(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    bin_dir, log = tmp / "bin", tmp / "calls.log"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("pkg", "pip"):
+        shim = bin_dir / name
+        shim.write_text(SHIM.format(name=name, log=log, state=tmp / "installed"))
+        shim.chmod(0o755)
+    log.write_text("")
+    res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    return res, log.read_text().splitlines()
+
+
+def test_node_setup_then_again_then_client(tmp_path: Path) -> None:
+    res, calls = _run(tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert calls[0] == "pkg install -y python python-numpy python-onnxruntime python-msgpack"
+    assert "pip install --no-deps edgelite" in calls
+    everything = " ".join(calls)
+    for pc_side in ("torch", "onnx ", "transformers", "highspy", "uvloop", "tokenizers"):
+        assert pc_side not in everything + " ", (pc_side, calls)
+    assert "LAN address" in res.stdout and "edgelite node --host 0.0.0.0 --port 7070" in res.stdout
+    again, calls = _run(tmp_path)  # idempotent: edgelite is not installed twice
+    assert again.returncode == 0 and "pip install --no-deps edgelite" not in calls
+    client, calls = _run(tmp_path, "--client")
+    assert client.returncode == 0
+    assert "pkg install -y tur-repo" in calls and "pip install jinja2" in calls
+    assert any(c.startswith("pkg install -y python ") and c.endswith("python-tokenizers")
+               for c in calls), calls
+    bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
