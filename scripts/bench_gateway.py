@@ -22,7 +22,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 from bench_local import edgelite_export
 
-from edgelite.cli.localnodes import TOKEN, start_node
+from edgelite.cli.localnodes import TOKEN, start_node, start_serve
 from edgelite.config import GenerationConfig
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
@@ -50,22 +49,15 @@ PROMPTS = ["What is a phone?", "Name three colours.", "Say hello.", "Count to fi
 def start_gateway(model: Path, nodes: list, users: Path, log: Path,
                   settings: list[str]) -> tuple[subprocess.Popen, int]:
     with log.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
-             ",".join(n.addr for n in nodes), "--split", "0-14,15-29", "--token", TOKEN,
-             "--port", "0", "--users", str(users), "--threads", "1", "--no-spin",
-             *(x for kv in settings for x in ("--set", kv))],
-            stdout=subprocess.PIPE, stderr=err, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if found := re.search(r"listening on [\d.]+:(\d+)", line):
-            return proc, int(found.group(1))
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("gateway did not start: " + log.read_text()[-2000:])
+        try:
+            proc, found = start_serve(
+                ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes), "--split",
+                 "0-14,15-29", "--token", TOKEN, "--port", "0", "--users", str(users),
+                 "--threads", "1", "--no-spin", *(x for kv in settings for x in ("--set", kv))],
+                err, timeout=120)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: " + log.read_text()[-2000:]) from None
+    return proc, int(found.group(1))
 
 
 def log_tail(log: Path) -> str:

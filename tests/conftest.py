@@ -1,10 +1,8 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,23 +30,6 @@ def exported(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("onnx")
     return {a: build.run(str(p), root / a, build.Options(steps=16)).out
             for a, p in hf_models.items()}
-
-
-def start_serve(args: list[str], log, pattern: str = r"listening on [\d.]+:(\d+)",
-                timeout: float = 60) -> tuple[subprocess.Popen, re.Match]:
-    """`edgelite -v serve ARGS` as a process; returns it once a stdout line matches `pattern`."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgelite", "-v", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if found := re.search(pattern, line):
-            return proc, found
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("edgelite serve did not start (see its log)")
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 import edgelite
-from conftest import start_serve
 from edgelite import manifest as mf
-from edgelite.cli.localnodes import TOKEN, start_node
+from edgelite.cli.localnodes import TOKEN, start_node, start_serve
 from edgelite.config import GenerationConfig
 from edgelite.engine.generate import LocalBackend
 from edgelite.ids import NodeAddr

@@ -7,18 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
-from edgelite.cli.localnodes import TOKEN
+from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import GenerationConfig
 from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr
@@ -35,23 +32,15 @@ def _gateway(model: Path, nodes: list, tmp_path: Path, *extra: str) -> tuple[sub
     users.write_text(json.dumps({"users": USERS}))
     log = (tmp_path / "gateway.log").open("w")
     split = "0-2" if len(nodes) == 1 else "0-0,1-2"
-    cmd = [sys.executable, "-m", "edgelite", "-v", "serve", "--model", str(model), "--nodes",
-           ",".join(n.addr for n in nodes), "--split", split, "--token", TOKEN, "--port", "0",
-           "--users", str(users), "--threads", "1", *extra]
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
+        proc, found = start_serve(["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+                                   "--split", split, "--token", TOKEN, "--port", "0", "--users",
+                                   str(users), "--threads", "1", *extra], log)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}: " + (tmp_path / "gateway.log").read_text()[-2000:]) from None
     finally:
         log.close()
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if found := re.search(r"listening on [\d.]+:(\d+)", line):
-            return proc, int(found.group(1))
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("gateway did not start: " + (tmp_path / "gateway.log").read_text()[-2000:])
+    return proc, int(found.group(1))
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -409,6 +409,20 @@ def test_a_clients_plans_and_sessions_go_with_it(exported, node_factory) -> None
 
 
 # ---- 7. cached files were never re-checked ---------------------------------------------------
+async def _load_refused(m0: mf.Manifest, addr: str, first: int, last: int, match: str) -> None:
+    """A `load` of layers first-last sent straight to the node (no deploy) is refused with an
+    error matching `match`."""
+    cluster = Cluster(m0, TOKEN)
+    try:
+        await cluster.connect([NodeAddr.parse(addr)])
+        link = next(iter(cluster.links.values()))
+        with pytest.raises(NodeError, match=match):
+            await link.request(m.Load(id=0, plan_id="q" * 32, first=first, last=last, next=None,
+                                      manifest=m0.to_json()), m.Loaded, 10)
+    finally:
+        await cluster.close()
+
+
 def test_cached_blobs_are_verified_when_loaded(exported, node_factory) -> None:
     model = exported["llama"]
     node = node_factory()
@@ -430,15 +444,8 @@ def test_cached_blobs_are_verified_when_loaded(exported, node_factory) -> None:
         copy = node.data_dir / "elsewhere"
         shutil.copy(model / m0.layers[1].data[0].file, copy)
         target.symlink_to(copy)
-        cluster = Cluster(m0, TOKEN)  # load without deploying (a deploy would replace the link)
-        try:
-            await cluster.connect([NodeAddr.parse(node.addr)])
-            link = next(iter(cluster.links.values()))
-            with pytest.raises(NodeError, match="symbolic link"):
-                await link.request(m.Load(id=0, plan_id="q" * 32, first=0, last=2, next=None,
-                                          manifest=m0.to_json()), m.Loaded, 10)
-        finally:
-            await cluster.close()
+        # load without deploying (a deploy would replace the link)
+        await _load_refused(m0, node.addr, 0, 2, "symbolic link")
 
     asyncio.run(main())
 
@@ -481,15 +488,7 @@ def test_manifest_and_files_that_disagree(exported, node_factory, tmp_path) -> N
         path.unlink()
         with pytest.raises(EdgeliteError, match="missing"):
             await _cluster(model, [node.addr], [(0, 2)])
-        cluster = Cluster(m0, TOKEN)
-        try:
-            await cluster.connect([NodeAddr.parse(node.addr)])
-            link = next(iter(cluster.links.values()))
-            with pytest.raises(NodeError, match="is not deployed to this node"):
-                await link.request(m.Load(id=0, plan_id="q" * 32, first=2, last=2, next=None,
-                                          manifest=m0.to_json()), m.Loaded, 10)
-        finally:
-            await cluster.close()
+        await _load_refused(m0, node.addr, 2, 2, "is not deployed to this node")
         plan = split_plan([(0, 2)], [NodeAddr.parse(node.addr)], m0.num_layers)
         assert plan.remote
 

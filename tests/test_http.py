@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import run_cli, start_serve
-from edgelite.cli.localnodes import TOKEN
+from conftest import run_cli
+from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import HttpConfig
 from edgelite.serve.http import HttpApi, StopMatcher, served
 
@@ -124,6 +124,16 @@ def test_curl_streams_server_sent_events(server) -> None:
                           "Content-Type: application/json", "-d", body, "-w", "\n%{http_code}",
                           base + "/v1/chat/completions"], capture_output=True, text=True, timeout=30)
     assert bad.stdout.endswith("404") and '"model_not_found"' in bad.stdout
+    # hostile bodies: too large, not JSON, a field of the wrong type: one error each
+    for data, code, what in ((b"{" + b" " * (2 << 20) + b"}", 413, "exceeds"),
+                             (b"\xff not json", 400, "not JSON"),
+                             (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": "many"}).encode(), 400, "max_tokens")):
+        req = urllib.request.Request(base + "/v1/chat/completions", data=data, headers={
+            "Authorization": "Bearer t-free", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == code and what in json.loads(err.value.read())["error"]["message"]
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
                        "max_tokens": 6})
     out = subprocess.run(["curl", "-sS", "-N", "-H", "Authorization: Bearer t-free", "-H",

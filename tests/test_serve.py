@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, start_serve
-from edgelite.cli.localnodes import TOKEN
+from conftest import run_cli
+from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import GenerationConfig
 from edgelite.errors import NodeUnavailable
 from edgelite.ids import NodeAddr

@@ -1,4 +1,5 @@
-"""Start real `edgelite node` processes on 127.0.0.1 port 0 and read their ports back."""
+"""Start real `edgelite node` (and `edgelite serve`) processes on 127.0.0.1 and read their
+ports back: for the demo, the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 TOKEN = "test-cluster-token"
 READY = re.compile(r"listening on ([\d.]+):(\d+)")
@@ -69,3 +71,23 @@ def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: float = 256,
     proc.wait(10)
     proc.stdout.close()
     raise RuntimeError("node did not start in time")
+
+
+def start_serve(args: list[str], log: IO[str], pattern: str = r"listening on [\d.]+:(\d+)",
+                timeout: float = 60.0) -> tuple[subprocess.Popen, re.Match]:
+    """`edgelite -v serve ARGS` as a process (its log to `log`); returned with the match once a
+    line of its stdout matches `pattern` (default: the native port)."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgelite", "-v", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if found := re.search(pattern, line):
+            return proc, found
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait(10)
+    proc.stdout.close()
+    raise RuntimeError("edgelite serve did not start (see its log)")

@@ -37,7 +37,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     sv.add_argument("--users", type=Path,
                     help='users.json: {"users": [{"name", "token", "tier"}]} (needed by the '
                          'native port; without it HTTP requests need no token)')
-    sv.add_argument("--http", metavar="[HOST:]PORT",
+    sv.add_argument("--http", metavar="[HOST:]PORT", type=http_address,
                     help="also serve the OpenAI-compatible API here (host default 127.0.0.1; "
                          "needs the http extra: pip install 'edgelite[http]')")
     sv.add_argument("--http-set", action="append", default=[], metavar="NAME=VALUE",
@@ -80,15 +80,9 @@ async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int
 
 
 def http_address(spec: str) -> tuple[str, int]:
-    """--http "[HOST:]PORT" -> (host, port)."""
+    """argparse type of --http: "[HOST:]PORT" -> (host, port)."""
     host, _, port = spec.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 65535:
-        raise EdgeliteError(f"--http {spec}: expected [HOST:]PORT with a port in 0-65535")
-    return host or HttpConfig.host, number
+    return host or HttpConfig.host, options.port_number(port)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -135,7 +129,7 @@ async def _http(args: argparse.Namespace, users: dict | None) -> AsyncIterator[H
     except ImportError as exc:
         raise MissingDependency(f"--http needs the http extra ({exc.name} is missing): "
                                 "pip install 'edgelite[http]'") from exc
-    host, port = http_address(args.http)
+    host, port = args.http
     if users is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the HTTP API on %s has no --users: anyone who reaches it may use the "
                     "cluster", host)

@@ -42,8 +42,11 @@ class ClusterBackend:
         """A stage's control connection ended (e.g. the node was killed): its steps fail now,
         not at their deadline (a middle stage's loss closes no data connection of ours)."""
         if any(s.addr == addr for s in self.cluster.stages):
-            log.info("node %s is lost: %s", addr, reason)
-            self.plane.fail_all(NodeUnavailable(f"node {addr} is lost: {reason}", node=str(addr)))
+            self._fail_steps(addr, reason)
+
+    def _fail_steps(self, addr: NodeAddr, reason: str) -> None:
+        log.info("node %s is lost: %s", addr, reason)
+        self.plane.fail_all(NodeUnavailable(f"node {addr} is lost: {reason}", node=str(addr)))
 
     async def _heartbeat(self) -> None:
         """Watch every stage node (see _watch); the first that goes quiet is lost."""
@@ -76,9 +79,7 @@ class ClusterBackend:
                 if time.monotonic() - last > cfg.heartbeat_timeout_s:
                     reason = f"no heartbeat answer for {cfg.heartbeat_timeout_s:g} s"
                     self.cluster.lost[addr] = reason
-                    log.info("node %s is lost: %s", addr, reason)
-                    self.plane.fail_all(NodeUnavailable(f"node {addr} is lost: {reason}",
-                                                        node=str(addr)))
+                    self._fail_steps(addr, reason)
         finally:
             for task in pings:
                 task.cancel()

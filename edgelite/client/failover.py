@@ -69,15 +69,12 @@ class _Sessions:
 class FailoverBackend:
     """A Backend (see engine/generate.py) over a replaceable inner backend."""
 
-    def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig,
-                 nodes: list[NodeAddr]) -> None:
+    def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig) -> None:
         self.manifest, self.inner, self.replan, self.cfg = manifest, inner, replan, cfg
-        self.nodes = nodes
         self.s = _Sessions()
         self.generation = 0  # recoveries so far
         self.lock = asyncio.Lock()
         self.recoveries: list[Recovery] = []
-        self.on_recovery: Callable[[Recovery], None] = lambda r: None
 
     @property
     def plan(self) -> Plan | None:
@@ -162,7 +159,6 @@ class FailoverBackend:
             self.generation += 1
             self.recoveries.append(rec)
             log.warning("%s", rec.summary())
-            self.on_recovery(rec)
             return rec
 
     async def end(self, session: str) -> None:

@@ -211,7 +211,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     if plan.remote and ccfg.failover:
         replan = _replanner(manifest, addrs, token, probed, planning or PlanOptions(), ccfg,
                             runtime, routes)
-        backend = FailoverBackend(manifest, backend, replan, ccfg, addrs)
+        backend = FailoverBackend(manifest, backend, replan, ccfg)
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
 
 

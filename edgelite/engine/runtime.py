@@ -28,12 +28,13 @@ def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0) -> Iterator[tup
     is left, then the cut of the rest that runs the fewest padded tokens (each chunk costs
     `overhead` tokens more: a call, a hop). E.g. sizes (16, 64, 256): 35 -> 16+16+3 (48
     padded, not 64); 60 -> 60 (one chunk of 64)."""
+    sizes = tuple(sorted(sizes))
     big = sizes[-1]
     a = 0
     while n - a > big:
         yield a, a + big
         a += big
-    for size in _cut(n - a, tuple(sizes), overhead):
+    for size in _cut(n - a, sizes, overhead):
         yield a, a + size
         a += size
 

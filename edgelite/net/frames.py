@@ -117,9 +117,14 @@ async def listen(handler: Any, host: str, port: int) -> asyncio.Server:
     try:
         return await asyncio.start_server(handler, host, port)
     except OSError as exc:
-        why = {errno.EADDRINUSE: "the port is in use (another node or program has it; pick another "
-                                 "--port, or 0 for any free one)",
-               errno.EADDRNOTAVAIL: "this device has no such address (--host)",
-               errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(
-            exc.errno or 0, exc.strerror or str(exc))
-        raise EdgeliteError(f"cannot listen on {host}:{port}: {why}") from None
+        raise listen_error(host, port, exc) from None
+
+
+def listen_error(host: str, port: int, exc: OSError, flag: str = "--port") -> EdgeliteError:
+    """Why a server socket could not be bound, in one line (`flag`: the option that sets it)."""
+    why = {errno.EADDRINUSE: "the port is in use (another node or program has it; pick another "
+                             f"port with {flag}, or 0 for any free one)",
+           errno.EADDRNOTAVAIL: "this device has no such address (--host)",
+           errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(
+        exc.errno or 0, exc.strerror or str(exc))
+    return EdgeliteError(f"cannot listen on {host}:{port}: {why}")

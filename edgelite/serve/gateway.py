@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -487,7 +488,7 @@ class Gateway:
     def tokens_per_s(self) -> float:
         """Tokens streamed per second over the last `rate_window_s`."""
         since = time.monotonic() - self.cfg.rate_window_s
-        recent = sum(1 for t in reversed(self.token_times) if t >= since)
+        recent = sum(1 for _ in itertools.takewhile(lambda t: t >= since, reversed(self.token_times)))
         return round(recent / self.cfg.rate_window_s, 2)
 
     def stats(self) -> dict[str, Any]:

@@ -33,8 +33,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edgelite.config import GenerationConfig, HttpConfig
-from edgelite.errors import EdgeliteError, ProtocolError, QueueFull
+from edgelite.errors import ProtocolError, QueueFull
 from edgelite.net import messages as m
+from edgelite.net.frames import listen_error
 from edgelite.net.schema import Message
 from edgelite.serve.gateway import Gateway, User
 
@@ -139,8 +140,7 @@ class HttpApi:
         try:
             sock = socket.create_server((self.cfg.host, self.cfg.port), reuse_port=False)
         except OSError as exc:
-            raise EdgeliteError(f"cannot listen on {self.cfg.host}:{self.cfg.port} for HTTP: "
-                                f"{exc.strerror or exc}") from exc
+            raise listen_error(self.cfg.host, self.cfg.port, exc, "--http") from None
         sock.setblocking(False)
         return sock
 
