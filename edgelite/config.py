@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """Sessions' KV kept on disk by token prefix (engine/kvstore.py): a conversation resumes
+    after a restart, a shared prefix is computed once, a preempted request is swapped out."""
+
+    # where (None: a node keeps it in DATA_DIR/kv, a client in $EDGELITE_HOME/kv, where
+    # EDGELITE_HOME defaults to ~/.edgelite)
+    dir: str | None = None
+    budget_bytes: int = 512 * 1024 * 1024  # disk for entries; least recently used go (0: off)
+    block_tokens: int = 16  # prefixes are found in whole blocks of this many tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     threads: int = 2  # onnxruntime intra-op threads (one pool shared by the process's sessions)
     # Idle pool threads spin briefly before sleeping: with threads > 1 on a device of its own,
@@ -27,6 +43,7 @@ class RuntimeConfig:
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,7 @@ class ClientConfig:
     deploy_chunk_bytes: int = 4 * 1024 * 1024  # one upload frame
     request_timeout_s: float = 10.0  # control requests (load plan, stats)
     end_timeout_s: float = 2.0  # freeing a session's KV; best effort
+    kv_store_timeout_s: float = 30.0  # a node storing or restoring a session's KV
     trace_window: int = 256  # recent steps whose per-stage timings are kept (stats, benchmarks)
     shutdown_timeout_s: float = 5.0  # closing: how long the step thread may take to finish
     # every stage node is pinged this often on its control connection; one with no answer
@@ -129,6 +147,9 @@ class GatewayConfig:
     prefill_step_tokens: int = 64  # prefill tokens of all requests together in one step (>= 1 chunk)
     max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
     flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
+    # a preempted request's KV goes to the KV stores and comes back when it resumes (else it
+    # is recomputed)
+    swap_preempted: bool = True
     reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# clients keep their KV store and sessions here, not in the home folder (subprocesses inherit
+# it); each test gets its own (own_home), so no test starts from another's stored KV
+_HOME = tempfile.TemporaryDirectory(prefix="edgelite-home-")
+os.environ["EDGELITE_HOME"] = _HOME.name
+
+
+@pytest.fixture(autouse=True)
+def own_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGELITE_HOME", str(tmp_path_factory.mktemp("home")))
 
 ARCHS = ["llama", "qwen2", "mistral"]
 
@@ -80,8 +90,8 @@ def node_factory(tmp_path: Path):
 
     started: list[NodeProc] = []
 
-    def make(**kw) -> NodeProc:
-        node = start_node(tmp_path / f"node{len(started)}", **kw)
+    def make(data_dir: Path | None = None, **kw) -> NodeProc:
+        node = start_node(data_dir or tmp_path / f"node{len(started)}", **kw)
         started.append(node)
         return node
 

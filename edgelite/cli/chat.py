@@ -11,6 +11,7 @@ from typing import Any
 
 import edgelite
 from edgelite.cli import chatui, options, runner, views
+from edgelite.client import sessions
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 
@@ -24,6 +25,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     c.add_argument("--gateway", help="HOST:PORT of an `edgelite serve` gateway (no model needed)")
     c.add_argument("--user", help="your user name on the gateway")
     c.add_argument("--user-token", help="your token on the gateway (default: $EDGELITE_USER_TOKEN)")
+    c.add_argument("--session", metavar="NAME",
+                   help="keep this conversation under NAME and continue it next time (its KV "
+                        "comes back from the KV stores: only the new turn is computed)")
     c.add_argument("--plain", action="store_true", help="bare text, no live footer (default "
                                                         "when stdout is not a terminal)")
     c.set_defaults(func=run)
@@ -41,6 +45,7 @@ async def chat(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     plain = args.plain or not sys.stdout.isatty()
+    history = sessions.load(args.session) if args.session else []
     console = views.stderr_console()
     with views.connect_bars(console, live=not plain and console.is_terminal) as progress:
         llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
@@ -53,7 +58,8 @@ async def chat(args: argparse.Namespace) -> int:
             assert token is not None
             reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731
         shown = llm.plan.to_json() if llm.plan is not None and llm.plan.predicted else None
-        return await chatui.run(chatui.Chat(llm, shown, reprobe), Console(), plain)
+        return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session),
+                                Console(), plain)
 
 
 async def gateway_chat(args: argparse.Namespace) -> int:

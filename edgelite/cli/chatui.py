@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.text import Text
 
 from edgelite.cli import views as ui
+from edgelite.client import sessions
 from edgelite.client.llm import LLM
 from edgelite.engine.generate import Stats
 
@@ -32,6 +33,11 @@ class Chat:
     last: dict[str, Any] = field(default_factory=dict)  # the last reply's figures
     stages: list[dict[str, Any]] = field(default_factory=list)  # node stats after the last reply
     label: Callable[[str], str] = str  # a display name for a node address
+    session: str | None = None  # kept on disk under this name after every reply
+
+    def keep(self) -> None:
+        if self.session is not None:
+            sessions.save(self.session, self.history)
 
     async def node_stats(self) -> list[dict[str, Any]]:
         """Each node's stats, named by the address the client uses; [] when running locally."""
@@ -48,7 +54,7 @@ class Chat:
 
 def _figures(stats: Stats) -> dict[str, Any]:
     return {"tokens": len(stats.token_ids), "ttft_ms": stats.ttft_ms,
-            "decode_tok_s": stats.decode_tok_s}
+            "decode_tok_s": stats.decode_tok_s, "reused_tokens": stats.reused_tokens}
 
 
 async def reply(chat: Chat, console: Console, plain: bool) -> str:
@@ -60,7 +66,9 @@ async def reply(chat: Chat, console: Console, plain: bool) -> str:
             console.file.write(piece.text)
             console.file.flush()
         chat.last = _figures(stats)
-        console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} tok/s]\n")
+        reused = f", {stats.reused_tokens} prompt tokens from the KV store" if stats.reused_tokens else ""
+        console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} "
+                           f"tok/s{reused}]\n")
         return answer.text
     if not chat.stages:  # later replies start from the figures fetched after the last one
         chat.stages = await chat.node_stats()
@@ -91,6 +99,7 @@ async def command(chat: Chat, line: str, console: Console, plain: bool) -> bool:
         return False
     if cmd == "/reset":
         chat.history.clear()
+        chat.keep()
         console.print("conversation reset")
     elif cmd == "/plan":
         if chat.plan is None:
@@ -115,6 +124,10 @@ async def command(chat: Chat, line: str, console: Console, plain: bool) -> bool:
 async def run(chat: Chat, console: Console, plain: bool = False) -> int:
     if not plain:
         console.print(f"[dim]commands: {HELP}[/dim]")
+    if chat.session is not None and chat.history:
+        turns = sum(1 for m in chat.history if m["role"] == "user")
+        console.print(f"session {chat.session}: {turns} turns so far (the last reply: "
+                      f"{chat.history[-1]['content'][:60]!r})", markup=False, highlight=False)
     while True:
         try:
             line = await asyncio.to_thread(console.input, "> " if plain else "[bold cyan]> [/]")
@@ -129,3 +142,4 @@ async def run(chat: Chat, console: Console, plain: bool = False) -> int:
         chat.history.append({"role": "user", "content": line})
         answer = await reply(chat, console, plain)
         chat.history.append({"role": "assistant", "content": answer})
+        chat.keep()

@@ -77,6 +77,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="onnxruntime execution provider (xnnpack, nnapi: where the build has them)")
     n.add_argument("--kv-buckets", default=",".join(map(str, r.kv_buckets)),
                    help="KV capacities sessions are accounted in; the largest caps the context")
+    options.kv_store_flags(n, "DATA_DIR/kv")
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
     n.add_argument("--kv-budget-mb", type=float, default=c.kv_budget_bytes / 2**20,
                    help="KV memory of all sessions")
@@ -98,7 +99,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
     runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
-                            kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"))
+                            kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"),
+                            kv_store=options.kv_store_config(args))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider
     settings = dict(host=args.host, port=args.port, runtime=runtime,
                     kv_budget_bytes=int(args.kv_budget_mb * 2**20),

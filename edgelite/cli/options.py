@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgelite.client.llm import PlanOptions
-from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
+from edgelite.config import ClientConfig, GenerationConfig, KVStoreConfig, RuntimeConfig
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr, parse_nodes
 from edgelite.net.routes import parse_routes
@@ -37,6 +37,22 @@ def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="onnxruntime threads")
     p.add_argument("--no-spin", action="store_true",
                    help="idle onnxruntime threads sleep at once (when processes share cores)")
+    kv_store_flags(p, "$EDGELITE_HOME/kv, EDGELITE_HOME defaulting to ~/.edgelite")
+
+
+def kv_store_flags(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument("--kv-store", type=Path, metavar="DIR",
+                   help=f"where this device keeps conversations' KV on disk (default: {where})")
+    p.add_argument("--kv-store-mb", type=float, default=KVStoreConfig.budget_bytes / 2**20,
+                   help="disk for stored KV; the least recently used goes first (0: off)")
+
+
+def kv_store_config(args: argparse.Namespace) -> KVStoreConfig:
+    mb = getattr(args, "kv_store_mb", KVStoreConfig.budget_bytes / 2**20)
+    if mb < 0:
+        raise EdgeliteError(f"--kv-store-mb must be 0 (off) or more, not {mb:g}")
+    path = getattr(args, "kv_store", None)
+    return KVStoreConfig(dir=None if path is None else str(path), budget_bytes=int(mb * 2**20))
 
 
 def generation_flags(p: argparse.ArgumentParser) -> None:
@@ -137,7 +153,8 @@ def nodes(args: argparse.Namespace) -> list[NodeAddr]:
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False))
+    return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False),
+                         kv_store=kv_store_config(args))
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

@@ -85,6 +85,8 @@ def footer(gen: dict[str, Any], stages: list[dict[str, Any]], health: dict[str, 
     t = Text()
     t.append(f"{gen.get('decode_tok_s', 0.0):.1f} tok/s", "bold green")
     t.append(f" · TTFT {gen.get('ttft_ms', 0.0):.0f} ms · {gen.get('tokens', 0)} tokens")
+    if gen.get("reused_tokens"):
+        t.append(f" · {gen['reused_tokens']} prompt tokens from the KV store")
     if stages:
         t.append(" · stages ")
         t.append(" | ".join(f"{s['name']} {s['ms_per_run']:.1f} ms" for s in stages))

@@ -17,7 +17,7 @@ import numpy as np
 from edgelite.client.cluster import Cluster, Progress
 from edgelite.client.stepplane import StepPlane, StepTimeout
 from edgelite.config import ClientConfig, RuntimeConfig
-from edgelite.engine.generate import Backend, LocalBackend
+from edgelite.engine.generate import Backend, LocalBackend, restore_part, save_part
 from edgelite.engine.runtime import ClientPart
 from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr, SessionId
@@ -139,6 +139,36 @@ class ClusterBackend:
     async def end(self, session: str) -> None:
         await self.plane.end(SessionId(session))
         await self.cluster.end(SessionId(session))
+
+    async def restore(self, session: str, tokens: list[int]) -> int:
+        """Every part (the client's layers, each node stage) imports the longest prefix of
+        `tokens` its KV store holds; when they differ, all import the shortest of them (or
+        nothing, if that fails)."""
+        lengths = await self._restore(session, tokens, exact=False)
+        n = min(lengths)
+        if n and any(x != n for x in lengths):
+            lengths = await self._restore(session, tokens[:n], exact=True)
+        if not n or any(x != n for x in lengths):
+            if any(lengths):
+                await self.end(session)
+            return 0
+        await self.plane.start_at(SessionId(session), n)
+        return n
+
+    async def _restore(self, session: str, tokens: list[int], exact: bool) -> list[int]:
+        raw = np.asarray(tokens, "<i4").tobytes()
+        nodes = self.cluster.kv_restore(SessionId(session), raw, exact)
+        if self.plane.part.prefix is None:
+            return await nodes
+        mine = restore_part(self.plane.part, session, tokens, self.plane.submit, exact)
+        local, remote = await asyncio.gather(mine, nodes)
+        return [local, *remote]
+
+    async def save(self, session: str, tokens: list[int]) -> int:
+        raw = np.asarray(tokens, "<i4").tobytes()
+        mine = save_part(self.plane.part, session, tokens, self.plane.submit)
+        local, remote = await asyncio.gather(mine, self.cluster.kv_save(SessionId(session), raw))
+        return local + remote
 
     async def close(self) -> None:
         self.cluster.on_lost = lambda _a, _r: None  # our own closing is no loss

@@ -168,5 +168,16 @@ class FailoverBackend:
             return
         await self.inner.end(session)
 
+    async def restore(self, session: str, tokens: list[int]) -> int:
+        n = await self.inner.restore(session, tokens)
+        if n:  # rebuilt by computing them, should the stages go
+            self.s.history[session] = [np.array([tokens[:n]], np.int64)]
+        return n
+
+    async def save(self, session: str, tokens: list[int]) -> int:
+        if session in self.s.stale:
+            return 0
+        return await self.inner.save(session, tokens)
+
     async def close(self) -> None:
         await self.inner.close()

@@ -66,8 +66,9 @@ class Reply:
     """A streamed reply: iterate for Pieces; afterwards `text`, `token_ids` and `stats`."""
 
     def __init__(self, llm: LLM, prompt: list[int], cfg: GenerationConfig,
-                 session: SessionId | None) -> None:
+                 session: SessionId | None, reuse: bool = True) -> None:
         self.llm, self.prompt, self.cfg, self.session = llm, prompt, cfg, session
+        self.reuse = reuse
         self.stats = Stats()
         self.text = ""
 
@@ -78,7 +79,7 @@ class Reply:
     async def __aiter__(self) -> AsyncIterator[Piece]:
         dec, stop = StreamDecoder(self.llm.tokenizer), self.cfg.stop
         pending = ""  # text held back while it could still be the start of a stop string
-        gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session)
+        gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session, self.reuse)
         try:
             async for tok in gen:
                 pending += dec.push(tok)
@@ -142,20 +143,24 @@ class LLM:
 
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-             stop: Sequence[str] | None = None, session: SessionId | None = None) -> Reply:
-        """The assistant's next reply to `messages`, rendered with the model's chat template."""
+             stop: Sequence[str] | None = None, session: SessionId | None = None,
+             reuse: bool = True) -> Reply:
+        """The assistant's next reply to `messages`, rendered with the model's chat template.
+        `reuse`: the KV of the prompt's longest stored prefix is imported from the KV stores
+        (e.g. the conversation so far), and the conversation's KV is stored afterwards."""
         prompt = self.tokenizer.chat_prompt(list(messages))
         return Reply(self, prompt, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                             top_p=top_p, seed=seed, stop=stop), session)
+                                             top_p=top_p, seed=seed, stop=stop), session, reuse)
 
     def complete(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: Sequence[str] | None = None,
-                 session: SessionId | None = None) -> Reply:
-        """A continuation of raw text (or token ids), without the chat template."""
+                 session: SessionId | None = None, reuse: bool = True) -> Reply:
+        """A continuation of raw text (or token ids), without the chat template (`reuse`: as
+        for chat)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop), session)
+                                          top_p=top_p, seed=seed, stop=stop), session, reuse)
 
     @property
     def cluster(self) -> ClusterBackend | None:

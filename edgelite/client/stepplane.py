@@ -100,6 +100,11 @@ class StepPlane(FrameThread):
         self.call(lambda: self._begin(job))
         return await job.fut
 
+    async def start_at(self, session: SessionId, position: int) -> None:
+        """A new session whose first `position` tokens every stage holds already (their KV
+        came from the KV stores)."""
+        await self.submit(lambda: self.sessions.__setitem__(session, SessionState(position, position)))
+
     async def end(self, session: SessionId) -> None:
         """Forget the session here (the stages are told by the cluster)."""
         await self.submit(lambda: self._end(session))

@@ -7,19 +7,25 @@ KV cache wherever its layers live. The engine owns no UI.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.runtime import LocalChain
+from edgelite.engine.runtime import ClientPart, LocalChain
 from edgelite.engine.sampling import sample
+from edgelite.errors import EdgeliteError
 from edgelite.manifest import Manifest
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+OnThread = Callable[[Callable[[], T]], Awaitable[T]]  # runs a function on a part's own thread
 
 
 class Backend(Protocol):
@@ -31,6 +37,16 @@ class Backend(Protocol):
 
     async def end(self, session: str) -> None:
         """Free the session's KV everywhere."""
+        ...
+
+    async def restore(self, session: str, tokens: list[int]) -> int:
+        """Start a new session from the KV stores: every part imports the longest prefix of
+        `tokens` they all hold. Returns its length (0: nothing stored, compute from the start)."""
+        ...
+
+    async def save(self, session: str, tokens: list[int]) -> int:
+        """Store the session's KV for `tokens` (the ids it consumed, in order) in every part's
+        KV store (best effort). Returns the bytes written."""
         ...
 
     async def close(self) -> None:
@@ -63,6 +79,15 @@ class LocalBackend:
     async def end(self, session: str) -> None:
         await asyncio.get_running_loop().run_in_executor(self.pool, self.chain.end, session)
 
+    def _on_thread(self, fn: Callable[[], T]) -> Awaitable[T]:
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    async def restore(self, session: str, tokens: list[int]) -> int:
+        return await restore_part(self.chain.part, session, tokens, self._on_thread)
+
+    async def save(self, session: str, tokens: list[int]) -> int:
+        return await save_part(self.chain.part, session, tokens, self._on_thread)
+
     async def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -74,10 +99,45 @@ class LocalBackend:
         """Nothing to set up again."""
 
 
+async def restore_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread,
+                       exact: bool = False) -> int:
+    """The client part's share of `Backend.restore`: its layers' KV of the longest stored
+    prefix of `tokens` (of all of them when `exact`, else nothing), read and checked off its
+    thread, then copied into a new slot on it. Returns the length imported."""
+    if part.store is None or part.prefix is None:
+        return 0
+    store, layout = part.store, part.prefix.layout
+    hit = await asyncio.to_thread(store.get, layout, np.array(tokens, np.int32))
+    if hit is None or (exact and hit.length != len(tokens)):
+        await on_thread(lambda: part.end(session))
+        return 0
+    try:
+        await on_thread(lambda: part.import_kv(session, hit.kv))
+    except EdgeliteError as exc:  # e.g. longer than this part's context
+        log.info("stored KV not imported: %s", exc)
+        return 0
+    return hit.length
+
+
+async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread) -> int:
+    """The client part's share of `Backend.save`: a copy of its KV taken on its thread, written
+    off it."""
+    if part.store is None or part.prefix is None or len(tokens) < part.store.block:
+        return 0
+    store, layout = part.store, part.prefix.layout
+    try:
+        kv = await on_thread(lambda: part.export_kv(session, len(tokens)))
+        return await asyncio.to_thread(store.put, layout, np.array(tokens, np.int32), kv)
+    except (EdgeliteError, OSError) as exc:
+        log.warning("the session's KV was not stored: %s", exc)
+        return 0
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens whose KV came from the KV stores
     ttft_ms: float = 0.0
     decode_s: float = 0.0
     finish: str = "length"
@@ -89,22 +149,32 @@ class Stats:
 
 
 async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
-                   stats: Stats | None = None, session: str | None = None) -> AsyncIterator[int]:
-    """Yield generated token ids until EOS or max_tokens; fills `stats` as it goes."""
+                   stats: Stats | None = None, session: str | None = None,
+                   reuse: bool = True) -> AsyncIterator[int]:
+    """Yield generated token ids until EOS or max_tokens; fills `stats` as it goes. With
+    `reuse`, the prompt's longest stored prefix is imported from the KV stores instead of
+    computed, and the conversation's KV is stored when the reply ends."""
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     session = session or secrets.token_hex(16)
     eos = set(backend.manifest.eos_token_ids)
     rng = np.random.default_rng(cfg.seed if cfg.seed is not None else secrets.randbits(64))
     t0 = time.perf_counter()
-    ids = np.array([prompt], np.int64)
+    fed: list[int] = []  # the ids the session holds KV for
+    ok = False
     try:
+        if reuse and len(prompt) > 1:
+            stats.reused_tokens = await backend.restore(session, prompt[:-1])
+            fed = prompt[:stats.reused_tokens]
+        ids = np.array([prompt[len(fed):]], np.int64)
         for i in range(cfg.max_tokens):
             logits = await backend.step(session, ids)
+            fed += ids[0].tolist()
             tok = sample(logits, cfg.temperature, cfg.top_p, rng)
             now = time.perf_counter()
             if tok in eos:
                 stats.finish = "eos"
+                ok = True
                 return
             if i == 0:
                 stats.ttft_ms, t_first = (now - t0) * 1e3, now
@@ -112,5 +182,11 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
             stats.token_ids.append(tok)
             yield tok
             ids = np.array([[tok]], np.int64)
+        ok = True
+    except GeneratorExit:  # the caller stopped reading (a stop string, Ctrl-C): KV is sound
+        ok = True
+        raise
     finally:
+        if reuse and ok and fed:
+            await backend.save(session, fed)
         await backend.end(session)

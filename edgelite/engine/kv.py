@@ -92,6 +92,20 @@ class KVPool:
             slab.buffer.madvise(mmap.MADV_DONTNEED, start, self.slot_bytes)
         slot.length = 0
 
+    def read(self, slot: Slot, n: int) -> np.ndarray:
+        """A copy of the slot's first n positions: (layers, 2, kv_heads, n, head_dim)."""
+        if not 0 < n <= slot.length:
+            raise KVBudgetExceeded(f"the session holds {slot.length} positions, not {n}")
+        return slot.slab.array[:, :, slot.index, :, :n].copy()
+
+    def write(self, slot: Slot, kv: np.ndarray) -> None:
+        """Fill a slot with KV (layers, 2, kv_heads, n, head_dim): it then holds n positions."""
+        n = kv.shape[3]
+        if kv.shape != (self.layers, 2, self.kv_heads, n, self.head_dim) or n > self.max_length:
+            raise KVBudgetExceeded(f"KV of shape {list(kv.shape)} does not fit this range's slots")
+        slot.slab.array[:, :, slot.index, :, :n] = kv
+        slot.length = n
+
     def close(self) -> None:
         self.slabs.clear()  # the buffers go with their arrays
 

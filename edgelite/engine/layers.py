@@ -24,6 +24,7 @@ import numpy as np
 from edgelite.config import RuntimeConfig
 from edgelite.engine import onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
+from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
 from edgelite.manifest import FileEntry, Manifest, check_file
@@ -110,6 +111,12 @@ class LayerRange:
                 if axis < len(shape) and isinstance(shape[axis], int) and shape[axis] != value:
                     raise ModelFileError(f"the manifest says {what} = {value}, but the layer graph's "
                                          f"{name} has {shape[axis]} there (dims {shape})")
+
+    @property
+    def layout(self) -> Layout:
+        """What this range's KV is (the KV store's entries are kept per layout)."""
+        m = self.manifest
+        return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, m.head_dim)
 
     @property
     def max_chunk(self) -> int:

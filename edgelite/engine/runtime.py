@@ -17,10 +17,12 @@ import numpy as np
 from edgelite.config import RuntimeConfig
 from edgelite.engine import onnxgraph
 from edgelite.engine.kv import Slot
+from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, ModelFileError
 from edgelite.manifest import FileEntry, Manifest
+from edgelite.paths import home
 
 
 def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0) -> Iterator[tuple[int, int]]:
@@ -146,6 +148,8 @@ class ClientPart:
         self.head_ = Head(manifest, cfg, files)
         self.prefix = LayerRange(manifest, *layers, cfg, files) if layers else None
         self.slots: dict[str, Slot] = {}
+        # its layers' KV on disk (a node stage keeps its own)
+        self.store: KVStore | None = open_store(cfg.kv_store, home() / "kv") if layers else None
 
     @property
     def max_chunk(self) -> int:
@@ -170,6 +174,25 @@ class ClientPart:
         slot = self.slots.pop(session, None)
         if slot is not None and self.prefix is not None:
             self.prefix.pool.release(slot)
+
+    def export_kv(self, session: str, n: int) -> np.ndarray:
+        """A copy of the session's KV of its first n positions in this part's layers."""
+        slot = self.slots.get(session)
+        if self.prefix is None or slot is None:
+            raise EdgeliteError(f"session {session[:12]} holds no KV here")
+        return self.prefix.pool.read(slot, n)
+
+    def import_kv(self, session: str, kv: np.ndarray) -> None:
+        """Start the session anew from stored KV (layers, 2, kv_heads, n, head_dim)."""
+        assert self.prefix is not None
+        self.end(session)
+        slot = self.prefix.pool.acquire()
+        try:
+            self.prefix.pool.write(slot, kv)
+        except BaseException:
+            self.prefix.pool.release(slot)
+            raise
+        self.slots[session] = slot
 
     def reset(self) -> None:
         """Forget every session (the stages lost theirs: the plan is deployed again)."""

@@ -160,6 +160,43 @@ class Ended(Message):
     freed: int
 
 
+MAX_KV_TOKENS = 1 << 20  # token ids in one KV store request (4 bytes each)
+
+
+@message("kv_save")
+class KvSave(Message):
+    """Store the session's KV for these token ids (int32 little-endian): the ids it consumed."""
+
+    id: int = bounds(-RID, RID)
+    plan_id: str = bounds(max_len=ID)
+    session: str = bounds(max_len=ID)
+    tokens: bytes = bounds(max_len=4 * MAX_KV_TOKENS)
+
+
+@message("kv_saved")
+class KvSaved(Message):
+    id: int = bounds(-RID, RID)
+    bytes: int  # written (0: not kept, or the node keeps no KV store)
+
+
+@message("kv_restore")
+class KvRestore(Message):
+    """Start the session from the node's KV store: the longest stored prefix of these token
+    ids (int32 little-endian), or, with `exact`, all of them or nothing."""
+
+    id: int = bounds(-RID, RID)
+    plan_id: str = bounds(max_len=ID)
+    session: str = bounds(max_len=ID)
+    tokens: bytes = bounds(max_len=4 * MAX_KV_TOKENS)
+    exact: bool = False
+
+
+@message("kv_restored")
+class KvRestored(Message):
+    id: int = bounds(-RID, RID)
+    length: int  # positions the session now holds (0: nothing stored)
+
+
 @message("bulk")
 class Bulk(Message):
     """A link probe's bulk transfer: `data` one way, `reply_bytes` back."""

@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgelite.config import NodeConfig, WireLimits
+from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
@@ -49,6 +52,13 @@ from edgelite.node.stages import Stage, StageStore
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, str], Awaitable[Message]]  # (request, its client's owner key) -> reply
 PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for (at most)
+
+
+def kv_tokens(raw: bytes, what: str) -> np.ndarray:
+    """Token ids sent as int32 little-endian bytes."""
+    if len(raw) % 4:
+        raise ProtocolError(f"{what}.tokens: {len(raw)} bytes is not a whole number of int32 ids")
+    return np.frombuffer(raw, "<i4")
 
 
 def probe_config(raw: dict[str, Any], cfg: NodeConfig) -> ProbeConfig:
@@ -91,6 +101,7 @@ class Node:
         blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
         self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client)
         self.data = DataPlane(self.name, self.store, c, self.limits)
+        self.kv: KVStore | None = None  # the KV store, opened by start()
         self.server: asyncio.Server | None = None
         self.conns: set[Conn] = set()  # open client connections, closed on shutdown
         self.handlers: set[asyncio.Task[None]] = set()  # their handler tasks (owned by the server)
@@ -110,7 +121,8 @@ class Node:
         self._handlers: dict[type[Message], Handler] = {
             m.Ping: self._ping, m.StatsRequest: self._stats, m.FilesQuery: self._files,
             m.Upload: self._upload, m.Load: self._load, m.EndSession: self._end,
-            m.Bulk: self._bulk, m.ProfileRequest: self._profile, m.ProbeLink: self._probe_link}
+            m.Bulk: self._bulk, m.ProfileRequest: self._profile, m.ProbeLink: self._probe_link,
+            m.KvSave: self._kv_save, m.KvRestore: self._kv_restore}
 
     @property
     def port(self) -> int:
@@ -121,6 +133,7 @@ class Node:
         return NodeAddr(self.cfg.host, self.port)
 
     async def start(self) -> None:
+        self.kv = await asyncio.to_thread(open_store, self.cfg.runtime.kv_store, self.data_dir / "kv")
         self.server = await listen(self._handle, self.cfg.host, self.cfg.port)
         loop = asyncio.get_running_loop()
         try:  # the UDP echo for loss probes shares the TCP port number when it is free
@@ -157,6 +170,8 @@ class Node:
             await asyncio.wait(handlers, timeout=self.cfg.shutdown_timeout_s)
         self.compute_pool.shutdown(wait=False)
         await self.data.stop()
+        if self.kv is not None:
+            self.kv.close()
 
     # ---- connections -------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -306,6 +321,7 @@ class Node:
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
                            "restarts": self.restarts},
             "connections": len(self.conns), "refused_connections": self.refused_connections,
+            "kv_store": self.kv.stats() if self.kv is not None else None,
             **self.store.stats(owner)})
 
     async def _files(self, msg: m.FilesQuery, _owner: str) -> m.FilesState:
@@ -350,12 +366,47 @@ class Node:
         return m.Loaded(id=msg.id, first=msg.first, last=msg.last, capability=stage.capability)
 
     async def _end(self, msg: m.EndSession, owner: str) -> m.Ended:
-        stage = self.store.stages.get(msg.plan_id)
-        if stage is None or stage.owner != owner:
-            raise ProtocolError(f"end: plan {msg.plan_id[:12]} is not loaded here by this client")
+        self._own_stage(msg.plan_id, owner, "end")
         plan_id, session = msg.plan_id, msg.session
         return m.Ended(id=msg.id, freed=await self.data.submit(
             lambda: self.store.end(plan_id, session)))
+
+    def _own_stage(self, plan_id: str, owner: str, what: str) -> Stage:
+        stage = self.store.stages.get(plan_id)
+        if stage is None or stage.owner != owner:
+            raise ProtocolError(f"{what}: plan {plan_id[:12]} is not loaded here by this client")
+        return stage
+
+    async def _kv_save(self, msg: m.KvSave, owner: str) -> m.KvSaved:
+        """Store a session's KV (copied on the data plane's thread, after the steps before
+        this request; written off it)."""
+        stage = self._own_stage(msg.plan_id, owner, "kv_save")
+        tokens = kv_tokens(msg.tokens, "kv_save")
+        if self.kv is None or len(tokens) < self.kv.block:
+            return m.KvSaved(id=msg.id, bytes=0)
+        plan_id, session = msg.plan_id, msg.session
+        kv = await self.data.submit(lambda: self.store.export_kv(plan_id, session, len(tokens)))
+        try:
+            size = await asyncio.to_thread(self.kv.put, stage.layers.layout, tokens, kv)
+        except OSError as exc:
+            raise EdgeliteError(f"kv_save: the KV store cannot write: {exc}") from exc
+        return m.KvSaved(id=msg.id, bytes=size)
+
+    async def _kv_restore(self, msg: m.KvRestore, owner: str) -> m.KvRestored:
+        """Start a session from the KV store (read and checked off the loop, then copied into
+        a new slot on the data plane's thread)."""
+        stage = self._own_stage(msg.plan_id, owner, "kv_restore")
+        tokens = kv_tokens(msg.tokens, "kv_restore")
+        plan_id, session = msg.plan_id, msg.session
+        hit = None
+        if self.kv is not None and len(tokens) >= self.kv.block:
+            hit = await asyncio.to_thread(self.kv.get, stage.layers.layout, tokens)
+        if hit is None or (msg.exact and hit.length != len(tokens)):
+            await self.data.submit(lambda: self.store.end(plan_id, session))
+            return m.KvRestored(id=msg.id, length=0)
+        kv = hit.kv
+        return m.KvRestored(id=msg.id, length=await self.data.submit(
+            lambda: self.store.import_kv(stage, session, kv)))
 
     async def _connect_onward(self, stage: Stage) -> None:
         """A data connection of the stage's plan to its next stage (which has loaded it)."""

@@ -167,20 +167,49 @@ class StageStore:
             raise EdgeliteError(f"session {session[:12]}: this node holds KV for {have} tokens but "
                                 f"the step starts at {start} (node restarted or session expired?)")
         pool = stage.layers.pool
-        grow = pool.bucket_bytes(start + n) - (pool.bucket_bytes(have) if sess else 0)
+        self._admit(stage, session, pool.bucket_bytes(start + n) - (pool.bucket_bytes(have) if sess else 0),
+                    new=sess is None)
+        if sess is None:
+            with self.lock:
+                sess = self.sessions[key] = Session(stage, pool.acquire(), time.monotonic())
+        return sess
+
+    def _admit(self, stage: Stage, session: str, grow: int, new: bool) -> None:
+        """Refuse KV growth beyond the node's budget, or a new session beyond the client's."""
         used = self.kv_bytes
         if used + grow > self.kv_budget_bytes:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes, "
                                    f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
-        if sess is None:
+        if new:
             mine = sum(1 for s in self.sessions.values() if s.stage.owner == stage.owner)
             if mine >= self.max_sessions_per_client:
                 raise KVBudgetExceeded(f"this client holds {mine} sessions on this node; the "
                                        f"limit is {self.max_sessions_per_client}")
-            with self.lock:
-                sess = self.sessions[key] = Session(stage, pool.acquire(), time.monotonic())
-        return sess
+
+    def export_kv(self, plan_id: str, session: str, n: int) -> np.ndarray:
+        """A copy of a session's KV of its first n positions (layers, 2, kv_heads, n, dim)."""
+        sess = self.sessions.get((plan_id, session))
+        if sess is None:
+            raise EdgeliteError(f"session {session[:12]} holds no KV on this node")
+        return sess.stage.layers.pool.read(sess.slot, n)
+
+    def import_kv(self, stage: Stage, session: str, kv: np.ndarray) -> int:
+        """Start the session anew from stored KV (layers, 2, kv_heads, n, dim); returns n."""
+        key = (stage.plan_id, session)
+        if key in self.sessions:
+            self._drop(key)
+        pool, n = stage.layers.pool, int(kv.shape[3])
+        self._admit(stage, session, pool.bucket_bytes(n), new=True)
+        slot = pool.acquire()
+        try:
+            pool.write(slot, kv)
+        except BaseException:
+            pool.release(slot)
+            raise
+        with self.lock:
+            self.sessions[key] = Session(stage, slot, time.monotonic())
+        return n
 
     def compute(self, sess: Session, hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """hidden (1, n, hidden) through the stage's layers: (its output, ms)."""

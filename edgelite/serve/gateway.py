@@ -10,10 +10,11 @@ never waits on a client's socket, so a client that stops reading holds up nobody
 once its queue is full or a send stalls). A client's requests end when it disconnects.
 
 Each scheduler step becomes backend calls: admitted requests prefill their prompt, resumed ones
-recompute prompt + generated tokens (their KV was dropped when they were preempted), running
-ones decode one token; all of a step's calls go through the pipeline at once. A prompt is
-prefilled `prefill_chunk_tokens` at a time, one chunk per step, so a long prompt shares the
-pipeline with everyone else's decode steps instead of stalling their streams.
+import the KV they were preempted with from the KV stores (`swap_preempted`: it was stored when
+they were preempted) and compute what the stores lack, running ones decode one token; all of a
+step's calls go through the pipeline at once. A prompt is prefilled `prefill_chunk_tokens` at a
+time, one chunk per step, so a long prompt shares the pipeline with everyone else's decode steps
+instead of stalling their streams.
 
 A client that disconnects has its requests cancelled (queued ones are never prefilled). When a
 node is lost (e.g. it restarted), every running request keeps its tokens and goes back to the
@@ -143,6 +144,7 @@ class Job:
     session: SessionId = field(default_factory=new_session_id)
     tokens: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
+    swapped: int = 0  # tokens whose KV it stored when it was last preempted
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     token_times: list[float] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
@@ -182,6 +184,8 @@ class Gateway:
         self.server: asyncio.Server | None = None
         self.eos = set(backend.manifest.eos_token_ids)
         self.cancelled = 0  # requests of clients that left before they finished
+        # tokens of resumed requests whose KV came back from the stores, and that were computed
+        self.swapped_tokens = self.recomputed_tokens = 0
         self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
         self.floods = 0
         self.reconnects = 0  # times the plan was deployed again after a lost node
@@ -343,23 +347,26 @@ class Gateway:
             d = self.sched.step(time.monotonic())
             for r in d.preempt:
                 if r.queue == "waiting":  # put back for fair shares (not a preemption)
-                    log.info("%s (user %s) gives its slot back to another user after %d tokens; "
-                             "its KV is dropped and will be recomputed", r.rid[:12], r.user,
-                             r.generated)
+                    log.info("%s (user %s) gives its slot back to another user after %d tokens",
+                             r.rid[:12], r.user, r.generated)
                     continue
                 self._tier(self.jobs[r.rid]).preemptions += 1
-                log.info("preempted %s (tier %d, user %s) after %d tokens; its KV is dropped and "
-                         "will be recomputed", r.rid[:12], r.tier, r.user, r.generated)
-            ends = [self._end(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
+                log.info("preempted %s (tier %d, user %s) after %d tokens", r.rid[:12], r.tier,
+                         r.user, r.generated)
+            ends = [self._swap_out(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
             if d.idle:
                 await asyncio.gather(*ends)
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.cfg.idle_poll_s)
                 continue
-            for r in (*d.admit, *d.resume):  # (a request put back for fair shares has tokens)
+            back = []  # requests that ran before (preempted, or put back for fair shares)
+            for r in (*d.admit, *d.resume):
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
+                if job.tokens or job.swapped:
+                    back.append(job)
+            await asyncio.gather(*(self._swap_in(job) for job in back))
             work = [(r, self._next_ids(self.jobs[r.rid])) for r in self._this_step(d)]
             results = (await asyncio.gather(
                 *ends, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
@@ -402,6 +409,31 @@ class Gateway:
             del job.pending[:len(chunk)]
             return chunk, not job.pending
         return job.tokens[-1:], True
+
+    async def _swap_out(self, job: Job) -> None:
+        """A preempted request gives its KV up: stored first (`swap_preempted`), then freed."""
+        if self.cfg.swap_preempted:
+            full = job.prompt + job.tokens
+            held = full[:len(full) - (len(job.pending) if job.pending else 1)]
+            try:
+                if await self.backend.save(job.session, held):
+                    job.swapped = len(held)
+            except EdgeliteError as exc:
+                log.info("%s: its KV was not stored (%s); it will be recomputed", job.req.rid[:12], exc)
+        await self._end(job)
+
+    async def _swap_in(self, job: Job) -> None:
+        """A resumed request imports the KV it was preempted with; the rest is computed."""
+        n = 0
+        if job.swapped:
+            try:
+                n = await self.backend.restore(job.session, job.pending[:-1])
+            except EdgeliteError as exc:
+                log.info("%s: its stored KV is not usable (%s)", job.req.rid[:12], exc)
+        self.swapped_tokens += n
+        self.recomputed_tokens += len(job.pending) - 1 - n
+        del job.pending[:n]
+        job.swapped = 0
 
     async def _end(self, job: Job) -> None:
         """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
@@ -504,4 +536,6 @@ class Gateway:
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tokens_total": self.tokens_total, "tokens_per_s": self.tokens_per_s(),
                 "preemptions": sum(st.preemptions for st in self.tiers.values()),
+                "resumed_tokens": {"swapped_in": self.swapped_tokens,
+                                   "recomputed": self.recomputed_tokens},
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}

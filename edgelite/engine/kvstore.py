@@ -1,0 +1,408 @@
+"""A persistent store of sessions' KV for one device's layer range, keyed by token prefix.
+
+An entry holds the KV of a range's layers for the first n tokens of a token sequence. It is
+found by a chained sha256 over fixed-size token blocks, seeded with the model fingerprint, the
+layer range and the KV layout: h_0 = sha256(seed), h_i = sha256(h_{i-1} + block i). The index
+(sqlite, WAL) maps each block hash of an entry to it, so any prefix of a stored sequence is
+found, not only the whole: the longest stored prefix of a prompt is the deepest of its block
+hashes that the index knows, extended token by token within that entry. The entry's token ids
+are stored and compared on every hit: a hash collision can never return wrong KV.
+
+Payloads are plain files named by a hash of seed and tokens: a header (magic, version,
+fingerprint, layer range, layout, token count, each section's checksum) with its own sha256,
+then the token ids and the KV. A write goes to a temporary file, is fsynced and renamed into
+place, so a killed writer leaves no file that reads as an entry. A read checks everything into
+a scratch array before anything uses it; an entry that fails any check is a miss with one log
+line, and is deleted. The index can always be rebuilt from the files (it is, when it is missing
+or unreadable); files the index does not know are indexed at start, rows without files dropped.
+A disk budget evicts the least recently used entries; an entry a newer one extends is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import sqlite3
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from edgelite.config import KVStoreConfig
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"EDGELKV\x00"
+VERSION = 1
+SUFFIX = ".kv"
+_HEAD = struct.Struct("<8sII")  # magic, version, header length
+MAX_HEADER = 1 << 16
+
+
+class CorruptEntry(Exception):
+    """An entry file that fails a check (read as a miss)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What an entry's KV is: whose layers, and how they are laid out. Entries of another
+    layout (model, range, shape, dtype) are never returned."""
+
+    fingerprint: str
+    first: int
+    last: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    @property
+    def layers(self) -> int:
+        return self.last - self.first + 1
+
+    def to_json(self) -> dict:
+        return {"fingerprint": self.fingerprint, "first": self.first, "last": self.last,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+
+    @property
+    def seed(self) -> bytes:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).digest()
+
+    def shape(self, n: int) -> tuple[int, ...]:
+        return (self.layers, 2, self.kv_heads, n, self.head_dim)  # K and V of each layer
+
+
+def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:
+    """The chained hash after each whole block of `tokens` (int32)."""
+    h = layout.seed
+    out = []
+    raw = np.ascontiguousarray(tokens, np.int32).tobytes()
+    for i in range(len(tokens) // block):
+        h = hashlib.sha256(h + raw[4 * block * i:4 * block * (i + 1)]).digest()
+        out.append(h.hex())
+    return out
+
+
+@dataclass(frozen=True)
+class Hit:
+    length: int  # tokens whose KV `kv` holds (a prefix of the query)
+    kv: np.ndarray  # (layers, 2, kv_heads, length, head_dim) float32, a fresh array
+
+
+class KVStore:
+    """Entries in `root` within `budget_bytes`; blocks of `block` tokens. Thread-safe."""
+
+    def __init__(self, root: Path, budget_bytes: int, block: int = 16) -> None:
+        self.root, self.budget, self.block = Path(root), budget_bytes, block
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.corrupt = self.saved = self.evicted = 0
+        self.db = self._open_index()
+        self._reconcile()
+
+    # ---- the index -----------------------------------------------------------------------
+    def _open_index(self) -> sqlite3.Connection:
+        path = self.root / "index.sqlite"
+        for attempt in range(2):
+            try:
+                db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("CREATE TABLE IF NOT EXISTS entries (name TEXT PRIMARY KEY, "
+                           "seed TEXT, n INTEGER, tokens BLOB, bytes INTEGER, last_use REAL)")
+                db.execute("CREATE TABLE IF NOT EXISTS blocks (hash TEXT, name TEXT, "
+                           "depth INTEGER, PRIMARY KEY (hash, name))")
+                db.execute("SELECT count(*) FROM entries").fetchone()
+                return db
+            except sqlite3.DatabaseError as exc:
+                if attempt:
+                    raise
+                log.warning("KV store index %s is unreadable (%s); rebuilding it from the "
+                            "entry files", path, exc)
+                for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                    p.unlink(missing_ok=True)
+        raise AssertionError("unreachable")
+
+    def _reconcile(self) -> None:
+        """Index every entry file, forget rows without one, remove killed writers' leftovers."""
+        for tmp in self.root.glob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        files = {p.name[:-len(SUFFIX)]: p for p in self.root.glob("*" + SUFFIX)}
+        with self.lock:
+            known = {name for (name,) in self.db.execute("SELECT name FROM entries")}
+            for name in known - files.keys():
+                self._forget(name)
+        for name in files.keys() - known:
+            try:
+                layout, tokens = read_header(files[name])
+            except (OSError, CorruptEntry) as exc:
+                log.warning("KV store: %s is not a valid entry (%s); removed", files[name].name, exc)
+                files[name].unlink(missing_ok=True)
+                continue
+            with self.lock:
+                self._index(name, layout, tokens, files[name].stat().st_size)
+
+    def _index(self, name: str, layout: Layout, tokens: np.ndarray, nbytes: int) -> None:
+        hashes = block_hashes(layout, tokens, self.block)
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+                            (name, layout.seed.hex(), len(tokens), tokens.astype(np.int32).tobytes(),
+                             nbytes, time.time()))
+            self.db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)",
+                                [(h, name, i + 1) for i, h in enumerate(hashes)])
+
+    def _forget(self, name: str) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM entries WHERE name = ?", (name,))
+            self.db.execute("DELETE FROM blocks WHERE name = ?", (name,))
+
+    def _drop(self, name: str) -> None:
+        self._forget(name)
+        (self.root / (name + SUFFIX)).unlink(missing_ok=True)
+
+    @property
+    def bytes_used(self) -> int:
+        with self.lock:
+            return int(self.db.execute("SELECT coalesce(sum(bytes), 0) FROM entries").fetchone()[0])
+
+    @property
+    def entries(self) -> int:
+        with self.lock:
+            return int(self.db.execute("SELECT count(*) FROM entries").fetchone()[0])
+
+    # ---- lookups -------------------------------------------------------------------------
+    def _candidates(self, layout: Layout, tokens: np.ndarray) -> list[tuple[str, int, int]]:
+        """Entries sharing at least one block with `tokens`: (name, tokens shared, tokens
+        held), most shared first (token ids compared, not only hashes)."""
+        hashes = block_hashes(layout, tokens, self.block)
+        if not hashes:
+            return []
+        out = []
+        with self.lock:
+            rows = self.db.execute(
+                f"SELECT e.name, e.tokens FROM blocks b JOIN entries e ON e.name = b.name "
+                f"WHERE e.seed = ? AND b.hash IN ({','.join('?' * len(hashes))}) "
+                f"GROUP BY e.name", (layout.seed.hex(), *hashes)).fetchall()
+        for name, raw in rows:
+            stored = np.frombuffer(raw, np.int32)
+            n = min(len(stored), len(tokens))
+            diff = np.flatnonzero(stored[:n] != tokens[:n])
+            out.append((name, int(diff[0]) if diff.size else n, len(stored)))
+        return sorted(out, key=lambda c: -c[1])
+
+    def lookup(self, layout: Layout, tokens: np.ndarray) -> int:
+        """How many leading tokens of `tokens` a stored entry holds (without reading it)."""
+        c = self._candidates(layout, np.asarray(tokens, np.int32))
+        return c[0][1] if c else 0
+
+    def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None) -> Hit | None:
+        """The KV of the longest stored prefix of `tokens` (at most `at_most` tokens), checked
+        completely; None when nothing usable is stored."""
+        tokens = np.asarray(tokens, np.int32)
+        if at_most is not None:
+            tokens = tokens[:at_most]
+        for name, length, _ in self._candidates(layout, tokens):
+            if length < self.block:
+                break
+            path = self.root / (name + SUFFIX)
+            try:
+                kv = read_entry(path, layout, tokens[:length])
+            except (OSError, CorruptEntry) as exc:
+                log.warning("KV store: entry %s is unusable (%s); dropped, recomputing instead",
+                            name[:16], exc)
+                with self.lock:
+                    self.corrupt += 1
+                    self._drop(name)
+                continue
+            with self.lock:
+                self.hits += 1
+                with self.db:
+                    self.db.execute("UPDATE entries SET last_use = ? WHERE name = ?", (time.time(), name))
+            return Hit(length, kv)
+        with self.lock:
+            self.misses += 1
+        return None
+
+    # ---- writing -------------------------------------------------------------------------
+    def put(self, layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> int:
+        """Store the KV (layers, 2, kv_heads, n, head_dim) of `tokens` (n); entries it extends
+        are dropped, then the least recently used until the budget holds. Returns its bytes
+        (0 when it was not kept: shorter than a block, or larger than the whole budget)."""
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        n = len(tokens)
+        if kv.shape != layout.shape(n) or kv.dtype != np.dtype(layout.dtype):
+            raise ValueError(f"KV of shape {kv.shape} {kv.dtype} for {n} tokens; expected "
+                             f"{layout.shape(n)} {layout.dtype}")
+        if n < self.block:
+            return 0
+        name = hashlib.sha256(layout.seed + tokens.tobytes()).hexdigest()
+        header, payload = encode(layout, tokens, kv)
+        size = len(header) + sum(len(p) for p in payload)
+        if size > self.budget:
+            log.info("KV store: an entry of %d bytes exceeds the whole budget (%d); not stored",
+                     size, self.budget)
+            return 0
+        write_atomic(self.root / (name + SUFFIX), [header, *payload])
+        extended = [c[0] for c in self._candidates(layout, tokens) if c[0] != name and c[1] == c[2]]
+        with self.lock:
+            for old in extended:  # older entries this one holds whole
+                self._drop(old)
+            self._index(name, layout, tokens, size)
+            self.saved += 1
+            self._evict(keep=name)
+        return size
+
+    def _evict(self, keep: str) -> None:
+        used = int(self.db.execute("SELECT coalesce(sum(bytes), 0) FROM entries").fetchone()[0])
+        for name, nbytes in self.db.execute(
+                "SELECT name, bytes FROM entries WHERE name != ? ORDER BY last_use", (keep,)).fetchall():
+            if used <= self.budget:
+                break
+            self._drop(name)
+            self.evicted += 1
+            used -= nbytes
+
+    def stats(self) -> dict:
+        with self.lock:
+            n, used = self.db.execute("SELECT count(*), coalesce(sum(bytes), 0) FROM entries").fetchone()
+            return {"entries": n, "bytes": used, "budget_bytes": self.budget, "hits": self.hits,
+                    "misses": self.misses, "corrupt": self.corrupt, "saved": self.saved,
+                    "evicted": self.evicted}
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+
+
+# ---- the file format -----------------------------------------------------------------------
+def _digest(data: bytes | memoryview, kind: str) -> str:
+    """A section's checksum: sha256 for the header and token ids; crc32 for the KV (2.5x
+    faster, and it catches torn writes and flipped bits; the token ids, not the KV, decide
+    what an entry is for)."""
+    return hashlib.sha256(data).hexdigest() if kind == "sha256" else f"{zlib.crc32(data):08x}"
+
+
+SECTIONS = ("sha256", "crc32")  # the checksum of each section: token ids, KV
+
+
+def encode(layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> tuple[bytes, list[bytes]]:
+    """(header bytes, payload sections) of an entry."""
+    sections = [tokens.astype("<i4").tobytes(), np.ascontiguousarray(kv, "<f4").tobytes()]
+    meta = {"layout": layout.to_json(), "tokens": len(tokens),
+            "sections": [[len(s), _digest(s, kind)] for s, kind in zip(sections, SECTIONS, strict=True)]}
+    body = json.dumps(meta, sort_keys=True).encode()
+    head = _HEAD.pack(MAGIC, VERSION, len(body)) + body
+    return head + hashlib.sha256(head).digest(), sections
+
+
+def _read_meta(f: BinaryIO) -> dict:
+    fixed = f.read(_HEAD.size)
+    if len(fixed) < _HEAD.size:
+        raise CorruptEntry("truncated header")
+    magic, version, length = _HEAD.unpack(fixed)
+    if magic != MAGIC:
+        raise CorruptEntry("not a KV entry (bad magic)")
+    if version != VERSION:
+        raise CorruptEntry(f"format version {version}, this build reads {VERSION}")
+    if not 0 < length <= MAX_HEADER:
+        raise CorruptEntry(f"header length {length}")
+    body = f.read(length)
+    digest = f.read(32)
+    if len(body) < length or len(digest) < 32:
+        raise CorruptEntry("truncated header")
+    if hashlib.sha256(fixed + body).digest() != digest:
+        raise CorruptEntry("header checksum mismatch")
+    try:
+        meta = json.loads(body)
+        Layout(**meta["layout"])
+        n, sections = int(meta["tokens"]), meta["sections"]
+        if len(sections) != 2 or n < 0:
+            raise ValueError("sections")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntry(f"header fields: {exc}") from None
+    return meta
+
+
+def _section(f: BinaryIO, size: int, sha: str, what: str) -> bytes:
+    data = f.read(size)
+    if len(data) < size:
+        raise CorruptEntry(f"truncated {what}")
+    if _digest(data, "sha256") != sha:
+        raise CorruptEntry(f"{what} checksum mismatch")
+    return data
+
+
+def read_header(path: Path) -> tuple[Layout, np.ndarray]:
+    """An entry's layout and token ids (both checked)."""
+    with open(path, "rb") as f:
+        meta = _read_meta(f)
+        (tsize, tsha), _ = meta["sections"]
+        if tsize != 4 * meta["tokens"]:
+            raise CorruptEntry("token section size")
+        return Layout(**meta["layout"]), np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
+
+
+def read_entry(path: Path, layout: Layout, tokens: np.ndarray) -> np.ndarray:
+    """The KV of the first len(tokens) positions of an entry, after checking that it is of
+    `layout`, that its checksums hold and that it was stored for these very tokens."""
+    with open(path, "rb") as f:
+        meta = _read_meta(f)
+        if Layout(**meta["layout"]) != layout:
+            raise CorruptEntry(f"stored for {meta['layout']}, not {layout.to_json()}")
+        n = meta["tokens"]
+        (tsize, tsha), (ksize, ksha) = meta["sections"]
+        if tsize != 4 * n or ksize != 4 * int(np.prod(layout.shape(n))) or n < len(tokens):
+            raise CorruptEntry("section sizes do not match the header")
+        stored = np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
+        if not np.array_equal(stored[:len(tokens)], tokens):
+            raise CorruptEntry("stored for other tokens")
+        kv = np.empty(layout.shape(n), np.float32)
+        view = memoryview(kv).cast("B")
+        if f.readinto(view) != ksize or f.read(1):
+            raise CorruptEntry("truncated or overlong KV section")
+        if _digest(view, "crc32") != ksha:
+            raise CorruptEntry("KV checksum mismatch")
+    if not np.isfinite(kv).all():
+        raise CorruptEntry("KV holds non-finite values")
+    return np.ascontiguousarray(kv[:, :, :, :len(tokens)]) if len(tokens) < n else kv
+
+
+def write_atomic(path: Path, parts: list[bytes]) -> None:
+    """Write `parts` to `path` so that it either appears whole or not at all."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            for p in parts:
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(cfg: KVStoreConfig, default_dir: Path) -> KVStore | None:
+    """The store `cfg` asks for (None when it is off, or cannot be opened: then it says so)."""
+    if not cfg.enabled:
+        return None
+    root = Path(cfg.dir) if cfg.dir else default_dir
+    try:
+        return KVStore(root, cfg.budget_bytes, cfg.block_tokens)
+    except (OSError, sqlite3.Error) as exc:
+        log.warning("KV store in %s cannot be opened (%s); conversations will be recomputed",
+                    root, exc)
+        return None

@@ -1,0 +1,215 @@
+"""The KV store on SmolLM2 (int4): resume after a full restart, a shared prefix, preemption swap.
+
+The client holds layers 0-9, two node processes 10-19 and 20-29 (1 thread each, loopback).
+- resume: a ~1,000-token conversation's next turn after every process restarted (a new client;
+  the nodes killed and started again on their data folders), importing its KV from the stores,
+  over the same turn computing the whole history on freshly restarted processes; and the ids
+  against the same conversation run without a restart.
+- shared prefix: a second session whose prompt shares a 500-token prefix with the first's
+  (time to first token, i.e. its prefill, over the first's); ids against no sharing.
+- preemption: `edgelite serve` with a KV budget that forces preemptions, the same requests with
+  swap and without: outputs, swapped-in vs recomputed tokens.
+Rounds interleave; medians. Prints one JSON object.
+
+    python scripts/bench_kvstore.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench_local import edgelite_export
+
+import edgelite
+from edgelite.cli.localnodes import TOKEN, NodeProc, start_node, start_serve
+from edgelite.config import GenerationConfig
+from edgelite.engine.tokenizer import Tokenizer
+from edgelite.ids import NodeAddr
+from edgelite.manifest import load
+from edgelite.planner.model import Plan, Stage
+from edgelite.serve.client import GatewayClient
+
+ROOT = Path(__file__).resolve().parent.parent
+RANGES = [(10, 19), (20, 29)]
+NEW_TURN = "\n\nQuestion: so what does a node keep on its disk?\nAnswer:"  # the next turn
+
+
+def plan_for(nodes: list[NodeProc]) -> Plan:
+    stages = [Stage(f"node{i}", a, b, NodeAddr.parse(n.addr)) for i, (n, (a, b)) in
+              enumerate(zip(nodes, RANGES, strict=True))]
+    return Plan((Stage("client", 0, 9), *stages), "latency", "split", "given")
+
+
+async def turn(model: Path, nodes: list[NodeProc], prompt: list[int], n: int,
+               reuse: bool = True) -> dict[str, Any]:
+    """A reply on a new client (a restarted one: its store is read from disk)."""
+    async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
+                                plan=plan_for(nodes)) as llm:
+        r = llm.complete(prompt, max_tokens=n, reuse=reuse)
+        await r.collect()
+        return {"ids": r.token_ids, "ttft_ms": r.stats.ttft_ms, "reused": r.stats.reused_tokens}
+
+
+def start(dirs: list[Path]) -> list[NodeProc]:
+    return [start_node(d, threads=1, kv_budget_mb=512, extra=("--no-spin",)) for d in dirs]
+
+
+def stop(nodes: list[NodeProc]) -> None:
+    for n in nodes:
+        n.kill()
+
+
+def resume_round(model: Path, tmp: Path, ids: list[int], r: int, history: int,
+                 new: list[int]) -> dict[str, Any]:
+    first = ids[r * 7:r * 7 + history]
+    out: dict[str, Any] = {}
+    for case in ("straight", "restarted"):
+        os.environ["EDGELITE_HOME"] = str(tmp / f"home-{case}-{r}")
+        dirs = [tmp / f"{case}-{r}-{i}" for i in range(2)]
+        nodes = start(dirs)
+        try:
+            reply1 = asyncio.run(turn(model, nodes, first, 8))["ids"]
+            prompt2 = first + reply1 + new
+            if case == "straight":
+                out["straight"] = asyncio.run(turn(model, nodes, prompt2, 16))
+                continue
+            stop(nodes)
+            nodes = start(dirs)
+            out["recompute"] = asyncio.run(turn(model, nodes, prompt2, 16, reuse=False))
+            stop(nodes)
+            nodes = start(dirs)
+            out["resume"] = asyncio.run(turn(model, nodes, prompt2, 16))
+            out["prompt_tokens"] = len(prompt2)
+        finally:
+            stop(nodes)
+    return out
+
+
+def shared_round(model: Path, nodes: list[NodeProc], ids: list[int], r: int) -> dict[str, Any]:
+    base = 2000 + r * 600
+    prefix = ids[base:base + 500]
+    a, b = prefix + ids[base + 500:base + 540], prefix + ids[base + 540:base + 580]
+    one = asyncio.run(turn(model, nodes, a, 8))
+    two = asyncio.run(turn(model, nodes, b, 8))
+    alone = asyncio.run(turn(model, nodes, b, 8, reuse=False))
+    return {"first": one, "second": two, "second_alone": alone}
+
+
+async def gateway_requests(port: int, prompts: list[str], tokens: int) -> tuple[list[list[int]], dict]:
+    async def one(prompt: str) -> list[int]:
+        c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
+        try:
+            async for _ in c.generate([{"role": "user", "content": prompt}],
+                                      GenerationConfig(max_tokens=tokens)):
+                pass
+            assert c.last is not None
+            return c.last.token_ids
+        finally:
+            await c.close()
+
+    outs = await asyncio.gather(*(one(p) for p in prompts))
+    c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
+    try:
+        return list(outs), await c.stats()
+    finally:
+        await c.close()
+
+
+def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], tokens: int) -> dict[str, Any]:
+    tag = "swap" if swap else "recompute"
+    os.environ["EDGELITE_HOME"] = str(tmp / f"home-gw-{tag}")
+    nodes = [start_node(tmp / f"gw-{tag}-{i}", threads=1, kv_budget_mb=512, extra=("--no-spin",))
+             for i in range(2)]
+    users = tmp / "users.json"
+    users.write_text(json.dumps({"users": [{"name": "u", "token": "t-u", "tier": 1}]}))
+    log = (tmp / f"gw-{tag}.log").open("w")
+    proc = None
+    try:
+        proc, found = start_serve(
+            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+             "--split", ",".join(f"{a}-{b}" for a, b in [(0, 14), (15, 29)]), "--users", str(users),
+             "--port", "0", "--threads", "1", "--kv-tokens", "700", "--max-preemptions", "100",
+             "--set", f"swap_preempted={'true' if swap else 'false'}"], log)
+        outs, stats = asyncio.run(gateway_requests(int(found.group(1)), prompts, tokens))
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
+            assert proc.stdout is not None
+            proc.stdout.close()
+        log.close()
+        stop(nodes)
+    return {"outputs": outs, "preemptions": stats["preemptions"],
+            "resumed_tokens": stats["resumed_tokens"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--history", type=int, default=990, help="tokens of the first turn's prompt")
+    ap.add_argument("--models", type=Path, default=ROOT / "models" / "bench")
+    ap.add_argument("--skip-gateway", action="store_true")
+    args = ap.parse_args()
+    model = edgelite_export(args.models / "smol-int4-fast")
+    tok = Tokenizer(load(model))
+    text = "\n".join((ROOT / p).read_text() for p in ("docs/architecture.md", "README.md",
+                                                        "../shared/DESIGN.md") if (ROOT / p).is_file())
+    ids = tok.encode(text)
+    new_turn = tok.encode(NEW_TURN)
+    os.environ["EDGELITE_TOKEN"] = TOKEN  # (edgelite serve reads it)
+    tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-kv-"))
+    resume, shared = [], []
+    shared_nodes = None
+    try:
+        os.environ["EDGELITE_HOME"] = str(tmp / "home-shared")
+        shared_nodes = start([tmp / f"shared-{i}" for i in range(2)])
+        asyncio.run(turn(model, shared_nodes, ids[:64], 2, reuse=False))  # warm up
+        for r in range(args.rounds):
+            resume.append(resume_round(model, tmp, ids, r, args.history, new_turn))
+            os.environ["EDGELITE_HOME"] = str(tmp / "home-shared")
+            shared.append(shared_round(model, shared_nodes, ids, r))
+    finally:
+        if shared_nodes:
+            stop(shared_nodes)
+    out: dict[str, Any] = {
+        "model": "SmolLM2-135M int4 (fast)", "split": "client 0-9, node 10-19, node 20-29",
+        "rounds": args.rounds, "new_turn_tokens": len(new_turn),
+        "resume_ttft_ratio": statistics.median(x["resume"]["ttft_ms"] / x["recompute"]["ttft_ms"]
+                                               for x in resume),
+        "resume": [{"prompt_tokens": x["prompt_tokens"], "reused": x["resume"]["reused"],
+                    "resume_ttft_ms": round(x["resume"]["ttft_ms"], 1),
+                    "recompute_ttft_ms": round(x["recompute"]["ttft_ms"], 1),
+                    "ids_equal_uninterrupted": x["resume"]["ids"] == x["straight"]["ids"],
+                    "ids_equal_recompute": x["resume"]["ids"] == x["recompute"]["ids"]}
+                   for x in resume],
+        "shared_prefix_prefill_ratio": statistics.median(
+            x["second"]["ttft_ms"] / x["first"]["ttft_ms"] for x in shared),
+        "shared": [{"first_ttft_ms": round(x["first"]["ttft_ms"], 1),
+                    "second_ttft_ms": round(x["second"]["ttft_ms"], 1),
+                    "second_reused": x["second"]["reused"],
+                    "ids_equal_without_sharing": x["second"]["ids"] == x["second_alone"]["ids"]}
+                   for x in shared]}
+    if not args.skip_gateway:
+        prompts = [f"Tell me about item {i}: " + tok.decode(ids[3000 + 90 * i:3000 + 90 * i + 80])
+                   for i in range(6)]
+        runs = {swap: preemption_run(model, tmp, swap, prompts, 48) for swap in (True, False)}
+        out["preemption"] = {
+            "requests": len(prompts), "max_tokens": 48,
+            "swap": {k: v for k, v in runs[True].items() if k != "outputs"},
+            "recompute": {k: v for k, v in runs[False].items() if k != "outputs"},
+            "preemption_recomputed_tokens": {"with_swap": runs[True]["resumed_tokens"]["recomputed"],
+                                             "without_swap": runs[False]["resumed_tokens"]["recomputed"]},
+            "outputs_equal": sum(a == b for a, b in zip(runs[True]["outputs"], runs[False]["outputs"],
+                                                        strict=True))}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""The KV store on its own: prefixes found by chained block hashes, token ids compared, atomic
+files, an index rebuilt from them, a disk budget; and 100 ways of corrupting its files, each a
+miss (or the right KV), never wrong KV or a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edgelite
+from edgelite.cli.localnodes import TOKEN
+from edgelite.engine.kvstore import KVStore, Layout, block_hashes, encode, read_header
+from edgelite.ids import NodeAddr
+from edgelite.planner.model import Plan, Stage
+
+LAYOUT = Layout("f" * 64, 0, 2, 2, 8)
+BLOCK = 16
+
+
+def kv_for(tokens: np.ndarray, layout: Layout = LAYOUT) -> np.ndarray:
+    """KV that depends on every token before a position (as real KV does)."""
+    acc = np.cumsum(np.asarray(tokens, np.float64) % 97).astype(np.float32)
+    base = np.arange(np.prod(layout.shape(1)), dtype=np.float32).reshape(layout.shape(1))
+    return np.ascontiguousarray(base * 0.01 + acc[None, None, None, :, None])
+
+
+def toks(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.int32)
+
+
+def test_the_longest_stored_prefix_comes_back_exactly(tmp_path: Path) -> None:
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    a = toks(70)
+    kv = kv_for(a)
+    assert store.put(LAYOUT, a, kv) > 0
+    hit = store.get(LAYOUT, a)
+    assert hit is not None and hit.length == 70 and np.array_equal(hit.kv, kv)
+    # a prompt that goes on past the entry: all 70; one that leaves it at token 40: 40
+    longer = np.concatenate([a, toks(30, 1)])
+    assert store.get(LAYOUT, longer).length == 70
+    fork = a.copy()
+    fork[40] += 1
+    hit = store.get(LAYOUT, fork)
+    assert hit is not None and hit.length == 40 and np.array_equal(hit.kv, kv[:, :, :, :40])
+    assert store.get(LAYOUT, a, at_most=33).length == 33
+    # less than a block in common, another model, another layer range: misses
+    fork[5] += 1
+    assert store.get(LAYOUT, fork) is None
+    other = Layout("e" * 64, 0, 2, 2, 8)
+    assert store.get(other, a) is None
+    assert store.get(Layout("f" * 64, 0, 1, 2, 8), a) is None
+    assert store.put(LAYOUT, a[:10], kv_for(a[:10])) == 0  # shorter than a block: not kept
+
+
+def test_an_extended_conversation_replaces_its_older_entry_and_the_budget_holds(tmp_path: Path) -> None:
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    a = toks(100)
+    store.put(LAYOUT, a[:40], kv_for(a[:40]))
+    store.put(LAYOUT, a, kv_for(a))
+    assert store.entries == 1 and store.get(LAYOUT, a[:40]).length == 40
+    one = store.bytes_used
+    small = KVStore(tmp_path / "small", int(one * 2.5), BLOCK)
+    for seed in range(4):
+        small.put(LAYOUT, toks(100, seed + 10), kv_for(toks(100, seed + 10)))
+        time.sleep(0.01)
+    assert small.entries == 2 and small.bytes_used <= small.budget
+    assert small.get(LAYOUT, toks(100, 13)) is not None and small.get(LAYOUT, toks(100, 10)) is None
+    assert small.stats()["evicted"] == 2
+
+
+def test_a_hash_collision_cannot_return_wrong_kv(tmp_path: Path) -> None:
+    """Make the index claim another sequence's block hash: the token ids decide."""
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    a, b = toks(48, 1), toks(48, 2)
+    store.put(LAYOUT, a, kv_for(a))
+    name = store.db.execute("SELECT name FROM entries").fetchone()[0]
+    for i, h in enumerate(block_hashes(LAYOUT, b, BLOCK)):
+        store.db.execute("INSERT INTO blocks VALUES (?, ?, ?)", (h, name, i + 1))
+    assert store.get(LAYOUT, b) is None
+
+
+def test_the_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    a = toks(64)
+    store.put(LAYOUT, a, kv_for(a))
+    store.close()
+    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    for extra in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / extra).unlink(missing_ok=True)
+    again = KVStore(tmp_path, 1 << 30, BLOCK)
+    hit = again.get(LAYOUT, a)
+    assert hit is not None and np.array_equal(hit.kv, kv_for(a))
+    again.close()
+    (tmp_path / "index.sqlite").unlink()
+    assert KVStore(tmp_path, 1 << 30, BLOCK).get(LAYOUT, a).length == 64
+
+
+# ---- corruption -------------------------------------------------------------------------
+def _patch_header(raw: bytes, change: Callable[[dict], int | None]) -> bytes:
+    """The entry with its header's JSON changed and its checksum made right again."""
+    magic, version, length = struct.unpack_from("<8sII", raw)
+    meta = json.loads(raw[16:16 + length])
+    version = change(meta) or version
+    body = json.dumps(meta, sort_keys=True).encode()
+    import hashlib
+
+    head = struct.pack("<8sII", magic, version, len(body)) + body
+    return head + hashlib.sha256(head).digest() + raw[16 + length + 32:]
+
+
+def _corruptions(good: bytes, other: bytes) -> list[tuple[str, bytes]]:
+    rng = np.random.default_rng(5)
+    out: list[tuple[str, bytes]] = []
+    for cut in np.linspace(0, len(good) - 1, 30).astype(int):
+        out.append((f"truncated at {cut}", good[:cut]))
+    for pos in sorted(set(rng.choice(len(good), 47, replace=False).tolist()) | {0, 9, 13, 20, len(good) - 1}):
+        b = bytearray(good)
+        b[pos] ^= 1 << int(rng.integers(0, 8))
+        out.append((f"bit flipped at {pos}", bytes(b)))
+    hl = 16 + struct.unpack_from("<I", good, 12)[0] + 32
+    ol = 16 + struct.unpack_from("<I", other, 12)[0] + 32
+    out.append(("header of another entry", other[:ol] + good[hl:]))
+    out.append(("payload of another entry", good[:hl] + other[ol:]))
+    out.append(("another entry whole", other))
+    out.append(("zeros", bytes(len(good))))
+    out.append(("empty", b""))
+    out.append(("doubled", good + good))
+    out.append(("one byte more", good + b"\0"))
+
+    def fingerprint(meta: dict) -> None:
+        meta["layout"]["fingerprint"] = "0" * 64
+
+    def layers(meta: dict) -> None:
+        meta["layout"]["last"] = 1
+
+    def dtype(meta: dict) -> None:
+        meta["layout"]["dtype"] = "float16"
+
+    def heads(meta: dict) -> None:
+        meta["layout"]["kv_heads"] = 1
+
+    def count(meta: dict) -> None:
+        meta["tokens"] -= 1
+
+    def sections(meta: dict) -> None:
+        meta["sections"] = meta["sections"][:1]
+
+    def version(meta: dict) -> int:
+        return 2
+
+    def garbage(meta: dict) -> None:
+        meta["layout"] = "nothing"
+
+    for name, change in (("wrong fingerprint", fingerprint), ("wrong layer range", layers),
+                         ("wrong dtype", dtype), ("wrong kv heads", heads),
+                         ("wrong token count", count), ("a section missing", sections),
+                         ("a newer format version", version), ("layout not an object", garbage)):
+        out.append((name, _patch_header(good, change)))
+    for cut in np.linspace(1, len(good) - 1, 5).astype(int):  # what a killed writer leaves
+        out.append((f"temporary file of {cut} bytes", good[:cut]))
+    return out
+
+
+def test_100_corruptions_are_misses_never_wrong_kv(tmp_path: Path) -> None:
+    a, b = toks(40, 3), toks(40, 4)
+    src = KVStore(tmp_path / "src", 1 << 30, BLOCK)
+    src.put(LAYOUT, a, kv_for(a))
+    src.put(LAYOUT, b, kv_for(b))
+    files = {read_header(p)[1].tobytes(): p for p in (tmp_path / "src").glob("*.kv")}
+    good, other = files[a.tobytes()].read_bytes(), files[b.tobytes()].read_bytes()
+    name = files[a.tobytes()].name
+    cases = _corruptions(good, other)
+    assert len(cases) >= 100, len(cases)
+    wrong, found = [], 0
+    for i, (what, data) in enumerate(cases):
+        root = tmp_path / f"c{i}"
+        for warm in (False, True):  # the file changed under a live index, or found at start
+            d = root / ("warm" if warm else "cold")
+            d.mkdir(parents=True)
+            at = d / (f".tmp-{name}-1-0" if what.startswith("temporary") else name)
+            if warm:
+                store = KVStore(d, 1 << 30, BLOCK)
+                store.put(LAYOUT, a, kv_for(a))
+                at.write_bytes(data)
+            else:
+                at.write_bytes(data)
+                store = KVStore(d, 1 << 30, BLOCK)
+            hit = store.get(LAYOUT, a)
+            if hit is not None:
+                found += 1
+                if not np.array_equal(hit.kv, kv_for(a)[:, :, :, :hit.length]):
+                    wrong.append(what)
+            # a corrupt entry is dropped: asking again is a plain miss (or the same right hit)
+            again = store.get(LAYOUT, a)
+            assert (again is None) == (hit is None), what
+            store.close()
+    assert wrong == []
+    assert found == 5  # the warm store's own entry, beside a killed writer's temporary file
+
+
+WRITER = r"""
+import sys, numpy as np
+from pathlib import Path
+import edgelite
+from edgelite.cli.localnodes import TOKEN
+from edgelite.ids import NodeAddr
+from edgelite.planner.model import Plan, Stage
+from edgelite.engine.kvstore import KVStore, Layout
+layout = Layout("f" * 64, 0, 29, 3, 64)
+store = KVStore(Path(sys.argv[1]), 1 << 40, 16)
+tokens = np.arange(2000, dtype=np.int32)
+kv = np.ones(layout.shape(2000), np.float32)
+print("ready", flush=True)
+while True:
+    store.put(layout, tokens, kv)
+    tokens = tokens + 1
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_that_reads_as_an_entry(tmp_path: Path) -> None:
+    layout = Layout("f" * 64, 0, 29, 3, 64)
+    for delay in (0.05, 0.3, 0.7):
+        d = tmp_path / f"k{delay}"
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+        store = KVStore(d, 1 << 40, 16)
+        assert not list(d.glob(".tmp-*"))  # a killed writer's temporary file is cleaned up
+        for row in store.db.execute("SELECT tokens FROM entries").fetchall():
+            t = np.frombuffer(row[0], np.int32)
+            hit = store.get(layout, t)
+            assert hit is not None and hit.length == len(t) and np.all(hit.kv == 1.0)
+        store.close()
+
+
+
+def test_encode_round_trips_the_header() -> None:
+    t = toks(20)
+    header, payload = encode(LAYOUT, t, kv_for(t))
+    assert header.startswith(b"EDGELKV") and len(payload) == 2
+
+
+# ---- on real node processes -------------------------------------------------------------
+async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8) -> tuple[list[int], int]:
+    """One reply on a fresh client that holds layer 0, two nodes one layer each (its ids, and
+    the prompt tokens imported from the stores)."""
+    stages = [Stage(f"n{i}", i + 1, i + 1, NodeAddr.parse(x.addr)) for i, x in enumerate(nodes)]
+    plan = Plan((Stage("client", 0, 0), *stages), "latency", "split", "given")
+    async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN, plan=plan) as llm:
+        reply = llm.complete(prompt, max_tokens=n)
+        await reply.collect()
+        return reply.token_ids, reply.stats.reused_tokens
+
+
+@pytest.mark.e2e
+def test_a_conversation_resumes_after_every_process_restarted(exported, node_factory, tmp_path) -> None:
+    model = exported["llama"]
+    first = np.random.default_rng(1).integers(3, 200, 90).tolist()
+    more = np.random.default_rng(2).integers(3, 200, 30).tolist()
+
+    def conversation(tag: str, restart: bool) -> tuple[list[int], list[int], int, list]:
+        dirs = [tmp_path / f"{tag}{i}" for i in range(2)]
+        nodes = [node_factory(data_dir=d) for d in dirs]
+        reply1, reused1 = asyncio.run(_turn(model, nodes, first))
+        assert reused1 == 0
+        if restart:
+            for n in nodes:
+                n.kill()
+            nodes = [node_factory(data_dir=d) for d in dirs]
+        reply2, reused2 = asyncio.run(_turn(model, nodes, first + reply1 + more))
+        return reply1, reply2, reused2, nodes
+
+    reply1, resumed, reused, nodes = conversation("r", restart=True)
+    _, straight, reused_straight, _ = conversation("s", restart=False)
+    assert resumed == straight and reused == reused_straight
+    assert 90 <= reused <= 90 + 7  # the first turn's prompt and reply (the KV it computed)
+
+    # every entry on one node corrupted: a miss there, so all is computed: the same ids
+    for f in (nodes[1].data_dir / "kv").glob("*.kv"):
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        f.write_bytes(bytes(raw))
+    again, reused_again = asyncio.run(_turn(model, nodes, first + reply1 + more))
+    assert reused_again == 0 and again == straight
+
+
+def test_chat_session_continues_a_conversation_from_its_file(exported, tmp_path) -> None:
+    model = exported["llama"]
+    env = {**os.environ, "EDGELITE_HOME": str(tmp_path)}
+
+    def chat(*lines: str, session: str = "trip") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "edgelite", "chat", "--model", str(model),
+                               "--plain", "--max-tokens", "6", "--session", session],
+                              input="".join(line + "\n" for line in lines), capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    first = chat("tell me about the sea and the ships that sail on it")
+    assert first.returncode == 0, first.stderr
+    saved = json.loads((tmp_path / "sessions" / "trip.json").read_text())["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+    second = chat("and about the harbour")
+    assert second.returncode == 0, second.stderr
+    assert "session trip: 1 turns so far" in second.stdout
+    assert "prompt tokens from the KV store" in second.stdout  # only the new turn was computed
+    saved = json.loads((tmp_path / "sessions" / "trip.json").read_text())["messages"]
+    assert len(saved) == 4 and saved[2]["content"] == "and about the harbour"
+
+    bad = chat("hi", session="no such name!")
+    assert bad.returncode != 0 and "session name" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "sessions" / "broken.json").write_text("{not json")
+    broken = chat("hi", session="broken")
+    assert broken.returncode != 0 and "cannot be read" in broken.stderr
+    assert "Traceback" not in broken.stderr
