@@ -123,7 +123,7 @@ async def gateway_requests(port: int, prompts: list[str], tokens: int) -> tuple[
 
 
 def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], tokens: int) -> dict[str, Any]:
-    tag = "swap" if swap else "recompute"
+    tag = f"{model.name}-{'swap' if swap else 'recompute'}"
     os.environ["EDGELITE_HOME"] = str(tmp / f"home-gw-{tag}")
     nodes = [start_node(tmp / f"gw-{tag}-{i}", threads=1, kv_budget_mb=512, extra=("--no-spin",))
              for i in range(2)]
@@ -199,15 +199,19 @@ def main() -> None:
     if not args.skip_gateway:
         prompts = [f"Tell me about item {i}: " + tok.decode(ids[3000 + 90 * i:3000 + 90 * i + 80])
                    for i in range(6)]
-        runs = {swap: preemption_run(model, tmp, swap, prompts, 48) for swap in (True, False)}
-        out["preemption"] = {
-            "requests": len(prompts), "max_tokens": 48,
-            "swap": {k: v for k, v in runs[True].items() if k != "outputs"},
-            "recompute": {k: v for k, v in runs[False].items() if k != "outputs"},
-            "preemption_recomputed_tokens": {"with_swap": runs[True]["resumed_tokens"]["recomputed"],
-                                             "without_swap": runs[False]["resumed_tokens"]["recomputed"]},
-            "outputs_equal": sum(a == b for a, b in zip(runs[True]["outputs"], runs[False]["outputs"],
-                                                        strict=True))}
+        out["preemption"] = {}
+        exact = edgelite_export(args.models / "smol-int4-exact", "--mode", "exact")
+        for name, m in (("fast", model), ("exact", exact)):
+            runs = {swap: preemption_run(m, tmp, swap, prompts, 48) for swap in (True, False)}
+            out["preemption"][name] = {
+                "requests": len(prompts), "max_tokens": 48,
+                "preemptions": {"swap": runs[True]["preemptions"], "recompute": runs[False]["preemptions"]},
+                "swap": runs[True]["resumed_tokens"], "recompute": runs[False]["resumed_tokens"],
+                "outputs_equal": sum(a == b for a, b in zip(runs[True]["outputs"], runs[False]["outputs"],
+                                                            strict=True))}
+        out["preemption_recomputed_tokens"] = {
+            name: {"with_swap": p["swap"]["recomputed"], "without_swap": p["recompute"]["recomputed"]}
+            for name, p in out["preemption"].items()}
     print(json.dumps(out, indent=1))
 
 
