@@ -95,6 +95,8 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
                                   "12", prompt).stdout)
         assert res["token_ids"] == solo["token_ids"], prompt
     assert sum(t["preemptions"] for t in stats["tiers"].values()) >= 1, stats
+    # preempted requests came back from the KV stores (swap), not recomputed
+    assert stats["resumed_tokens"]["swapped_in"] > 0, stats
     assert "preempted" in log.read_text()
     # the quitter's request was cancelled (or, if it had finished first, done)
     assert sum(t["done"] for t in stats["tiers"].values()) + stats["cancelled"] == len(PROMPTS) + 1
