@@ -135,32 +135,30 @@ class Cluster:
         await asyncio.gather(*(link.request(end, m.Ended, self.cfg.end_timeout_s) for link in live),
                              return_exceptions=True)
 
+    async def _each_stage(self, req: m.Message, reply: type[m.Message], live_only: bool) -> list:
+        """`req` to every stage (or those not lost) at once: each one's reply, or None where
+        the node refused it or is unreachable (logged); the KV stores are best effort."""
+        stages = [s for s in self.stages if not live_only or s.addr not in self.lost]
+        answers = await asyncio.gather(*(
+            self.links[s.addr].request(req, reply, self.cfg.kv_store_timeout_s)  # type: ignore[index]
+            for s in stages), return_exceptions=True)
+        for s, a in zip(stages, answers, strict=True):
+            if isinstance(a, EdgeliteError):
+                log.info("node %s: %s: %s", s.addr, req.TYPE, a)
+            elif isinstance(a, BaseException):
+                raise a
+        return [a if isinstance(a, reply) else None for a in answers]
+
     async def kv_restore(self, session: SessionId, tokens: bytes, exact: bool) -> list[int]:
         """Each stage's length after starting the session from its KV store (0 where it has
         nothing, or refused)."""
         req = m.KvRestore(id=0, plan_id=self.plan_id, session=session, tokens=tokens, exact=exact)
-        answers = await asyncio.gather(*(
-            self.links[s.addr].request(req, m.KvRestored, self.cfg.kv_store_timeout_s)  # type: ignore[index]
-            for s in self.stages), return_exceptions=True)
-        for s, a in zip(self.stages, answers, strict=True):
-            if isinstance(a, EdgeliteError):
-                log.info("node %s restored no KV: %s", s.addr, a)
-            elif isinstance(a, BaseException):
-                raise a
-        return [a.length if isinstance(a, m.KvRestored) else 0 for a in answers]
+        return [a.length if a else 0 for a in await self._each_stage(req, m.KvRestored, False)]
 
     async def kv_save(self, session: SessionId, tokens: bytes) -> int:
         """Store the session's KV on every stage; the bytes written (best effort)."""
         req = m.KvSave(id=0, plan_id=self.plan_id, session=session, tokens=tokens)
-        answers = await asyncio.gather(*(
-            self.links[s.addr].request(req, m.KvSaved, self.cfg.kv_store_timeout_s)  # type: ignore[index]
-            for s in self.stages if s.addr not in self.lost), return_exceptions=True)
-        for a in answers:
-            if isinstance(a, EdgeliteError):
-                log.info("a node stored no KV: %s", a)
-            elif isinstance(a, BaseException):
-                raise a
-        return sum(a.bytes for a in answers if isinstance(a, m.KvSaved))
+        return sum(a.bytes for a in await self._each_stage(req, m.KvSaved, True) if a)
 
     async def ping(self, addr: NodeAddr, timeout_s: float) -> None:
         await self.links[addr].request(m.Ping(id=0), m.Pong, timeout_s)

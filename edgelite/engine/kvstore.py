@@ -20,6 +20,7 @@ A disk budget evicts the least recently used entries; an entry a newer one exten
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -71,8 +72,8 @@ class Layout:
         return {"fingerprint": self.fingerprint, "first": self.first, "last": self.last,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
 
-    @property
-    def seed(self) -> bytes:
+    @functools.cached_property
+    def seed(self) -> bytes:  # (hashed once: every lookup, index row and block hash uses it)
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).digest()
 
     def shape(self, n: int) -> tuple[int, ...]:
@@ -168,10 +169,13 @@ class KVStore:
         self._forget(name)
         (self.root / (name + SUFFIX)).unlink(missing_ok=True)
 
+    def _used(self) -> int:
+        return int(self.db.execute("SELECT coalesce(sum(bytes), 0) FROM entries").fetchone()[0])
+
     @property
     def bytes_used(self) -> int:
         with self.lock:
-            return int(self.db.execute("SELECT coalesce(sum(bytes), 0) FROM entries").fetchone()[0])
+            return self._used()
 
     @property
     def entries(self) -> int:
@@ -197,11 +201,6 @@ class KVStore:
             diff = np.flatnonzero(stored[:n] != tokens[:n])
             out.append((name, int(diff[0]) if diff.size else n, len(stored)))
         return sorted(out, key=lambda c: -c[1])
-
-    def lookup(self, layout: Layout, tokens: np.ndarray) -> int:
-        """How many leading tokens of `tokens` a stored entry holds (without reading it)."""
-        c = self._candidates(layout, np.asarray(tokens, np.int32))
-        return c[0][1] if c else 0
 
     def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None) -> Hit | None:
         """The KV of the longest stored prefix of `tokens` (at most `at_most` tokens), checked
@@ -261,7 +260,7 @@ class KVStore:
         return size
 
     def _evict(self, keep: str) -> None:
-        used = int(self.db.execute("SELECT coalesce(sum(bytes), 0) FROM entries").fetchone()[0])
+        used = self._used()
         for name, nbytes in self.db.execute(
                 "SELECT name, bytes FROM entries WHERE name != ? ORDER BY last_use", (keep,)).fetchall():
             if used <= self.budget:
@@ -272,8 +271,8 @@ class KVStore:
 
     def stats(self) -> dict:
         with self.lock:
-            n, used = self.db.execute("SELECT count(*), coalesce(sum(bytes), 0) FROM entries").fetchone()
-            return {"entries": n, "bytes": used, "budget_bytes": self.budget, "hits": self.hits,
+            n = self.db.execute("SELECT count(*) FROM entries").fetchone()[0]
+            return {"entries": n, "bytes": self._used(), "budget_bytes": self.budget, "hits": self.hits,
                     "misses": self.misses, "corrupt": self.corrupt, "saved": self.saved,
                     "evicted": self.evicted}
 
