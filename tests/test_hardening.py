@@ -191,6 +191,8 @@ def _control_mutations(plan: str) -> list[dict[str, Any]]:
         "upload": {"sha256": "a" * 64, "offset": 0, "total": 4, "data": b"abcd"},
         "load": {"plan_id": plan, "first": 0, "last": 1, "next": None, "manifest": {}},
         "end": {"plan_id": plan, "session": "s"},
+        "kv_save": {"plan_id": plan, "session": "s", "tokens": b"\0" * 64},
+        "kv_restore": {"plan_id": plan, "session": "s", "tokens": b"\0" * 64, "exact": False},
         "bulk": {"data": b"", "reply_bytes": 1},
         "profile": {"hidden_size": 8},
         "probe_link": {"peer": {"host": "127.0.0.1", "port": 1}, "config": {}},
@@ -217,6 +219,9 @@ def _control_mutations(plan: str) -> list[dict[str, Any]]:
          "manifest": {"format": "edgelite-model/2"}},
         {"type": "load", "plan_id": plan, "first": 0, "last": 1, "next": h, "manifest": {}},
         {"type": "end", "plan_id": plan, "session": "s"},
+        {"type": "kv_save", "plan_id": plan, "session": "s", "tokens": b"\0" * 64},
+        {"type": "kv_restore", "plan_id": plan, "session": "s", "tokens": b"\0" * 64},
+        {"type": "kv_save", "plan_id": plan, "session": "s", "tokens": b"\0" * (4 << 20 | 4)},
         {"type": "files", "sha256": ["../../etc/passwd"]},
         {"type": "upload", "sha256": "a" * 64, "offset": 5, "total": 4, "data": b"abcd"},
         {"type": "bulk", "data": b"", "reply_bytes": 1 << 30},
@@ -300,6 +305,17 @@ def test_a_client_touches_only_its_own_plans_and_sessions(exported, node_factory
                                           next_capability="c" * 32), m.Loaded, 10)
             with pytest.raises(NodeError, match="not loaded here by this client"):
                 await link.request(m.EndSession(id=0, plan_id=pa, session=session), m.Ended, 10)
+            ids = np.arange(16, dtype="<i4").tobytes()
+            with pytest.raises(NodeError, match="not loaded here by this client"):  # A's KV
+                await link.request(m.KvSave(id=0, plan_id=pa, session=session, tokens=ids), m.KvSaved, 10)
+            with pytest.raises(NodeError, match="not loaded here by this client"):
+                await link.request(m.KvRestore(id=0, plan_id=pa, session=session, tokens=ids),
+                                   m.KvRestored, 10)
+            with pytest.raises(NodeError, match="whole number of int32"):
+                await link.request(m.KvSave(id=0, plan_id=pb, session=session, tokens=b"\0" * 65),
+                                   m.KvSaved, 10)
+            with pytest.raises(NodeError, match="holds no KV"):  # B has no such session
+                await link.request(m.KvSave(id=0, plan_id=pb, session=session, tokens=ids), m.KvSaved, 10)
             for cap in (b.cluster.capabilities[addr], "0" * 32):  # A's results, A's steps
                 for role in ("sink", "in"):
                     conn = await _authed(node.port)

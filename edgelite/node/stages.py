@@ -196,6 +196,8 @@ class StageStore:
 
     def import_kv(self, stage: Stage, session: str, kv: np.ndarray) -> int:
         """Start the session anew from stored KV (layers, 2, kv_heads, n, dim); returns n."""
+        if self.stages.get(stage.plan_id) is not stage:  # unloaded while the entry was read
+            raise EdgeliteError(f"plan {stage.plan_id[:12]} was unloaded")
         key = (stage.plan_id, session)
         if key in self.sessions:
             self._drop(key)
