@@ -20,7 +20,13 @@ Names load on first use, so `import edgelite` stays cheap.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# onnxruntime (1.29 and later, Linux and Android wheels) uploads usage telemetry and keeps a
+# device id file unless this is set before it loads. Phones pooled in private stay private:
+# edgelite opts out (ORT_DISABLE_TELEMETRY=0 in the environment opts back in).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 __version__ = "0.2.0"
 

@@ -14,6 +14,9 @@ import edgelite
 async def main(args: argparse.Namespace) -> None:
     async with edgelite.connect(args.model, nodes=args.nodes.split(","), token=args.token) as llm:
         print("plan:", [(s.device, s.first, s.last) for s in llm.plan.stages])
+        if llm.plan.with_nodes_ms is not None:  # the nodes got no layer: say why
+            print(f"every layer runs here: predicted {llm.plan.predicted.expected:.1f} ms/token "
+                  f"alone vs {llm.plan.with_nodes_ms:.1f} with the nodes")
         history = []
         for question in ("Name a planet in our solar system.", "How far is it from the Sun?"):
             history.append({"role": "user", "content": question})

@@ -32,6 +32,9 @@ def main() -> None:
         print(f"{s.device:>10}  layers {s.first:>2}-{s.last:<2}  compute {s.compute_ms:6.2f} ms"
               f"  link in {s.hop_in_ms:6.2f} ms")
     print(f"{plan.solver} ({plan.status}): {plan.predicted.expected:.1f} ms/token expected")
+    if plan.with_nodes_ms is not None:  # every layer stayed on the client: say why
+        print(f"every layer on {plan.stages[0].device}: with the other phones the best plan "
+              f"would take {plan.with_nodes_ms:.1f} ms/token")
 
 
 if __name__ == "__main__":

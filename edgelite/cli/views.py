@@ -45,7 +45,20 @@ def plan_view(out: dict[str, Any]) -> Group:
                    f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}; "
                    f"expected {out['expected_ms_per_token']:.2f} ms/token (compute + data + "
                    f"embedding and head on the client)")
-    return Group(t, summary)
+    if "with_nodes_ms_per_token" not in out:
+        return Group(t, summary)
+    return Group(t, summary, Text(only_client(out), style="yellow"))
+
+
+def only_client(out: dict[str, Any]) -> str:
+    """Why a plan keeps every layer on the client although there are nodes."""
+    alone, other = out["expected_ms_per_token"], out["with_nodes_ms_per_token"]
+    if other is None:
+        return ("the plan runs every layer on this device: no node can hold a layer "
+                "(their free memory is too small)")
+    return (f"the plan runs every layer on this device: predicted {alone:.2f} ms/token alone vs "
+            f"{other:.2f} ms/token at best with the nodes (their links and speed cost more than "
+            f"they save)")
 
 
 def probe_view(result: dict[str, Any]) -> Group:
@@ -191,6 +204,3 @@ def explain_plan(console: Console, plan: Any) -> None:
     if plan is None or plan.predicted is None:
         return
     console.print(plan_view(plan.to_json()))
-    if not plan.remote:
-        console.print("[yellow]the plan runs every layer on this device: with the measured "
-                      "links and devices that is predicted to be fastest[/yellow]")

@@ -216,6 +216,9 @@ class Plan:
     value_ms: float = 0.0
     solve_ms: float = 0.0
     predicted: Prediction | None = None
+    # when every layer stays on the client although there are nodes: the expected ms/token of
+    # the best plan that gives the nodes at least one layer (inf: no node can hold one)
+    with_nodes_ms: float | None = None
 
     @property
     def remote(self) -> tuple[Stage, ...]:
@@ -239,4 +242,7 @@ class Plan:
                                    "complexity": round(pr.complexity, 4),
                                    "bottleneck": round(pr.bottleneck, 4)}
             out["expected_ms_per_token"] = round(pr.expected, 4)
+        if self.with_nodes_ms is not None:
+            out["with_nodes_ms_per_token"] = (None if math.isinf(self.with_nodes_ms)
+                                              else round(self.with_nodes_ms, 4))
         return out

@@ -7,7 +7,9 @@ reported with how much is short, and where.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import Any
 
 from edgelite.errors import EdgeliteError, MissingDependency, PlanInfeasible
@@ -113,4 +115,22 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
     """Place a model's layers on a cluster (devices and links, as `edgelite probe` measures
     them or as cluster.json describes them). Reads only the manifest."""
     p = problem_from(manifest, cluster, objective, weights, client_first, kv_tokens)
-    return solve(p, solver)
+    best = solve(p, solver)
+    if best.remote or p.m == 1:
+        return best
+    return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
+
+
+def with_nodes_ms(p: Problem) -> float:
+    """Expected ms/token of the best plan that gives the nodes at least one layer (the client
+    may hold all but one layer's bytes); inf when no such plan fits. Says why a plan keeps every
+    layer on the client."""
+    total = sum(L.mem_bytes for L in p.layers)
+    client = p.devices[0]
+    memory = min(client.memory_bytes, int((total - 1 + p.client_reserved_bytes) / client.beta))
+    q = dataclasses.replace(p, devices=(dataclasses.replace(client, memory_bytes=memory),
+                                        *p.devices[1:]))
+    try:
+        return predict(q, solution(q, "dp").spans).expected
+    except PlanInfeasible:
+        return math.inf
