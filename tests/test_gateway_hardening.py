@@ -123,6 +123,31 @@ def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> Non
                 if stats["cancelled"] >= 4 and stats["queues"]["waiting"] == 0:
                     break
                 await asyncio.sleep(0.1)
+            # a client stops a reply (Ctrl-C in `chat --gateway`): the gateway stops it too;
+            # another client's cancel with the same id touches nothing of it
+            before = stats["cancelled"]
+            stopper = await GatewayClient.connect(addr, "b", "t-b")
+            other = await GatewayClient.connect(addr, "a", "t-a")
+            gen = GenerationConfig(max_tokens=60, temperature=1.0, seed=3)
+            pieces = 0
+            async with contextlib.aclosing(stopper.generate([{"role": "user", "content": "q"}],
+                                                            gen)) as stream:
+                async for _ in stream:
+                    await other.conn.send(m.GenerateCancel(id=0))  # b's id 0, on a's connection
+                    pieces += 1
+            assert stopper.last is not None and pieces >= 1  # b's reply ran to its end
+            async with contextlib.aclosing(stopper.generate([{"role": "user", "content": "q"}],
+                                                            gen)) as stream:
+                async for _ in stream:
+                    break  # stop after the first piece
+            for _ in range(100):
+                stats = await _stats(port)
+                if stats["cancelled"] == before + 1 and stats["queues"]["running"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert stats["cancelled"] == before + 1 and stats["queues"]["running"] == 0, stats
+            await stopper.close()
+            await other.close()
             await sleeper.close()
             return stats
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ from typing import Any
 
 import edgelite
 from edgelite.cli import chatui, options, runner, views
+from edgelite.cli.keyboard import Keyboard
 from edgelite.client import sessions
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
@@ -72,30 +72,40 @@ async def gateway_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     cfg = options.generation_config(args)
     try:
-        while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                return 0
-            cmd = line.strip()
-            if cmd in ("/quit", "/exit"):
-                return 0
-            if cmd == "/reset":
-                history.clear()
-                continue
-            if cmd == "/stats":
-                print(json.dumps(await client.stats()))
-                continue
-            history.append({"role": "user", "content": line})
-            parts = []
-            async for piece in client.generate(history, cfg):
-                parts.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            history.append({"role": "assistant", "content": "".join(parts)})
-            f = client.last
-            assert f is not None
-            sys.stdout.write(f"\n[{f.ttft_ms or 0:.0f} ms to first token, "
-                             f"{f.decode_tok_s:.1f} tok/s, tier {f.tier}]\n")
+        async with Keyboard(lambda prompt: print(prompt, end="", flush=True)) as kb:
+            while True:
+                line = await kb.line("> ")
+                if line is None:
+                    print()
+                    return 130 if kb.quit else 0
+                cmd = line.strip()
+                if cmd in ("/quit", "/exit"):
+                    return 0
+                if cmd == "/reset":
+                    history.clear()
+                    continue
+                if cmd == "/stats":
+                    print(json.dumps(await client.stats()))
+                    continue
+                history.append({"role": "user", "content": line})
+                parts: list[str] = []
+                finished, _ = await kb.interruptible(_stream(client, history, cfg, parts))
+                if not finished:
+                    print("\n[stopped]")
+                    if not parts:
+                        history.pop()
+                        continue
+                history.append({"role": "assistant", "content": "".join(parts)})
+                f = client.last
+                if finished and f is not None:
+                    print(f"\n[{f.ttft_ms or 0:.0f} ms to first token, {f.decode_tok_s:.1f} tok/s, "
+                          f"tier {f.tier}]")
     finally:
         await client.close()
+
+
+async def _stream(client: Any, history: list[dict[str, str]], cfg: Any, parts: list[str]) -> None:
+    async for piece in client.generate(history, cfg):
+        parts.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()

@@ -6,7 +6,6 @@ in ui.py; with `plain` it writes bare text (scripts, no TTY).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,8 +16,9 @@ from rich.live import Live
 from rich.text import Text
 
 from edgelite.cli import views as ui
+from edgelite.cli.keyboard import Keyboard
 from edgelite.client import sessions
-from edgelite.client.llm import LLM
+from edgelite.client.llm import LLM, Reply
 from edgelite.engine.generate import Stats
 
 HELP = "/plan  /stats  /probe  /reset  /quit"
@@ -57,9 +57,8 @@ def _figures(stats: Stats) -> dict[str, Any]:
             "decode_tok_s": stats.decode_tok_s, "reused_tokens": stats.reused_tokens}
 
 
-async def reply(chat: Chat, console: Console, plain: bool) -> str:
-    """Generate the answer to chat.history, streaming it; returns its text."""
-    answer = chat.llm.chat(chat.history)
+async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> None:
+    """Stream the answer to chat.history (its text grows in answer.text as it comes)."""
     stats, text = answer.stats, Text()
     if plain:
         async for piece in answer:
@@ -69,7 +68,7 @@ async def reply(chat: Chat, console: Console, plain: bool) -> str:
         reused = f", {stats.reused_tokens} prompt tokens from the KV store" if stats.reused_tokens else ""
         console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} "
                            f"tok/s{reused}]\n")
-        return answer.text
+        return
     if not chat.stages:  # later replies start from the figures fetched after the last one
         chat.stages = await chat.node_stats()
     with Live(Group(text, ui.footer({}, chat.stages, chat.health())), console=console,
@@ -81,7 +80,6 @@ async def reply(chat: Chat, console: Console, plain: bool) -> str:
         chat.stages = await chat.node_stats()
         live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
     console.line()
-    return answer.text
 
 
 def _show(console: Console, plain: bool, data: dict[str, Any], view: Callable[[Any], Any]) -> None:
@@ -122,24 +120,36 @@ async def command(chat: Chat, line: str, console: Console, plain: bool) -> bool:
 
 
 async def run(chat: Chat, console: Console, plain: bool = False) -> int:
+    """The chat loop. Ctrl-C during a reply stops it (what was written stays in the
+    conversation); Ctrl-C at the prompt ends the chat (exit code 130)."""
     if not plain:
-        console.print(f"[dim]commands: {HELP}[/dim]")
+        console.print(f"[dim]commands: {HELP}; Ctrl-C stops a reply, at the prompt it quits[/dim]")
     if chat.session is not None and chat.history:
         turns = sum(1 for m in chat.history if m["role"] == "user")
         console.print(f"session {chat.session}: {turns} turns so far (the last reply: "
                       f"{chat.history[-1]['content'][:60]!r})", markup=False, highlight=False)
-    while True:
-        try:
-            line = await asyncio.to_thread(console.input, "> " if plain else "[bold cyan]> [/]")
-        except EOFError:
-            return 0
-        if not line.strip():
-            continue
-        if line.startswith("/"):
-            if not await command(chat, line.strip(), console, plain):
-                return 0
-            continue
-        chat.history.append({"role": "user", "content": line})
-        answer = await reply(chat, console, plain)
-        chat.history.append({"role": "assistant", "content": answer})
-        chat.keep()
+    async with Keyboard(lambda prompt: console.print(prompt, end="")) as kb:
+        while True:
+            line = await kb.line("> " if plain else "[bold cyan]> [/]")
+            if line is None:
+                console.line()
+                return 130 if kb.quit else 0
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if not await command(chat, line.strip(), console, plain):
+                    return 0
+                continue
+            chat.history.append({"role": "user", "content": line})
+            answer = chat.llm.chat(chat.history)
+            finished, _ = await kb.interruptible(reply(chat, answer, console, plain))
+            if not finished:
+                if plain:
+                    console.print("\n[stopped]", markup=False, highlight=False)
+                else:
+                    console.print("\n[yellow]stopped[/yellow]")
+                if not answer.text:  # nothing was written: as if the question was not asked
+                    chat.history.pop()
+                    continue
+            chat.history.append({"role": "assistant", "content": answer.text})
+            chat.keep()

@@ -14,9 +14,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -28,6 +29,8 @@ from edgelite.ids import NodeAddr
 from edgelite.net.linkprobe import ProbeConfig
 from edgelite.net.routes import Routes
 from edgelite.prober.emulator import EmulatorProcess, LinkSpec
+
+T = TypeVar("T")
 
 NAMES = ("phone-a", "phone-b", "phone-c")
 
@@ -75,10 +78,10 @@ class EmulatedCluster:
         for name in NAMES:
             data = self.root / name
             if self.seed_files:
-                await asyncio.to_thread(seed, self.model, data)
-            self.nodes.append(await asyncio.to_thread(
+                await _to_the_end(seed, self.model, data)
+            self.nodes.append(await _to_the_end(
                 start_node, data, self.cfg.threads, memory_mb=self.cfg.node_memory_mb, name=name,
-                extra=("--no-spin",)))  # four processes share this machine's cores
+                extra=("--no-spin",), started=self.nodes))  # 4 processes share this machine's cores
         n = len(self.nodes)
         pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
         links = [(("127.0.0.1", node.port), self.cfg.client_links[i]) for i, node in enumerate(self.nodes)]
@@ -98,6 +101,21 @@ class EmulatedCluster:
         await self.emulators.close()
         for n in self.nodes:
             await asyncio.to_thread(n.kill)
+
+
+async def _to_the_end(fn: Callable[..., T], *args: Any, started: list[T] | None = None,
+                      **kw: Any) -> T:
+    """fn(*args, **kw) in a thread, run to its end even when Ctrl-C cancels the wait (then the
+    cancellation goes on): nothing it makes (files, a node process, kept in `started`) outlives
+    the clean-up that follows."""
+    call = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        made = await call
+        if started is not None:
+            started.append(made)
+        raise
 
 
 def seed(m: mf.Manifest, data_dir: Path) -> None:
@@ -195,7 +213,9 @@ async def run_demo(args: argparse.Namespace) -> int:
                 if args.prompt is None:
                     return await chatui.run(chat, console, plain)
                 chat.history.append({"role": "user", "content": args.prompt})
-                text = await chatui.reply(chat, console, plain or args.json)
+                answer = llm.chat(chat.history)
+                await chatui.reply(chat, answer, console, plain or args.json)
+                text = answer.text
                 nodes = await chat.node_stats()
         links = [{k: r[k] for k in ("src", "dst", "reachable", "latency_ms", "jitter_ms",
                                     "jitter_trim_ms", "bandwidth_mbps", "loss") if k in r}

@@ -307,6 +307,13 @@ class GenerateRequest(Message):
     seed: int | None = bounds(0, 2**63 - 1, default=None)
 
 
+@message("generate_cancel")
+class GenerateCancel(Message):
+    """Stop one of this client's requests (Ctrl-C in `chat --gateway`)."""
+
+    id: int = bounds(-RID, RID)
+
+
 @message("token")
 class TokenPiece(Message):
     id: int = bounds(-RID, RID)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,17 +42,24 @@ class GatewayClient:
         await self.conn.send(m.GenerateRequest(
             id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed))
-        while True:
-            msg = await self.conn.recv()
-            if getattr(msg, "id", None) != rid:
-                continue
-            if isinstance(msg, m.TokenPiece):
-                yield msg.text
-            elif isinstance(msg, m.Done):
-                self.last = msg
-                return
-            else:
-                raise NodeError(f"gateway: {getattr(msg, 'message', msg.TYPE)}")
+        done = False
+        try:
+            while True:
+                msg = await self.conn.recv()
+                if getattr(msg, "id", None) != rid:
+                    continue
+                if isinstance(msg, m.TokenPiece):
+                    yield msg.text
+                elif isinstance(msg, m.Done):
+                    self.last, done = msg, True
+                    return
+                else:
+                    done = True
+                    raise NodeError(f"gateway: {getattr(msg, 'message', msg.TYPE)}")
+        finally:
+            if not done:  # the caller stopped (Ctrl-C): the gateway stops too
+                with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+                    await asyncio.shield(self.conn.send(m.GenerateCancel(id=rid)))
 
     async def stats(self) -> dict[str, Any]:
         rid = next(self.ids)

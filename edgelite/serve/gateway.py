@@ -16,10 +16,11 @@ step's calls go through the pipeline at once. A prompt is prefilled `prefill_chu
 time, one chunk per step, so a long prompt shares the pipeline with everyone else's decode steps
 instead of stalling their streams.
 
-A client that disconnects has its requests cancelled (queued ones are never prefilled). When a
-node is lost (e.g. it restarted), every running request keeps its tokens and goes back to the
-queue; the gateway deploys the plan again (every `reconnect_interval_s` until the nodes are
-back) and the requests resume where they were.
+A client that disconnects, or sends `generate_cancel` for one of its requests, has them
+cancelled (queued ones are never prefilled). When a node is lost (e.g. it restarted), every
+running request keeps its tokens and goes back to the queue; the gateway deploys the plan
+again (every `reconnect_interval_s` until the nodes are back) and the requests resume where
+they were.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Job:
     pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
     swapped: int = 0  # tokens whose KV it stored when it was last preempted
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
+    cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
     token_times: list[float] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
@@ -253,6 +255,8 @@ class Gateway:
                     client.post(m.GatewayStats(id=msg.id, stats=self.stats()))
                 elif isinstance(msg, m.GenerateRequest):
                     self._submit(client, msg)
+                elif isinstance(msg, m.GenerateCancel):
+                    self._cancel(client, msg.id)
                 else:
                     raise ProtocolError(f"{msg.TYPE} is not a gateway request")
             except StreamError:
@@ -278,6 +282,14 @@ class Gateway:
                     self.cfg.flood_cooldown_s)
         client.finish(m.Error(message=f"{client.refused} requests refused in a row; disconnected "
                                       f"for {self.cfg.flood_cooldown_s:g} s"))
+
+    def _cancel(self, client: Client, rid: int) -> None:
+        """The client stops one of its own requests (unknown or finished ids: nothing to do; a
+        client never reaches another's requests)."""
+        for job in self.jobs.values():
+            if job.client is client and job.rid == rid:
+                job.cancelled = True
+                self.wake.set()
 
     def _secret(self, auth: m.Auth) -> str | None:
         """The user's token (None: unknown user); a user cooling down after a flood is refused
@@ -443,10 +455,10 @@ class Gateway:
             log.debug("ending %s: %s", job.req.rid[:12], exc)
 
     async def _cancel_gone(self) -> None:
-        """Cancel the requests of clients that went away: queued ones are never prefilled,
-        running ones free their KV now."""
+        """Cancel the requests of clients that went away or said stop: queued ones are never
+        prefilled, running ones free their KV now."""
         ends = []
-        for job in [j for j in self.jobs.values() if j.client.gone]:
+        for job in [j for j in self.jobs.values() if j.client.gone or j.cancelled]:
             log.info("cancelled %s of %s (%s), who left after %d tokens", job.req.rid[:12],
                      job.client.peer, job.req.queue, len(job.tokens))
             if job.req.queue == "running":
@@ -475,7 +487,7 @@ class Gateway:
 
     async def _deliver(self, job: Job, logits: np.ndarray | BaseException) -> None:
         r = job.req
-        if job.client.gone:
+        if job.client.gone or job.cancelled:
             return  # cancelled at the top of the next round
         if isinstance(logits, BaseException):
             if not isinstance(logits, EdgeliteError):

@@ -1,0 +1,108 @@
+"""Ctrl-C in `edgelite chat` (a real process, a real SIGINT): during a reply it stops the reply
+and the chat goes on; at the prompt it ends the chat; no traceback either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+class Output:
+    """A process's stdout, read in a thread so the test can wait for text with a deadline."""
+
+    def __init__(self, stream) -> None:
+        self.text = ""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        while chunk := os.read(stream.fileno(), 4096):
+            with self._lock:
+                self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, check, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                text = self.text
+            if check(text):
+                return text
+            time.sleep(0.02)
+        raise AssertionError(f"timed out; output so far: {text[-600:]!r}")
+
+
+def test_ctrl_c_stops_a_reply_then_quits_at_the_prompt(smollm2_int4: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgelite", "chat", "--model", str(smollm2_int4), "--threads", "1",
+         "--max-tokens", "1000", "--temperature", "0", "--session", "story"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    out = Output(proc.stdout)
+    try:
+        out.wait_for(lambda t: t.startswith("> "))
+        proc.stdin.write(b"Tell me a very long story about a dragon and a knight.\n")
+        proc.stdin.flush()
+        out.wait_for(lambda t: len(t) > 80)  # the reply is under way (1000 tokens: seconds)
+        proc.send_signal(signal.SIGINT)
+        text = out.wait_for(lambda t: t.rstrip().endswith("[stopped]\n>") or
+                            t.endswith("[stopped]\n> "), 10)
+        assert proc.poll() is None  # the chat goes on
+        written = text[2:text.index("\n[stopped]")]  # stdout: "> ", the reply, "[stopped]"
+        # a second turn still works
+        proc.stdin.write(b"/stats\n")
+        proc.stdin.flush()
+        out.wait_for(lambda t: '"last"' in t, 30)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends at once
+        assert proc.wait(10) == 130
+        assert time.monotonic() - t0 < 5
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err and "Traceback" not in out.text, err
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
+    # the stopped reply is kept in the conversation, as far as it was written
+    saved = json.loads((Path(os.environ["EDGELITE_HOME"]) / "sessions" / "story.json").read_text())
+    messages = saved["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["content"] and written.startswith(messages[1]["content"])
+
+
+def test_ctrl_c_during_a_demo_reply_ends_it_cleanly(smollm2_int4: Path, tmp_path: Path) -> None:
+    """The demo's emulators, node processes and temporary folder all go; no traceback."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgelite", "demo", "--model", str(smollm2_int4), "--plain",
+         "--max-tokens", "1000", "--prompt", "Write a long essay about the history of Rome."],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.stdout is not None and proc.stderr is not None
+    out = Output(proc.stdout)
+    try:
+        out.wait_for(lambda t: "Rome" in t.split("expected", 1)[-1] or
+                     len(t.split("ms/token (compute", 1)[-1]) > 200, 180)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err + out.text, err[-3000:]
+        assert list(tmp.iterdir()) == []  # the nodes' folders are gone
+        left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout
+        assert left == "", left  # no node or emulator process outlives the demo
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
