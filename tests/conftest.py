@@ -99,3 +99,29 @@ def node_factory(tmp_path: Path):
     for n in started:
         n.cont()
         n.kill()
+
+
+@pytest.fixture
+def netns():
+    """Make network namespaces (`make(name)` → its full name, loopback up); all are deleted at
+    the end. Skips where namespaces cannot be made (not root)."""
+    import secrets
+
+    made: list[str] = []
+
+    def make(name: str) -> str:
+        full = f"el{secrets.token_hex(3)}{name}"
+        res = subprocess.run(["ip", "netns", "add", full], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot make a network namespace: {res.stderr.strip()}")
+        made.append(full)
+        subprocess.run(["ip", "-n", full, "link", "set", "lo", "up"], check=True)
+        return full
+
+    yield make
+    for full in made:
+        pids = subprocess.run(["ip", "netns", "pids", full], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        subprocess.run(["ip", "netns", "del", full], capture_output=True)

@@ -59,3 +59,28 @@ def test_a_plan_that_keeps_every_layer_on_the_client_says_why(exported, tmp_path
             f"{other:.2f} ms/token at best with the nodes") in text, text
     res = _cli("plan", "--model", model, "--cluster", _cluster(tmp_path, 1 << 10, 0.1))
     assert "no node can hold a layer" in " ".join(res.stdout.split()), res.stdout
+
+
+def test_unreachable_nodes_are_named_with_the_reason(exported, netns) -> None:
+    """Refused, timed out (SYNs sent to a MAC address nobody has) and no route: each node is one
+    line with its reason, the plan goes on without it, no traceback."""
+    ns = netns("c")
+    ip = ["ip", "-n", ns]
+    for cmd in (["link", "add", "va", "type", "veth", "peer", "name", "vb"],
+                ["addr", "add", "10.9.0.1/24", "dev", "va"], ["link", "set", "va", "up"],
+                ["link", "set", "vb", "up"],
+                ["neigh", "add", "10.9.0.2", "lladdr", "02:00:00:00:00:99", "dev", "va",
+                 "nud", "permanent"]):
+        subprocess.run([*ip, *cmd], check=True)
+    res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "edgelite", "generate",
+                          "--model", str(exported["llama"]), "--max-tokens", "4", "--token", "t" * 32,
+                          "--nodes", "127.0.0.1:1,10.9.0.2:7070,10.1.2.3:7070", "hello"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    err = " ".join(res.stderr.split())
+    assert "Traceback" not in res.stderr
+    assert ("left out of the plan: node 127.0.0.1:1: cannot connect: connection refused (is the "
+            "node running on that port?)") in err, err
+    assert "left out of the plan: node 10.9.0.2:7070: cannot connect: no answer within 2 s" in err
+    assert "left out of the plan: node 10.1.2.3:7070: cannot connect: network is unreachable" in err
+    assert "no node could be reached: every layer runs on this device" in err

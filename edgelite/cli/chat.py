@@ -49,6 +49,7 @@ async def chat(args: argparse.Namespace) -> int:
     console = views.stderr_console()
     with views.connect_bars(console, live=not plain and console.is_terminal) as progress:
         llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+    views.unreachable(console, llm.probed)
     async with llm:
         if not plain:
             views.explain_plan(console, llm.plan)

@@ -36,6 +36,7 @@ async def generate(args: argparse.Namespace, stream: TextIO | None) -> dict[str,
     console = views.stderr_console()
     with views.connect_bars(console, live=console.is_terminal and stream is not None) as progress:
         llm = await edgelite.connect(args.model, **options.connect_kwargs(args), progress=progress)
+    views.unreachable(console, llm.probed)
     async with llm:
         if stream is not None:
             views.explain_plan(console, llm.plan)

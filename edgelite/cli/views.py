@@ -204,3 +204,15 @@ def explain_plan(console: Console, plan: Any) -> None:
     if plan is None or plan.predicted is None:
         return
     console.print(plan_view(plan.to_json()))
+
+
+def unreachable(console: Console, probed: dict[str, Any] | None) -> None:
+    """One line per node the probe could not reach (the plan leaves it out), with the reason."""
+    if probed is None:
+        return
+    gone = [d for d in probed["devices"] if not d.get("reachable", True)]
+    for d in gone:
+        console.print(Text(f"left out of the plan: {d['reason']}", style="yellow"))
+    if gone and len(gone) == len(probed["devices"]) - 1:
+        console.print(Text("no node could be reached: every layer runs on this device",
+                           style="yellow"))
