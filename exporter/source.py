@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from edgelite.errors import MissingDependency, SourceNotFound, UnsupportedModel
 
@@ -19,6 +22,10 @@ ALIASES = {
 }
 SUPPORTED = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+HUB_CONNECT_TIMEOUT_S = 3.0  # is the hub reachable at all? (else only its local cache is read)
+# what a malformed file can raise inside the gguf package's reader or transformers' GGUF loader
+BAD_FILE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, struct.error,
+                   UnicodeDecodeError, AttributeError)
 
 
 @dataclass
@@ -26,10 +33,39 @@ class Source:
     name: str
     folder: str  # what from_pretrained gets
     gguf_file: str | None = None
+    hub: bool = False  # a hub id (org/name), not a local file or folder
 
     @property
     def gguf_path(self) -> Path | None:
         return Path(self.folder) / self.gguf_file if self.gguf_file else None
+
+    @property
+    def what(self) -> str:
+        """How errors name it: the file, the folder, or the hub id."""
+        return str(self.gguf_path or self.folder)
+
+
+def check_gguf(path: Path) -> None:
+    """Read the GGUF file's header and tensor table (memory-mapped, cheap); a SourceNotFound
+    naming the file when it is not a readable GGUF."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise SourceNotFound(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if head != b"GGUF":
+        raise SourceNotFound(f"{path}: not a GGUF file (it does not start with the GGUF magic "
+                             f"bytes)")
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise MissingDependency(f"reading GGUF files needs {exc.name}: pip install "
+                                f"'edgelite[export]'") from exc
+    try:
+        GGUFReader(path)
+    except BAD_FILE_ERRORS as exc:
+        raise SourceNotFound(f"{path}: a damaged or truncated GGUF file ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
 
 
 def resolve(source: str) -> Source:
@@ -48,6 +84,7 @@ def resolve(source: str) -> Source:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise SourceNotFound(f"{path}: no such GGUF file")
+        check_gguf(path)
         return Source(path.stem, str(path.parent), path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -56,7 +93,20 @@ def resolve(source: str) -> Source:
     if path.exists() or source.count("/") != 1 or source.startswith((".", "/")):
         raise SourceNotFound(f"{source!r} is not a model folder, a .gguf file, a hub id (org/name) "
                              f"or a known alias ({', '.join(ALIASES)})")
-    return Source(source.split("/")[1], source)
+    return Source(source.split("/")[1], source, hub=True)
+
+
+def hub_reachable(timeout_s: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
+    """None when the hub answers a TCP connect within timeout_s, else why not (in words)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except TimeoutError:
+        return f"{host}: no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return f"{host}: {exc.strerror or exc}"
+    return None
 
 
 def check_supported(config: Any) -> None:
@@ -95,18 +145,28 @@ def load(src: Source) -> tuple[Any, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # its warnings would repeat what the error below says
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     kw: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    offline = ""
+    if src.hub and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") and (
+            why := hub_reachable()):
+        kw["local_files_only"] = True  # only the local cache: no retries against a dead hub
+        offline = f"; the Hugging Face hub cannot be reached ({why}), and it is not in the local cache"
     try:
         config = AutoConfig.from_pretrained(src.folder, **kw)
-    except (OSError, ValueError) as exc:
-        raise SourceNotFound(f"cannot load {src.folder!r}: {str(exc).splitlines()[0]} "
-                             f"(the hub may be unreachable from here)") from exc
-    check_supported(config)
-    try:
+        check_supported(config)
         tok = AutoTokenizer.from_pretrained(src.folder, **kw)
         model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32, **kw)
-    except (OSError, ValueError) as exc:
-        raise SourceNotFound(f"cannot load {src.folder!r}: {str(exc).splitlines()[0]}") from exc
+    except UnsupportedModel:
+        raise
+    except BAD_FILE_ERRORS as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if src.hub:
+            raise SourceNotFound(f"cannot load hub model {src.folder!r}{offline or ': ' + first}; "
+                                 f"download it where the hub is reachable and give its folder"
+                                 ) from None
+        raise SourceNotFound(f"cannot load {src.what}: {first}") from None
     model.hf_quantizer = None  # GGUF weights are dequantized to float32 already
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):

@@ -90,3 +90,15 @@ def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path
     assert out["plan"]["solver"] == "dp"
     assert len(re.findall("highspy is not installed", res.stderr)) == 1
     assert "Traceback" not in res.stderr
+
+
+def test_export_on_a_phone_install_names_the_extra(core_python: Path, tmp_path: Path) -> None:
+    """edgelite-export where torch is absent: one line naming edgelite[export], no traceback."""
+    (tmp_path / "edgelite_export").symlink_to(REPO / "exporter")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}
+    res = subprocess.run([str(core_python), "-m", "edgelite_export", "smollm2-135m", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 1, res.stderr
+    assert re.fullmatch(r"error: edgelite-export needs the PC-side packages \((torch|onnx|"
+                        r"transformers|gguf) is missing\): pip install torch==2\.13\.0 "
+                        r"'edgelite\[export\]'", res.stderr.strip()), res.stderr

