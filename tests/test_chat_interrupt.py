@@ -80,29 +80,40 @@ def test_ctrl_c_stops_a_reply_then_quits_at_the_prompt(smollm2_int4: Path) -> No
     assert messages[1]["content"] and written.startswith(messages[1]["content"])
 
 
-def test_ctrl_c_during_a_demo_reply_ends_it_cleanly(smollm2_int4: Path, tmp_path: Path) -> None:
-    """The demo's emulators, node processes and temporary folder all go; no traceback."""
+def test_demo_probes_again_and_ends_cleanly_on_ctrl_c(smollm2_int4: Path, tmp_path: Path) -> None:
+    """The interactive demo: /probe measures the emulated links again; Ctrl-C stops a reply, then
+    quits at the prompt; its emulators, node processes and temporary folder all go."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgelite", "demo", "--model", str(smollm2_int4), "--plain",
-         "--max-tokens", "1000", "--prompt", "Write a long essay about the history of Rome."],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "TMPDIR": str(tmp)})
-    assert proc.stdout is not None and proc.stderr is not None
+         "--max-tokens", "1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     out = Output(proc.stdout)
     try:
-        out.wait_for(lambda t: "Rome" in t.split("expected", 1)[-1] or
-                     len(t.split("ms/token (compute", 1)[-1]) > 200, 180)
+        out.wait_for(lambda t: t.endswith("> "), 180)
+        proc.stdin.write(b"/probe\n")
+        proc.stdin.flush()
+        text = out.wait_for(lambda t: t.count("> ") >= 2 and '"links"' in t, 60)
+        probed = json.loads(text.splitlines()[-2].removeprefix("> "))
+        assert {d["name"] for d in probed["devices"]} == {"client", "phone-a", "phone-b", "phone-c"}
+        assert all(r["reachable"] for r in probed["links"])
+        mark = len(text)
+        proc.stdin.write(b"Write a long essay about the history of Rome.\n")
+        proc.stdin.flush()
+        out.wait_for(lambda t: len(t) > mark + 100, 60)
+        proc.send_signal(signal.SIGINT)
+        out.wait_for(lambda t: t.endswith("[stopped]\n> "), 15)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 130
         err = proc.stderr.read().decode()
         assert "Traceback" not in err + out.text, err[-3000:]
         assert list(tmp.iterdir()) == []  # the nodes' folders are gone
         left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout
-        assert left == "", left  # no node or emulator process outlives the demo
+        assert left == "", left  # no node process outlives the demo
     finally:
         proc.kill()
         proc.wait(10)
-        proc.stdout.close()
-        proc.stderr.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()

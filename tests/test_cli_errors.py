@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from edgelite.cli.localnodes import TOKEN
+
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgelite", *args], capture_output=True,
@@ -84,3 +86,11 @@ def test_unreachable_nodes_are_named_with_the_reason(exported, netns) -> None:
     assert "left out of the plan: node 10.9.0.2:7070: cannot connect: no answer within 2 s" in err
     assert "left out of the plan: node 10.1.2.3:7070: cannot connect: network is unreachable" in err
     assert "no node could be reached: every layer runs on this device" in err
+
+
+def test_the_plan_shows_each_node_by_its_name(exported, node_factory) -> None:
+    node = node_factory(name="kitchen-phone")
+    res = _cli("generate", "--model", str(exported["llama"]), "--nodes", node.addr, "--token",
+               TOKEN, "--max-tokens", "2", "--no-client-first", "--client-memory-mb", "0.01", "hi")
+    assert res.returncode == 0, res.stderr
+    assert "│ kitchen-phone " in res.stderr and "(127.0.0.1:" in res.stderr, res.stderr

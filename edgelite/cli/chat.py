@@ -52,14 +52,18 @@ async def chat(args: argparse.Namespace) -> int:
     views.unreachable(console, llm.probed)
     async with llm:
         if not plain:
-            views.explain_plan(console, llm.plan)
+            views.explain_plan(console, llm.plan, llm.probed)
         reprobe = None
         if addrs := options.nodes(args):
             token = options.token(args, required=True)
             assert token is not None
             reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731
         shown = llm.plan.to_json() if llm.plan is not None and llm.plan.predicted else None
-        return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session),
+        label = views.labeller(llm.probed)
+        for st in shown["stages"] if shown else []:
+            st["device"] = label(st["device"])
+        return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session,
+                                           label=label),
                                 Console(), plain)
 
 

@@ -209,7 +209,11 @@ async def run_demo(args: argparse.Namespace) -> int:
                 if not args.json:
                     console.print(views.probe_view(probed))
                     console.print(views.plan_view(shown))
-                chat = chatui.Chat(llm, shown, label=ec.label)
+                async def reprobe() -> dict[str, Any]:
+                    return _labelled(await edgelite.probe(ec.addrs, TOKEN, m, cfg.probe,
+                                                          routes=ec.routes), ec)
+
+                chat = chatui.Chat(llm, shown, reprobe, label=ec.label)
                 if args.prompt is None:
                     return await chatui.run(chat, console, plain)
                 chat.history.append({"role": "user", "content": args.prompt})

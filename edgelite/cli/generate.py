@@ -39,7 +39,7 @@ async def generate(args: argparse.Namespace, stream: TextIO | None) -> dict[str,
     views.unreachable(console, llm.probed)
     async with llm:
         if stream is not None:
-            views.explain_plan(console, llm.plan)
+            views.explain_plan(console, llm.plan, llm.probed)
         reply = (llm.complete(args.prompt) if args.raw
                  else llm.chat([{"role": "user", "content": args.prompt}]))
         async for piece in reply:

@@ -199,11 +199,24 @@ def connect_bars(console: Console, live: bool) -> Iterator[Callable[[str, str, i
         yield update
 
 
-def explain_plan(console: Console, plan: Any) -> None:
-    """Show a probed plan (on stderr for generate/chat); nothing for a local run or a --split."""
+def explain_plan(console: Console, plan: Any, probed: dict[str, Any] | None = None) -> None:
+    """Show a probed plan (on stderr for generate/chat), each node by its --name and address;
+    nothing for a local run or a --split."""
     if plan is None or plan.predicted is None:
         return
-    console.print(plan_view(plan.to_json()))
+    shown = plan.to_json()
+    label = labeller(probed)
+    for st in shown["stages"]:
+        st["device"] = label(st["device"])
+    console.print(plan_view(shown))
+
+
+def labeller(probed: dict[str, Any] | None) -> Callable[[str], str]:
+    """A display name for a node address: "name (host:port)" with the name the node gave
+    (`edgelite node --name`, else its host name); the address alone when the probe has none."""
+    names = {d["addr"]: d["node"] for d in (probed or {}).get("devices", [])
+             if d.get("addr") and d.get("node")}
+    return lambda addr: f"{names[addr]} ({addr})" if addr in names else addr
 
 
 def unreachable(console: Console, probed: dict[str, Any] | None) -> None:
