@@ -8,7 +8,9 @@ The public API (everything a program needs; the CLI is built on it):
         async for piece in llm.chat([{"role": "user", "content": "Hi"}], max_tokens=64):
             print(piece.text, end="")
 
-- `connect(model, nodes=None, token=None, ...)`: an LLM (local, or planned and deployed on nodes)
+- `connect(model, nodes=None, token=None, ...)`: an LLM (local, or planned and deployed on nodes;
+  nodes="auto": the cluster's nodes that answer on the LAN)
+- `discover(token)`: the cluster's nodes on the LAN (UDP broadcast, answers checked by HMAC)
 - `probe(nodes, token, manifest=None)`: measure devices and links
 - `plan(manifest, cluster)`: place layers on devices (pure; reads only the manifest)
 - `run_node(token, data_dir, NodeConfig(...))`: a node serving inside this process
@@ -34,14 +36,15 @@ _EXPORTS = {
     "connect": "edgelite.client.llm", "LLM": "edgelite.client.llm",
     "Reply": "edgelite.client.llm", "Piece": "edgelite.client.llm",
     "PlanOptions": "edgelite.client.llm",
-    "probe": "edgelite.prober.cluster", "cluster_spec": "edgelite.prober.cluster",
-    "plan": "edgelite.planner.solve",
+    "discover": "edgelite.net.discovery", "probe": "edgelite.prober.cluster",
+    "cluster_spec": "edgelite.prober.cluster", "plan": "edgelite.planner.solve",
     "Plan": "edgelite.planner.model", "Stage": "edgelite.planner.model",
     "Node": "edgelite.node.server", "run_node": "edgelite.node.server",
     "NodeAddr": "edgelite.ids", "PlanId": "edgelite.ids", "SessionId": "edgelite.ids",
     "Manifest": "edgelite.manifest", "load_manifest": "edgelite.manifest",
     "ClientConfig": "edgelite.config", "GenerationConfig": "edgelite.config",
     "NodeConfig": "edgelite.config", "RuntimeConfig": "edgelite.config",
+    "DiscoveryConfig": "edgelite.config",
     "ProbeConfig": "edgelite.net.linkprobe",
     "EdgeliteError": "edgelite.errors", "NodeError": "edgelite.errors",
     "NodeUnavailable": "edgelite.errors", "PlanInfeasible": "edgelite.errors",
@@ -50,10 +53,11 @@ _EXPORTS = {
 }
 _RENAMED = {"load_manifest": "load"}
 __all__ = [
-    "LLM", "ClientConfig", "EdgeliteError", "GenerationConfig", "Manifest", "ManifestError",
-    "MissingDependency", "ModelFileError", "Node", "NodeAddr", "NodeConfig", "NodeError",
+    "LLM", "ClientConfig", "DiscoveryConfig", "EdgeliteError", "GenerationConfig", "Manifest",
+    "ManifestError",    "MissingDependency", "ModelFileError", "Node", "NodeAddr", "NodeConfig", "NodeError",
     "NodeUnavailable", "Piece", "Plan", "PlanId", "PlanInfeasible", "PlanOptions", "ProbeConfig",
-    "Reply", "RuntimeConfig", "SessionId", "Stage", "cluster_spec", "connect", "load_manifest",
+    "Reply", "RuntimeConfig", "SessionId", "Stage", "cluster_spec", "connect", "discover",
+    "load_manifest",
     "plan", "probe", "run_node",
 ]
 

@@ -68,6 +68,7 @@ class WireLimits:
 class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 7070
+    discovery_port: int = 7079  # UDP: answer `--nodes auto` questions here (0: not at all)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # threads, provider, KV shapes
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
@@ -99,6 +100,16 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Finding nodes on the LAN (`--nodes auto`): a UDP broadcast question, answered by nodes."""
+
+    port: int = 7079  # UDP port nodes listen on for questions (every node of a device shares it)
+    wait_s: float = 1.5  # how long the client collects answers
+    resend_s: float = 0.25  # the question is sent again this often while waiting
+    broadcast: tuple[str, ...] = ("255.255.255.255",)  # where the question goes
+
+
+@dataclass(frozen=True)
 class ClientConfig:
     connect_timeout_s: float = 2.0
     step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
@@ -116,6 +127,7 @@ class ClientConfig:
     heartbeat_timeout_s: float = 0.8
     failover: bool = True  # a lost node: replan on the others and go on (else: an error)
     max_failovers: int = 3  # recoveries one step may go through before its error is raised
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,10 @@ async def chat(args: argparse.Namespace) -> int:
         if not plain:
             views.explain_plan(console, llm.plan, llm.probed)
         reprobe = None
-        if addrs := options.nodes(args):
+        given = options.nodes(args)
+        addrs = [NodeAddr.parse(d["addr"]) for d in (llm.probed or {}).get("devices", [])
+                 if d.get("addr")] or (given if isinstance(given, list) else [])
+        if addrs:
             token = options.token(args, required=True)
             assert token is not None
             reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731

@@ -44,16 +44,18 @@ class NodeProc:
 def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: float = 256,
                timeout: float = 30.0, token: str = TOKEN, memory_mb: float | None = None,
                name: str | None = None, extra: tuple[str, ...] = (),
-               log_file: Path | None = None, port: int = 0) -> NodeProc:
+               log_file: Path | None = None, port: int = 0, host: str = "127.0.0.1",
+               wrap: tuple[str, ...] = ()) -> NodeProc:
     """A node process; `extra`: more `edgelite node` flags; `log_file`: where its log goes
-    (else nowhere); `port` 0: any free one."""
+    (else nowhere); `port` 0: any free one; `wrap`: a command it runs under (e.g. `ip netns
+    exec NS`)."""
     env = {**os.environ, "EDGELITE_TOKEN": token}
     extra = (*([] if memory_mb is None else ["--memory-mb", str(memory_mb)]),
              *([] if name is None else ["--name", name]), *extra)
     log = subprocess.DEVNULL if log_file is None else log_file.open("ab")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edgelite", "node", "--host", "127.0.0.1", "--port", str(port),
+            [*wrap, sys.executable, "-m", "edgelite", "node", "--host", host, "--port", str(port),
              "--data-dir", str(data_dir), "--threads", str(threads), "--kv-budget-mb",
              str(kv_budget_mb), *extra], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 from edgelite.cli import options, runner
 from edgelite.config import NodeConfig, RuntimeConfig
 from edgelite.engine.session import PROVIDERS, providers
+from edgelite.net.discovery import ANY_HOST, lan_address
 from edgelite.node.server import Node
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--memory-mb", type=float,
                    help="memory plans may use on this device (default: its free memory)")
     n.add_argument("--name", help="device name shown to the client")
+    n.add_argument("--discovery-port", type=options.port_number, default=NodeConfig.discovery_port,
+                   help="UDP port where this node answers clients looking for nodes with "
+                        "--nodes auto (0: it does not answer)")
     n.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="any other limit or timeout of the node's config (NodeConfig in "
                         "edgelite/config.py), e.g. --set disk_quota_bytes=4000000000 "
@@ -103,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
                             kv_store=options.kv_store_config(args))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider
     settings = dict(host=args.host, port=args.port, runtime=runtime,
+                    discovery_port=args.discovery_port,
                     kv_budget_bytes=int(args.kv_budget_mb * 2**20),
                     batch_max_steps=max(1, args.max_batch),
                     memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
@@ -114,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     def ready(n: Node) -> None:
         if generated:
             print(f"cluster token (pass it to the client as --token or EDGELITE_TOKEN): {n.token}")
-        print(f"edgelite node {n.name} listening on {n.cfg.host}:{n.port}", flush=True)
+        lan = lan_address() if n.cfg.host in ANY_HOST else None
+        reach = f" (on the LAN: {lan}:{n.port})" if lan else ""
+        print(f"edgelite node {n.name} listening on {n.cfg.host}:{n.port}{reach}", flush=True)
 
     with contextlib.suppress(KeyboardInterrupt):
         runner.run(serve(node, ready, panel))

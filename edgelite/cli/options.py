@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgelite.client.llm import PlanOptions
-from edgelite.config import ClientConfig, GenerationConfig, KVStoreConfig, RuntimeConfig
+from edgelite.config import ClientConfig, DiscoveryConfig, GenerationConfig, KVStoreConfig, RuntimeConfig
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr, parse_nodes
 from edgelite.net.routes import parse_routes
@@ -83,8 +83,18 @@ def planning_flags(p: argparse.ArgumentParser) -> None:
                    help="the client need not hold layer 0")
 
 
+def nodes_flags(p: argparse.ArgumentParser, default: str = "run locally") -> None:
+    p.add_argument("--nodes", help=f"HOST:PORT,... of stage nodes, or auto: the nodes with this "
+                                   f"token that answer on the LAN (default: {default})")
+    d = DiscoveryConfig
+    p.add_argument("--broadcast", default=",".join(d.broadcast), metavar="ADDR,...",
+                   help="with --nodes auto: where the question goes")
+    p.add_argument("--discovery-port", type=port_number, default=d.port,
+                   help="with --nodes auto: the UDP port nodes answer on")
+
+
 def cluster_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", help="HOST:PORT,... of stage nodes (default: run locally)")
+    nodes_flags(p)
     p.add_argument("--split", help="layer ranges per node, e.g. 0-9,10-19,20-29 "
                                    "(default: probe and plan)")
     p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
@@ -148,8 +158,29 @@ def token(args: argparse.Namespace, required: bool = False) -> str | None:
     return value
 
 
-def nodes(args: argparse.Namespace) -> list[NodeAddr]:
-    return parse_nodes(args.nodes) if getattr(args, "nodes", None) else []
+def discovery_config(args: argparse.Namespace) -> DiscoveryConfig:
+    where = tuple(a.strip() for a in getattr(args, "broadcast", "").split(",") if a.strip())
+    return DiscoveryConfig(port=getattr(args, "discovery_port", DiscoveryConfig.port),
+                           broadcast=where or DiscoveryConfig.broadcast)
+
+
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    return ClientConfig(discovery=discovery_config(args))
+
+
+def nodes(args: argparse.Namespace, default: str | None = None) -> list[NodeAddr] | str:
+    """--nodes as addresses, or "auto" (found when connecting)."""
+    text = getattr(args, "nodes", None) or default
+    if text is not None and text.strip() == "auto":
+        return "auto"
+    return parse_nodes(text) if text else []
+
+
+async def found_nodes(args: argparse.Namespace) -> list[NodeAddr]:
+    """--nodes as addresses, looking for them on the LAN when it says auto."""
+    from edgelite.client.llm import node_addrs
+
+    return await node_addrs(nodes(args, default="auto"), token(args), client_config(args))
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -189,5 +220,5 @@ def connect_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"nodes": nodes(args), "token": token(args),
             "split": parse_split(args.split) if getattr(args, "split", None) else None,
             "planning": plan_options(args), "routes": parse_routes(getattr(args, "route", None)),
-            "runtime": runtime_config(args), "client": ClientConfig(),
+            "runtime": runtime_config(args), "client": client_config(args),
             "generation": generation_config(args)}

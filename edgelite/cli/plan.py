@@ -18,7 +18,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         help="place layers on devices (HiGHS MILP, or the exact DP)")
     pl.add_argument("--model", required=True, help="model folder (reads manifest.json only)")
     pl.add_argument("--cluster", help="cluster.json: devices and links (offline what-if)")
-    pl.add_argument("--nodes", help="HOST:PORT,... to probe live")
+    options.nodes_flags(pl, default="none: give --cluster")
     pl.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
     options.planning_flags(pl)
     pl.add_argument("--kv-tokens", type=int, default=KV_TOKENS, help="context to reserve KV memory for")
@@ -37,9 +37,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.nodes:
         from edgelite.net.routes import parse_routes
 
-        probed = runner.run(edgelite.probe(options.nodes(args), options.token(args, required=True),
-                                           m, routes=parse_routes(args.route),
-                                           client_memory_bytes=options.client_memory(args)))
+        token = options.token(args, required=True)
+        assert token is not None
+
+        async def measure() -> dict[str, Any]:
+            return await edgelite.probe(await options.found_nodes(args), token, m,
+                                        routes=parse_routes(args.route),
+                                        client_memory_bytes=options.client_memory(args))
+
+        probed = runner.run(measure())
         spec = cluster_spec(probed)
     else:
         raise EdgeliteError("give --cluster cluster.json or --nodes HOST:PORT,...")

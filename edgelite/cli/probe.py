@@ -14,7 +14,7 @@ from edgelite.net.routes import parse_routes
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     pr = sub.add_parser("probe", parents=parents, formatter_class=options.HelpFormatter,
                         help="measure devices and every link between them")
-    pr.add_argument("--nodes", required=True, help="HOST:PORT,...")
+    options.nodes_flags(pr, default="auto")
     pr.add_argument("--model", help="model folder: FLOP/s on its own layer shapes")
     pr.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
     pr.add_argument("--repeat", type=int, default=1, help="rounds, smoothed with a bias-corrected EMA")
@@ -26,10 +26,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     manifest = edgelite.load_manifest(args.model) if args.model else None
-    result = runner.run(edgelite.probe(options.nodes(args), options.token(args, required=True),
-                                       manifest, repeat=args.repeat,
-                                       routes=parse_routes(args.route),
-                                       client_memory_bytes=options.client_memory(args)))
+    token = options.token(args, required=True)
+    assert token is not None
+    result = runner.run(_probe(args, token, manifest))
     if args.json:
         print(json.dumps(result))
         return 0
@@ -37,3 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
     Console().print(views.probe_view(result))
     return 0
+
+
+async def _probe(args: argparse.Namespace, token: str, manifest: Any) -> dict[str, Any]:
+    return await edgelite.probe(await options.found_nodes(args), token, manifest,
+                                repeat=args.repeat, routes=parse_routes(args.route),
+                                client_memory_bytes=options.client_memory(args))

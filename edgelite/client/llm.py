@@ -13,6 +13,7 @@ every device and link, plans with HiGHS (or the exact DP) and deploys that plan.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
@@ -31,12 +32,15 @@ from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr, SessionId
 from edgelite.manifest import Manifest
 from edgelite.manifest import load as load_manifest
+from edgelite.net.discovery import discover
 from edgelite.net.linkprobe import ProbeConfig
 from edgelite.net.routes import Routes
 from edgelite.planner.model import Plan
 from edgelite.planner.solve import plan as solve_plan
 from edgelite.planner.solve import split_plan
 from edgelite.prober.cluster import cluster_spec, probe, without
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 Progress = Callable[[str, str, int, int], None]  # (phase: probe | deploy, what, done, total)
@@ -183,7 +187,7 @@ class LLM:
         await self.close()
 
 
-async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | None = None,
+async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | str | None = None,
                    token: str | None = None, *, split: Sequence[tuple[int, int]] | None = None,
                    plan: Plan | None = None, planning: PlanOptions | None = None,
                    routes: Routes | None = None, runtime: RuntimeConfig | None = None,
@@ -193,7 +197,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     manifest = model if isinstance(model, Manifest) else load_manifest(model)
     tokenizer = Tokenizer(manifest)
     token = token or os.environ.get("EDGELITE_TOKEN")
-    addrs = [a if isinstance(a, NodeAddr) else NodeAddr.parse(a) for a in nodes or []]
+    addrs = await node_addrs(nodes, token, client or ClientConfig())
     probed = None
     if plan is None and split is not None:
         plan = split_plan(list(split), addrs, manifest.num_layers)
@@ -218,6 +222,24 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
                             runtime, routes)
         backend = FailoverBackend(manifest, backend, replan, ccfg)
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+
+
+async def node_addrs(nodes: Sequence[str | NodeAddr] | str | None, token: str | None,
+                     client: ClientConfig) -> list[NodeAddr]:
+    """The nodes' addresses; "auto": the nodes of this cluster that answer on the LAN."""
+    if nodes != "auto":
+        return [a if isinstance(a, NodeAddr) else NodeAddr.parse(a) for a in nodes or []]
+    if token is None:
+        raise EdgeliteError("--nodes auto needs the cluster token (token= or EDGELITE_TOKEN): "
+                            "only nodes with that token answer")
+    cfg = client.discovery
+    found = await discover(token, cfg)
+    if not found:
+        raise EdgeliteError(f"no node answered within {cfg.wait_s:g} s (UDP port {cfg.port}, "
+                            f"broadcast to {', '.join(cfg.broadcast)}): are the nodes running, on "
+                            f"this network, with the same token?")
+    log.info("found %s", ", ".join(f"{f.name} at {f.addr}" for f in found))
+    return [f.addr for f in found]
 
 
 def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
@@ -261,7 +283,7 @@ class connect:
     """`await edgelite.connect(...)` or `async with edgelite.connect(...) as llm` (closed on
     exit). Arguments as `open_llm`."""
 
-    def __init__(self, model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | None = None,
+    def __init__(self, model: str | Path | Manifest, nodes: Sequence[str | NodeAddr] | str | None = None,
                  token: str | None = None, **kwargs: Any) -> None:
         self._args = (model, nodes, token)
         self._kwargs = kwargs

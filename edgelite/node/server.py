@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from edgelite.config import NodeConfig, WireLimits
+from edgelite.config import DiscoveryConfig, NodeConfig, WireLimits
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
+from edgelite.net.discovery import respond
 from edgelite.net.frames import Conn, bound_port, detach, listen, pack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.linkprobe import ProbeConfig, UdpEcho, probe_peer
@@ -109,6 +110,7 @@ class Node:
         self.refused_connections = 0
         self.restarts = 0  # data plane threads restarted after dying
         self.udp: asyncio.DatagramTransport | None = None
+        self.discovery: asyncio.DatagramTransport | None = None  # answers `--nodes auto`
         self.udp_port = 0
         self.owners: dict[str, int] = {}  # client key -> its open control connections
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
@@ -143,6 +145,9 @@ class Node:
             self.udp, _ = await loop.create_datagram_endpoint(
                 lambda: UdpEcho(self.token), local_addr=(self.cfg.host, 0))
         self.udp_port = self.udp.get_extra_info("sockname")[1]
+        if self.cfg.discovery_port:
+            self.discovery = await respond(self.token, DiscoveryConfig(port=self.cfg.discovery_port),
+                                           self.port, self.cfg.host, self.name)
         self.data.start()
 
     async def run(self) -> None:
@@ -163,6 +168,8 @@ class Node:
             self.server.close()
         if self.udp is not None:
             self.udp.close()
+        if self.discovery is not None:
+            self.discovery.close()
         for conn in self.conns:
             conn.writer.close()
         handlers = [t for t in self.handlers if t is not asyncio.current_task()]
