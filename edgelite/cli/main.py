@@ -8,10 +8,10 @@ import logging
 import sys
 
 from edgelite import __version__
-from edgelite.cli import chat, demo, generate, node, options, plan, probe, serve
+from edgelite.cli import chat, demo, generate, node, options, plan, probe, push, serve
 from edgelite.errors import EdgeliteError
 
-COMMANDS = (generate, chat, demo, serve, plan, probe, node)
+COMMANDS = (generate, chat, demo, serve, plan, probe, node, push)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,6 +124,23 @@ class UploadAck(Message):
     complete: bool
 
 
+@message("model_put")
+class ModelPut(Message):
+    """Keep the uploaded files (already sent as blobs) as a model folder on the node:
+    DATA_DIR/models/NAME/FILE for every FILE -> sha256 (`edgelite push`)."""
+
+    id: int = bounds(-RID, RID)
+    name: str = bounds(max_len=64)
+    files: dict[str, str] = bounds(max_len=4096)
+
+
+@message("model_stored")
+class ModelStored(Message):
+    id: int = bounds(-RID, RID)
+    path: str = bounds(max_len=4096)
+    files: int
+
+
 @message("load")
 class Load(Message):
     """Load a plan's stage; the plan then belongs to this connection's client."""

@@ -48,6 +48,7 @@ from edgelite.net.schema import Message
 from edgelite.node.blobs import BlobStore, check_sha
 from edgelite.node.dataplane import DataPlane
 from edgelite.node.profile import loaded_flops, measure_flops
+from edgelite.node.shelf import Shelf
 from edgelite.node.stages import Stage, StageStore
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Node:
         c = self.cfg
         blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
         self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client)
+        self.shelf = Shelf(self.data_dir, blobs)  # model folders pushed here (edgelite push)
         self.data = DataPlane(self.name, self.store, c, self.limits)
         self.kv: KVStore | None = None  # the KV store, opened by start()
         self.server: asyncio.Server | None = None
@@ -122,7 +124,7 @@ class Node:
         self.compute_pool = ThreadPoolExecutor(1, thread_name_prefix="profile")
         self._handlers: dict[type[Message], Handler] = {
             m.Ping: self._ping, m.StatsRequest: self._stats, m.FilesQuery: self._files,
-            m.Upload: self._upload, m.Load: self._load, m.EndSession: self._end,
+            m.Upload: self._upload, m.ModelPut: self._model_put, m.Load: self._load, m.EndSession: self._end,
             m.Bulk: self._bulk, m.ProfileRequest: self._profile, m.ProbeLink: self._probe_link,
             m.KvSave: self._kv_save, m.KvRestore: self._kv_restore}
 
@@ -341,6 +343,10 @@ class Node:
         held = await asyncio.to_thread(self.store.blobs.append, check_sha(msg.sha256), msg.offset,
                                        msg.total, msg.data)
         return m.UploadAck(id=msg.id, held=held, complete=held == msg.total)
+
+    async def _model_put(self, msg: m.ModelPut, _owner: str) -> m.ModelStored:
+        path = await asyncio.to_thread(self.shelf.put, msg.name, msg.files)
+        return m.ModelStored(id=msg.id, path=str(path), files=len(msg.files))
 
     async def _load(self, msg: m.Load, owner: str) -> m.Loaded:
         pid = msg.plan_id

@@ -1,0 +1,79 @@
+"""Model folders pushed to this device (`edgelite push`): DATA_DIR/models/NAME/.
+
+The files arrive as blobs (resumable, sha256-checked; node/blobs.py). A folder is made from
+them only when all are there: each file is a hard link to its blob (a copy where links are not
+possible), the manifest is read back and every file it lists is checked against it, and only
+then does the folder take NAME (a rename; an older folder of that name is replaced whole). Names
+from the wire are checked before they touch a path: a model name and its file names are plain
+names (letters, digits, `.`, `_`, `-`), never paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from edgelite import manifest as mf
+from edgelite.errors import EdgeliteError, ProtocolError
+from edgelite.node.blobs import BlobStore, check_sha
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def plain_name(value: str, what: str) -> str:
+    if not _NAME.match(value) or value.endswith((".tmp", ".old")):
+        raise ProtocolError(f"{what} {value[:80]!r} is not a plain name (letters, digits, . _ -; "
+                            f"at most 64)")
+    return value
+
+
+class Shelf:
+    def __init__(self, root: Path, blobs: BlobStore) -> None:
+        self.dir = root / "models"
+        self.blobs = blobs
+
+    def put(self, name: str, files: dict[str, str]) -> Path:
+        """Make DATA_DIR/models/NAME from blobs (file name -> sha256); its path."""
+        plain_name(name, "model name")
+        for file, sha in files.items():
+            plain_name(file, f"model {name}: file name")
+            check_sha(sha)
+        if mf.MANIFEST_NAME not in files:
+            raise ProtocolError(f"model {name}: no {mf.MANIFEST_NAME} among its files")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tag = secrets.token_hex(4)
+        staged = self.dir / f".{name}.{tag}.tmp"
+        staged.mkdir()
+        try:
+            for file, sha in files.items():
+                blob = self.blobs.verified(sha, f"model {name}: {file}")
+                try:
+                    os.link(blob, staged / file)
+                except OSError:  # another file system, or links not allowed: copy
+                    shutil.copyfile(blob, staged / file)
+            m = mf.load(staged)
+            for entry in m.files:
+                for f in (entry, *entry.data):
+                    if f.file not in files:
+                        raise EdgeliteError(f"model {name}: {f.file} is listed in its manifest "
+                                            f"but was not pushed")
+                    mf.check_file(staged / f.file, f.sha256, f.bytes, verify_hash=False)
+                    if files[f.file] != f.sha256:
+                        raise EdgeliteError(f"model {name}: {f.file} is not the file its manifest "
+                                            f"lists (sha256 differs)")
+            final = self.dir / name
+            old = self.dir / f".{name}.{tag}.old"
+            if final.exists():
+                final.rename(old)
+            staged.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        log.info("model %s: %d files kept in %s", name, len(files), final)
+        return final.resolve()
