@@ -94,3 +94,18 @@ def test_the_plan_shows_each_node_by_its_name(exported, node_factory) -> None:
                TOKEN, "--max-tokens", "2", "--no-client-first", "--client-memory-mb", "0.01", "hi")
     assert res.returncode == 0, res.stderr
     assert "│ kitchen-phone " in res.stderr and "(127.0.0.1:" in res.stderr, res.stderr
+
+
+def test_help_shows_defaults_and_verbose_goes_anywhere(exported) -> None:
+    for cmd, default in (("generate", "(default: 128)"), ("node", "(default: 7070)"),
+                         ("chat", "(default: 7079)"), ("serve", "(default: 7080)"),
+                         ("push", "--to HOST:PORT")):
+        res = _cli(cmd, "--help")
+        assert res.returncode == 0 and default in " ".join(res.stdout.split()), (cmd, res.stdout)
+    model = str(exported["llama"])
+    for args in (("-v", "generate", "--model", model, "--max-tokens", "2", "hi"),
+                 ("generate", "-v", "--model", model, "--max-tokens", "2", "hi"),
+                 ("generate", "--model", model, "--max-tokens", "2", "hi", "-vv")):
+        res = _cli(*args)
+        assert res.returncode == 0 and " INFO edgelite.client.llm: ready: " in res.stderr, \
+            (args, res.stderr[-500:])

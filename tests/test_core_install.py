@@ -102,3 +102,11 @@ def test_export_on_a_phone_install_names_the_extra(core_python: Path, tmp_path: 
     assert re.fullmatch(r"error: edgelite-export needs the PC-side packages \((torch|onnx|"
                         r"transformers|gguf) is missing\): pip install torch==2\.13\.0 "
                         r"'edgelite\[export\]'", res.stderr.strip()), res.stderr
+
+
+def test_milp_without_highspy_is_one_line_naming_the_extra(core_python: Path, exported) -> None:
+    res = _core(core_python, "plan", "--model", str(exported["llama"]), "--cluster",
+                str(REPO / "examples" / "phones.json"), "--solver", "milp")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip() == ("error: --solver milp needs HiGHS: pip install 'edgelite[plan]' "
+                                  "(or use --solver dp, the exact DP)"), res.stderr

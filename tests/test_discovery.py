@@ -102,3 +102,7 @@ def test_discovery_across_network_namespaces(exported, node_factory, netns) -> N
     local = json.loads(run_cli("generate", "--model", str(exported["llama"]), "--json",
                                "--max-tokens", "8", "hello there").stdout)
     assert json.loads(auto.stdout)["token_ids"] == local["token_ids"]
+    # a node listening on every address prints the one its LAN reaches it at
+    lone = node_factory(host="0.0.0.0", wrap=wrap, extra=("--discovery-port", "0"))
+    assert lone.banner.endswith(f"listening on 0.0.0.0:{lone.port} (on the LAN: "
+                                f"10.77.0.2:{lone.port})"), lone.banner

@@ -22,6 +22,7 @@ class NodeProc:
     proc: subprocess.Popen
     port: int
     data_dir: Path
+    banner: str = ""  # the line it printed when it was ready
 
     @property
     def addr(self) -> str:
@@ -68,7 +69,7 @@ def start_node(data_dir: Path, threads: int = 1, kv_budget_mb: float = 256,
         if not line and proc.poll() is not None:
             raise RuntimeError(f"node exited with {proc.returncode}")
         if m := READY.search(line):
-            return NodeProc(proc, int(m.group(2)), data_dir)
+            return NodeProc(proc, int(m.group(2)), data_dir, line.strip())
     proc.kill()
     proc.wait(10)
     proc.stdout.close()

@@ -221,6 +221,9 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
         replan = _replanner(manifest, addrs, token, probed, planning or PlanOptions(), ccfg,
                             runtime, routes)
         backend = FailoverBackend(manifest, backend, replan, ccfg)
+    log.info("ready: %s (%s, %s) with %s", manifest.name, manifest.weights, manifest.compute,
+             ", ".join(f"layers {s.first}-{s.last} on {s.addr or 'this device'}"
+                       for s in plan.stages))
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
 
 
