@@ -31,6 +31,11 @@ def check_sha(value: object) -> str:
     return value
 
 
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    """What must stay the same for a checked blob not to be hashed again."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
 class BlobStore:
     def __init__(self, root: Path, max_file_bytes: int = 1 << 62, quota_bytes: int = 1 << 62,
                  part_ttl_s: float = 3600.0) -> None:
@@ -89,7 +94,9 @@ class BlobStore:
                 part.unlink()
                 raise ModelFileError(f"upload {sha[:12]}: content does not hash to its name; "
                                      f"discarded")
-            part.rename(self.path(sha))
+            final = self.path(sha)
+            part.rename(final)
+            self._remember(sha, final)  # just hashed: the next load need not hash it again
         return held
 
     def verified(self, sha: str, what: str) -> Path:
@@ -100,13 +107,16 @@ class BlobStore:
         if st is None:
             raise ModelFileError(f"{what} ({sha[:12]}) is not deployed to this node"
                                  + (" (a symbolic link there is refused)" if path.is_symlink() else ""))
-        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-        if self._verified.get(sha) != key:
+        if self._verified.get(sha) != _key(st):
             if sha256_file(path) != sha:
                 raise ModelFileError(f"{what} ({sha[:12]}) on this node was changed since it was "
                                      f"deployed (its sha256 differs); deploy it again")
-            self._verified[sha] = key
+            self._verified[sha] = _key(st)
         return path
+
+    def _remember(self, sha: str, path: Path) -> None:
+        if (st := self._regular(path)) is not None:
+            self._verified[sha] = _key(st)
 
     def drop(self, sha: str) -> None:
         self.path(sha).unlink(missing_ok=True)
