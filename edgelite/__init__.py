@@ -54,11 +54,10 @@ _EXPORTS = {
 _RENAMED = {"load_manifest": "load"}
 __all__ = [
     "LLM", "ClientConfig", "DiscoveryConfig", "EdgeliteError", "GenerationConfig", "Manifest",
-    "ManifestError",    "MissingDependency", "ModelFileError", "Node", "NodeAddr", "NodeConfig", "NodeError",
-    "NodeUnavailable", "Piece", "Plan", "PlanId", "PlanInfeasible", "PlanOptions", "ProbeConfig",
-    "Reply", "RuntimeConfig", "SessionId", "Stage", "cluster_spec", "connect", "discover",
-    "load_manifest",
-    "plan", "probe", "run_node",
+    "ManifestError", "MissingDependency", "ModelFileError", "Node", "NodeAddr", "NodeConfig",
+    "NodeError", "NodeUnavailable", "Piece", "Plan", "PlanId", "PlanInfeasible", "PlanOptions",
+    "ProbeConfig", "Reply", "RuntimeConfig", "SessionId", "Stage", "cluster_spec", "connect",
+    "discover", "load_manifest", "plan", "probe", "run_node",
 ]
 
 

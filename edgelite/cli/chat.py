@@ -61,12 +61,9 @@ async def chat(args: argparse.Namespace) -> int:
             token = options.token(args, required=True)
             assert token is not None
             reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731
-        shown = llm.plan.to_json() if llm.plan is not None and llm.plan.predicted else None
-        label = views.labeller(llm.probed)
-        for st in shown["stages"] if shown else []:
-            st["device"] = label(st["device"])
+        shown = views.labelled_plan(llm.plan, llm.probed)
         return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session,
-                                           label=label),
+                                           label=views.labeller(llm.probed)),
                                 Console(), plain)
 
 

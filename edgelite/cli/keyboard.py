@@ -33,7 +33,6 @@ class Keyboard:
         self._running: asyncio.Task[Any] | None = None
         self._quit: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.interrupted = 0  # replies stopped by Ctrl-C
 
     @property
     def quit(self) -> bool:
@@ -106,7 +105,6 @@ class Keyboard:
             current = asyncio.current_task()
             if current is not None and current.cancelling():  # we were cancelled, not the reply
                 raise
-            self.interrupted += 1
             return False, None
         finally:
             self._running = None

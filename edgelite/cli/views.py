@@ -202,13 +202,21 @@ def connect_bars(console: Console, live: bool) -> Iterator[Callable[[str, str, i
 def explain_plan(console: Console, plan: Any, probed: dict[str, Any] | None = None) -> None:
     """Show a probed plan (on stderr for generate/chat), each node by its --name and address;
     nothing for a local run or a --split."""
+    shown = labelled_plan(plan, probed)
+    if shown is not None:
+        console.print(plan_view(shown))
+
+
+def labelled_plan(plan: Any, probed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A probed plan's JSON with each node named by `labeller`; None for a local run or a
+    --split (nothing was predicted)."""
     if plan is None or plan.predicted is None:
-        return
+        return None
     shown = plan.to_json()
     label = labeller(probed)
     for st in shown["stages"]:
         st["device"] = label(st["device"])
-    console.print(plan_view(shown))
+    return shown
 
 
 def labeller(probed: dict[str, Any] | None) -> Callable[[str], str]:

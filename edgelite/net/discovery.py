@@ -98,7 +98,6 @@ class Responder(asyncio.DatagramProtocol):
         self.token, self.port, self.name = token, port, name
         self.host = None if host in ANY_HOST else host
         self.transport: asyncio.DatagramTransport | None = None
-        self.answered = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass
@@ -107,20 +106,19 @@ class Responder(asyncio.DatagramProtocol):
         reply = answer_for(self.token, data, self.port, self.host, self.name)
         if reply is not None and self.transport is not None:
             self.transport.sendto(reply, addr)
-            self.answered += 1
 
 
-async def respond(token: str, cfg: DiscoveryConfig, port: int, host: str,
+async def respond(token: str, udp_port: int, port: int, host: str,
                   name: str) -> asyncio.DatagramTransport | None:
-    """Listen for questions on cfg.port (shared with other nodes on this device); None, with one
-    log line, when that port cannot be had."""
+    """Listen for questions on udp_port (shared with other nodes on this device) and answer with
+    the node's TCP `port`; None, with one log line, when udp_port cannot be had."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # every node here hears them
-        sock.bind(("", cfg.port))
+        sock.bind(("", udp_port))
     except OSError as exc:
         sock.close()
-        log.warning("discovery is off: cannot listen on UDP port %d: %s", cfg.port,
+        log.warning("discovery is off: cannot listen on UDP port %d: %s", udp_port,
                     exc.strerror or exc)
         return None
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgelite.config import DiscoveryConfig, NodeConfig, WireLimits
+from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
@@ -148,8 +148,8 @@ class Node:
                 lambda: UdpEcho(self.token), local_addr=(self.cfg.host, 0))
         self.udp_port = self.udp.get_extra_info("sockname")[1]
         if self.cfg.discovery_port:
-            self.discovery = await respond(self.token, DiscoveryConfig(port=self.cfg.discovery_port),
-                                           self.port, self.cfg.host, self.name)
+            self.discovery = await respond(self.token, self.cfg.discovery_port, self.port,
+                                           self.cfg.host, self.name)
         self.data.start()
 
     async def run(self) -> None:
