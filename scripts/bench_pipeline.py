@@ -1,7 +1,7 @@
-"""SmolLM2-135M: 3-node pipeline vs the single-process chain, and pipelined concurrency.
+"""SmolLM2-135M: 2- and 3-node pipelines vs the single-process chain, and pipelined concurrency.
 
 All node processes run on this machine (loopback), whose speed drifts by +-10 % within seconds.
-So the single process and the pipeline decode the same prompt side by side, in alternating blocks
+So the single process and the pipelines decode the same prompt side by side, in alternating blocks
 of a few tokens (which one goes first alternates too): every block of one is paired with the
 other's block of the same tokens at the same context length, run a second apart. Both produce
 the same tokens (greedy), so they reach EOS together and start over together.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -133,6 +134,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     m = mf.load(model)
     prompt = Tokenizer(m).chat_prompt([{"role": "user", "content": PROMPT}])
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-"))
+    # the client's KV store starts empty like the nodes' (in fast mode a prefix taken from a
+    # store and a prefix computed in other chunks can differ in the last bits)
+    os.environ["EDGELITE_HOME"] = str(tmp / "client")
     nodes = [start_node(tmp / f"n{i}", threads=1) for i in range(5)]
     try:
         local = LocalBackend(m, RuntimeConfig(threads=1))
@@ -140,9 +144,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         two = await cluster(m, [n.port for n in nodes[3:]], [(0, 14), (15, 29)])
         res: dict[str, list[float]] = {"one_tok_s": [], "four_tok_s": []}
         local_layers_ms = time_layers(local)
-        res["local_ms"], res["pipe3_ms"] = await paired_blocks(
-            [local, three], prompt, args.tokens, args.block, args.session_tokens)
+        res["local_ms"], res["pipe2_ms"], res["pipe3_ms"] = await paired_blocks(
+            [local, two, three], prompt, args.tokens, args.block, args.session_tokens)
         traces: list[StepTrace] = list(three.traces)
+        traces2: list[StepTrace] = list(two.traces)
         prompts = [prompt[:-k] if k else prompt for k in range(4)]  # 4 different sessions
         for r in range(args.rounds):
             order = [("one_tok_s", prompts[:1]), ("four_tok_s", prompts)]
@@ -156,14 +161,21 @@ async def main_async(args: argparse.Namespace) -> dict:
             n.kill()
     med = {k: statistics.median(v) for k, v in res.items()}
     paired = [p / q for p, q in zip(res["pipe3_ms"], res["local_ms"], strict=True)]
+    paired2 = [p / q for p, q in zip(res["pipe2_ms"], res["local_ms"], strict=True)]
     conc = [f / o for f, o in zip(res["four_tok_s"], res["one_tok_s"], strict=True)]
-    hops = hop_summary(traces)
+    hops, hops2 = hop_summary(traces), hop_summary(traces2)
     return {
         "model": m.name, "threads_per_node": 1, "decode_tokens_each": args.tokens,
         "block_tokens": args.block, "block_pairs": len(paired), "session_tokens": args.session_tokens,
         "single_process_decode_ms_per_token": round(statistics.fmean(res["local_ms"]), 2),
+        "pipeline_2_nodes_decode_ms_per_token": round(statistics.fmean(res["pipe2_ms"]), 2),
         "pipeline_3_nodes_decode_ms_per_token": round(statistics.fmean(res["pipe3_ms"]), 2),
-        # total time over the same tokens (the blocks are equal in size)
+        # speed (tok/s) of each pipeline over the single process's, from total times over the
+        # same tokens (the blocks are equal in size)
+        "speed_2_nodes_vs_single": round(sum(res["local_ms"]) / sum(res["pipe2_ms"]), 3),
+        "speed_3_nodes_vs_single": round(sum(res["local_ms"]) / sum(res["pipe3_ms"]), 3),
+        "speed_2_nodes_vs_single_paired_median": round(statistics.median(1 / r for r in paired2), 3),
+        # time ratios, 3 nodes (the figure of the earlier runs)
         "pipeline_vs_single_ratio": round(sum(res["pipe3_ms"]) / sum(res["local_ms"]), 3),
         "pipeline_vs_single_ratio_paired_median": round(statistics.median(paired), 3),
         "paired_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(paired, n=4)],
@@ -173,6 +185,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "stages_compute_ms_median": round(hops["compute_us"] / 1e3, 2),
         "single_process_layers_ms_median": round(statistics.median(local_layers_ms), 2),
         "step_round_trip_ms_median": round(hops["rtt_us"] / 1e3, 2),  # client sends -> result in
+        "two_nodes_per_hop_overhead_us_median": round(hops2["hop_us"], 1),
+        "two_nodes_stage_handling_us_median": round(hops2["stage_overhead_us"], 1),  # 2 stages
         "per_hop_from_difference_us": round((statistics.fmean(res["pipe3_ms"])
                                              - statistics.fmean(res["local_ms"])) * 1e3 / 4, 1),
         "ping_rtt_us_median": round(rtt, 1),
