@@ -16,7 +16,7 @@ from edgelite.config import WireLimits
 from edgelite.errors import AuthError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
-from edgelite.net.frames import Conn, read_frame
+from edgelite.net.frames import Conn, pack, read_frame
 from edgelite.net.handshake import connect
 from edgelite.net.tensors import encode_tensor
 from test_distributed import _cluster, _tokens
@@ -120,6 +120,16 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
                                        "step": 2, "start": 0, "trace": bad_trace,
                                        "hidden": encode_tensor(np.zeros((1, 1, 48), np.float32))})
                 assert "forward.trace" in (await conn.recv()).message
+            # binary step frames that lie about their sizes -> error replies naming the field
+            good = pack(m.Forward(plan_id=plan, session="b", step=3, start=0,
+                                  hidden=np.zeros((1, 1, 48), np.float32)))[4:]
+            for cut, want in ((good[:10], "shorter than its 24-byte header"),
+                              (good[:-4], "needs 192 bytes, the frame has 188"),
+                              (good[:3] + b"\x40" + good[4:], "forward: trace: 64 long"),
+                              (good[:1] + b"\x09" + good[2:], "unknown kind 9")):
+                conn.writer.write(struct.pack(">I", len(cut)) + cut)
+                msg = await conn.recv()
+                assert isinstance(msg, m.Error) and want in msg.message, (want, msg)
             # a control request on a data connection -> refused, the connection stays
             await conn.send(m.Ping(id=5))
             assert "carries forward frames" in (await conn.recv()).message

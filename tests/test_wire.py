@@ -13,7 +13,7 @@ from edgelite.config import WireLimits
 from edgelite.errors import AuthError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
-from edgelite.net.frames import Conn, pack, read_frame, unpack
+from edgelite.net.frames import Conn, decode, pack, read_frame, unpack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.tensors import decode_tensor
 
@@ -21,16 +21,24 @@ LIMITS = WireLimits(max_frame_bytes=1 << 20, max_tensor_elements=1 << 16)
 
 
 def _roundtrip(msg: m.Message) -> m.Message:
-    return m.parse(unpack(pack(msg)[4:]), LIMITS)
+    return decode(pack(msg)[4:], LIMITS)
 
 
 def test_tensor_roundtrip_zero_copy() -> None:
+    """A tensor in a msgpack frame is a view of the received bytes (a step sent as msgpack by
+    an older peer is still read); a binary step's tensor is copied out of the frame buffer."""
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    got = _roundtrip(m.Forward(plan_id="p", session="s", step=1, start=0, hidden=a, trace=[(1, 2)]))
+    fwd = m.Forward(plan_id="p", session="s", step=1, start=0, hidden=a, trace=[(1, 2)])
+    got = m.parse(unpack(msgpack.packb(fwd.to_wire(), use_bin_type=True)), LIMITS)
     assert isinstance(got, m.Forward)
     np.testing.assert_array_equal(a, got.hidden)
     assert not got.hidden.flags.owndata  # a view on the received bytes
     assert got.trace == [(1, 2)]
+    body = pack(fwd)[4:]
+    assert body[0] == 0xC1  # the binary step layout
+    got = _roundtrip(fwd)
+    assert isinstance(got, m.Forward) and got.hidden.flags.owndata and got.trace == [(1, 2)]
+    np.testing.assert_array_equal(a, got.hidden)
 
 
 def test_every_message_type_roundtrips() -> None:
@@ -144,3 +152,49 @@ def test_handshake_both_ways_and_wrong_token() -> None:
         assert isinstance(results[1], AuthError)
 
     asyncio.run(main())
+
+
+def test_binary_steps_roundtrip_and_refuse_every_broken_header() -> None:
+    """Steps travel as a binary header and raw tensor bytes (net/stepframe.py): every field
+    survives; every truncation and 2,000 random corruptions of a frame give a ProtocolError or
+    a message whose fields are within the schema's bounds, never another exception."""
+    rng = np.random.default_rng(0)
+    samples = [m.Forward(plan_id="p" * 32, session="s" * 32, step=2**53, start=1 << 30,
+                         hidden=rng.standard_normal((1, 5, 7)).astype(np.float32),
+                         trace=[(1, 2), (2**32 - 1, 0)]),
+               m.Result(plan_id="p", session="s", step=0, start=0, error="bad \u00fc " * 200),
+               m.Result(plan_id="", session="", step=1, start=2, hidden=np.zeros((2, 0), np.float16)),
+               m.Forward(plan_id="p", session="s", step=1, start=0,
+                         hidden=np.arange(6, dtype=np.int64).reshape(2, 3)[:, ::2])]
+    for msg in samples:
+        got = _roundtrip(msg)
+        assert type(got) is type(msg)
+        for f in ("plan_id", "session", "step", "start", "error", "trace"):
+            assert getattr(got, f) == getattr(msg, f), f
+        if msg.hidden is None:
+            assert got.hidden is None
+        else:
+            assert got.hidden.dtype == msg.hidden.dtype
+            np.testing.assert_array_equal(got.hidden, msg.hidden)
+    body = pack(samples[0])[4:]
+    for n in range(len(body)):
+        with pytest.raises(ProtocolError):
+            decode(body[:n], LIMITS)
+    with pytest.raises(ProtocolError, match="bytes after the header and no tensor"):
+        decode(pack(samples[1])[4:] + b"\0\0\0\0", LIMITS)
+    for _ in range(2000):
+        bad = bytearray(body)
+        for i in rng.integers(0, 40, rng.integers(1, 4)):  # the header and the ids
+            bad[i] = int(rng.integers(0, 256))
+        try:
+            got = decode(bytes(bad), LIMITS)
+        except ProtocolError:
+            continue
+        assert isinstance(got, m.Forward | m.Result | m.Message)
+        if isinstance(got, m.Forward | m.Result):
+            assert 0 <= got.step <= m.RID and 0 <= got.start <= 1 << 30
+            assert len(got.plan_id) <= m.ID and len(got.trace) < m.MAX_STAGES
+    big = m.Forward(plan_id="p", session="s", step=0, start=0,
+                    hidden=np.zeros((1, 1 << 17), np.float32))
+    with pytest.raises(ProtocolError, match="limit 65536 elements"):
+        decode(pack(big)[4:], LIMITS)

@@ -1,4 +1,5 @@
-"""Frames: a 4-byte big-endian length, then one msgpack map (a message, see messages.py).
+"""Frames: a 4-byte big-endian length, then one msgpack map (a message, see messages.py), or
+for the steps of a plan (Forward, Result) a binary body (stepframe.py).
 
 `Conn` is one framed connection on the event loop. Before the handshake has authenticated the
 peer, a frame may be only `max_handshake_frame_bytes` long: nothing large is read for a
@@ -20,14 +21,26 @@ import msgpack
 
 from edgelite.config import WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError, StreamError
+from edgelite.net import stepframe
 from edgelite.net.schema import Message, parse
 
 LEN = struct.Struct(">I")  # the frame length prefix
 
 
 def pack(msg: Message) -> bytes:
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    """A whole frame: steps in their binary layout (stepframe.py), everything else msgpack."""
+    if stepframe.carries(msg):
+        body = stepframe.encode(msg)  # type: ignore[arg-type]
+    else:
+        body = msgpack.packb(msg.to_wire(), use_bin_type=True)
     return LEN.pack(len(body)) + body
+
+
+def decode(body: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
+    """A frame's body as a checked message, whichever codec wrote it."""
+    if stepframe.is_step(body):
+        return stepframe.parse(body, limits)
+    return parse(unpack(body), limits)
 
 
 def unpack(body: bytes | memoryview) -> dict[str, Any]:
@@ -95,7 +108,10 @@ class Conn:
 
     async def recv(self) -> Message:
         """The next frame as a checked message."""
-        return parse(await self.recv_frame(), self.limits)
+        cap = (self.limits.max_frame_bytes if self.authenticated
+               else self.limits.max_handshake_frame_bytes)
+        return decode(await read_frame(self.reader, cap, self.limits.frame_body_timeout_s),
+                      self.limits)
 
     async def close(self) -> None:
         self.writer.close()

@@ -27,8 +27,8 @@ from typing import TypeVar
 from edgelite.config import WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
-from edgelite.net.frames import LEN, pack, unpack
-from edgelite.net.schema import Message, parse
+from edgelite.net.frames import LEN, decode, pack
+from edgelite.net.schema import Message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +53,9 @@ class FrameThread:
         self.outq: dict[socket.socket, deque[memoryview]] = {}
         self.out_deadline: dict[socket.socket, float] = {}
         self.partial_since: dict[socket.socket, float] = {}  # when a frame began and is not whole
+        # while queued work runs, the frames it sends (one write per connection after it:
+        # several sessions' steps queued together reach the next stage in one read)
+        self._corked: dict[socket.socket, list[bytes]] | None = None
         self.bad_frames = 0
         self.failures = 0  # frames or idle work whose handler raised (a bug; the thread went on)
         self._stop = False
@@ -132,11 +135,19 @@ class FrameThread:
         except (KeyError, ValueError):
             return None
 
-    def send(self, sock: socket.socket, msg: Message) -> bool:
-        """Queue one frame; a step's activations usually go to the kernel at once. The rest of a
-        big frame goes out as the peer reads, without holding up other connections; a peer
-        that takes nothing for the send timeout loses its connection. False: broken already."""
-        data = memoryview(pack(msg))
+    def send(self, sock: socket.socket, *msgs: Message) -> bool:
+        """Queue frames, in one write (steps in their binary layout: stepframe.py); a step's
+        activations usually go to the kernel at once. The rest of a big frame goes out as the
+        peer reads, without holding up other connections; a peer that takes nothing for the
+        send timeout loses its connection. False: broken already."""
+        data = pack(msgs[0]) if len(msgs) == 1 else b"".join(pack(x) for x in msgs)
+        if self._corked is not None:  # queued work is running: its frames go out together
+            self._corked.setdefault(sock, []).append(data)
+            return True
+        return self._write(sock, data, msgs[0].TYPE)
+
+    def _write(self, sock: socket.socket, frames: bytes, what: str) -> bool:
+        data = memoryview(frames)
         if (pending := self.outq.get(sock)) is not None:
             pending.append(data)  # frames stay in order
             return True
@@ -145,7 +156,7 @@ class FrameThread:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            log.warning("%s: could not send a %s: %r", self.thread.name, msg.TYPE, exc)
+            log.warning("%s: could not send a %s: %r", self.thread.name, what, exc)
             return False
         if sent < len(data):
             self.outq[sock] = deque([data[sent:]])
@@ -192,6 +203,9 @@ class FrameThread:
             self.close_conn(sock, f"a frame stayed incomplete for {body_s:g} s")
 
     def close_conn(self, sock: socket.socket, reason: str = "closed here") -> None:
+        frames = self._corked.pop(sock, None) if self._corked is not None else None
+        if frames and self.role(sock) is not None:  # what was sent before the close goes first
+            self._write(sock, b"".join(frames), "frame")
         try:
             self.sel.unregister(sock)
         except (KeyError, ValueError):
@@ -253,8 +267,15 @@ class FrameThread:
                 pass
         except BlockingIOError:
             pass
-        while not self._todo.empty():
-            self._guarded(self._todo.get(), "queued work")
+        self._corked = {}
+        try:
+            while not self._todo.empty():
+                self._guarded(self._todo.get(), "queued work")
+        finally:
+            corked, self._corked = self._corked, None
+            for sock, frames in corked.items():
+                if self.role(sock) is not None and not self._write(sock, b"".join(frames), "frame"):
+                    self.close_conn(sock, "broken while sending")
 
     def _parse(self, buf: bytearray, n: int) -> tuple[Message, None] | tuple[None, ProtocolError]:
         """The frame at the head of buf (n bytes after its length) as a message, without
@@ -263,7 +284,7 @@ class FrameThread:
         whole = memoryview(buf)
         body = whole[4:4 + n]
         try:
-            return parse(unpack(body), self.limits), None
+            return decode(body, self.limits), None
         except ProtocolError as exc:
             return None, exc
         finally:
