@@ -11,6 +11,7 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.layers import LayerRange, export_files
+from edgelite.engine.runtime import ClientPart
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as msgs
 from edgelite.net.frames import pack
@@ -27,6 +28,21 @@ def _solo(layers: LayerRange, prompt: np.ndarray, step: np.ndarray) -> np.ndarra
     out = layers.step(slot, step)
     layers.pool.release(slot)
     return out
+
+
+def test_client_head_runs_several_sessions_at_once(exported) -> None:
+    """The client's head over several sessions' results (of different lengths) in one run
+    gives each the logits of its own last position, as a run of its own does."""
+    for kind in ("llama", "qwen2"):
+        m = mf.load(exported[kind])
+        part = ClientPart(m, RuntimeConfig(threads=1))
+        rng = np.random.default_rng(5)
+        hiddens = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in (3, 1, 2)]
+        batched = part.heads(hiddens)
+        assert batched.shape == (3, m.vocab_size)
+        for h, row in zip(hiddens, batched, strict=True):
+            np.testing.assert_allclose(row, part.head(h), atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(part.heads(hiddens[:1])[0], part.head(hiddens[0]))
 
 
 def _frame(plan: str, session: str, step: int, start: int, hidden: np.ndarray) -> bytes:

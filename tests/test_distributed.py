@@ -76,6 +76,10 @@ def test_concurrent_sessions_interleave_and_free_kv(exported, node_factory) -> N
             assert len(traces) == 4 * 12 and all(len(t.stages) == 2 for t in traces)
             assert all(0 <= c <= h < t.rtt_us for t in traces for c, h in t.stages)
             assert 0 < hop_summary(traces)["hop_us"] < 20_000
+            # every token's logits came from the client's head; results that came in together
+            # (the last node sends a batch's results in one write) shared one run of it
+            assert be.plane.head_rows == 4 * 12
+            assert be.plane.head_runs < be.plane.head_rows, (be.plane.head_runs, be.plane.head_rows)
         finally:
             await be.close()
 

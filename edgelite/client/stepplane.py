@@ -8,8 +8,10 @@ A step's life, in order, all on this thread:
    work on chunk k+1 while the next stage works on chunk k;
 2. the stages pass it along the chain (node/dataplane.py) and the last one sends the Result back
    on the sink connection;
-3. `on_frame`: the session's position advances; on the last chunk the head runs on the result
-   and the caller's future gets the logits. One hand-off from the event loop and one back.
+3. `on_frame`: the session's position advances; a last chunk's result waits for the end of the
+   read (`on_idle`), where the head runs once on every session's result that came in with it
+   (a node sends the results of its batched steps back to back) and each caller's future gets
+   its logits. One hand-off from the event loop and one back.
 Failure: a step not answered within its deadline fails with StepTimeout (the caller finds out
 which node stalled); a data connection that closes fails every step in flight with
 NodeUnavailable; a refused step fails with NodeError. The session's position counts only
@@ -87,6 +89,9 @@ class StepPlane(FrameThread):
         self.in_flight: dict[tuple[SessionId, int], InFlight] = {}
         self.gone: NodeUnavailable | None = None
         self.traces: deque[StepTrace] = deque(maxlen=cfg.trace_window)
+        self.done: list[tuple[InFlight, np.ndarray]] = []  # results read, waiting for the head
+        self.head_runs = 0  # runs of the head, and the results they served
+        self.head_rows = 0
 
     # ---- called from the event loop ------------------------------------------------------
     def attach(self, data_in: socket.socket, sink: socket.socket) -> None:
@@ -193,14 +198,28 @@ class StepPlane(FrameThread):
         if state is not None:
             state.position += w.tokens
         self.traces.append(StepTrace(w.tokens, round((t_in - w.t0) * 1e6), tuple(msg.trace)))
-        if not w.last:
-            return
-        try:
-            logits = self.part.head(msg.hidden)
-        except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the caller's
-            self._settle(w.fut, exc=exc)
-            return
-        self._settle(w.fut, logits)
+        if w.last:
+            self.done.append((w, msg.hidden))
+
+    def _heads(self) -> None:
+        """The head over every result read this round, as one run (of the same width: a
+        result of the wrong hidden size fails alone)."""
+        done, self.done = self.done, []
+        groups: dict[tuple[int, np.dtype], list[tuple[InFlight, np.ndarray]]] = {}
+        for w, hidden in done:
+            groups.setdefault((hidden.shape[-1] if hidden.ndim == 3 else -1, hidden.dtype),
+                              []).append((w, hidden))
+        for members in groups.values():
+            try:
+                logits = self.part.heads([h for _, h in members])
+            except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the callers'
+                for w, _ in members:
+                    self._settle(w.fut, exc=exc)
+                continue
+            self.head_runs += 1
+            self.head_rows += len(members)
+            for (w, _), row in zip(members, logits, strict=True):
+                self._settle(w.fut, row)
 
     def _fail_session(self, session: SessionId, exc: BaseException) -> None:
         """Fail the session's other chunks still in flight."""
@@ -227,6 +246,8 @@ class StepPlane(FrameThread):
         return max(0.0, min(w.deadline for w in self.in_flight.values()) - time.monotonic())
 
     def on_idle(self) -> None:
+        if self.done:
+            self._heads()
         if not self.in_flight:
             return
         now = time.monotonic()

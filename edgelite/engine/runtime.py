@@ -170,6 +170,13 @@ class ClientPart:
         """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""
         return self.head_.run(hidden[:, -1:, :])[0, 0]
 
+    def heads(self, hiddens: list[np.ndarray]) -> np.ndarray:
+        """Several sessions' last-stage outputs (1, seq_i, hidden) -> logits (n, vocab) of each
+        one's last position, as one run: the head's weights are read once for all of them."""
+        if len(hiddens) == 1:
+            return self.head(hiddens[0])[None]
+        return self.head_.run(np.concatenate([h[:, -1:, :] for h in hiddens]))[:, 0]
+
     def end(self, session: str) -> None:
         slot = self.slots.pop(session, None)
         if slot is not None and self.prefix is not None:

@@ -210,8 +210,10 @@ class DataPlane(FrameThread):
                 continue
             self.batches += 1
             self.batched_steps += len(members)
-            for (r, _), out in zip(members, outs, strict=True):
-                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in)
+            held: list[m.Forward | m.Result] = []  # sent together: the next stage (or the
+            for (r, _), out in zip(members, outs, strict=True):  # client's head) reads them
+                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in, held)  # as one batch
+            self._send_all(stage, held)
 
     def _forward(self, stage: Stage, msg: m.Forward, t_in: float) -> None:
         """Run the step and pass it on (an upstream error or a refusal is passed on as such)."""
@@ -227,14 +229,25 @@ class DataPlane(FrameThread):
         self._pass_on(stage, msg, result, error, ms, t_in)
 
     def _pass_on(self, stage: Stage, msg: m.Forward, hidden: np.ndarray | None, error: str | None,
-                 ms: float, t_in: float) -> None:
+                 ms: float, t_in: float, held: list[m.Forward | m.Result] | None = None) -> None:
+        """Send the step's outcome onward (or add it to `held`, to go with others)."""
         # what this stage adds to the step's time: running its layers, all its handling
         trace = [*msg.trace, (round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6))]
         kind = m.Forward if stage.next_addr else m.Result
         out = kind(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
                    hidden=hidden, error=error, trace=trace)
-        dest = (self.outbound if stage.next_addr else self.sinks).get(msg.plan_id)
+        if held is not None:
+            held.append(out)
+        else:
+            self._send_all(stage, [out])
+
+    def _send_all(self, stage: Stage, outs: list[m.Forward | m.Result]) -> None:
+        """Steps of one plan onward, in one write."""
+        if not outs:
+            return
+        plan_id = outs[0].plan_id
+        dest = (self.outbound if stage.next_addr else self.sinks).get(plan_id)
         if dest is None:
-            log.warning("plan %s: no connection onward; step dropped", msg.plan_id)
-        elif not self.send(dest, out):
+            log.warning("plan %s: no connection onward; %d step(s) dropped", plan_id, len(outs))
+        elif not self.send(dest, *outs):
             self.close_conn(dest, "broken while sending")
