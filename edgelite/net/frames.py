@@ -100,18 +100,18 @@ class Conn:
             self.writer.write(data)
             await self.writer.drain()
 
-    async def recv_frame(self) -> dict[str, Any]:
-        """The next frame as a map (for the few callers that route before parsing)."""
+    async def _body(self) -> bytes:
         cap = (self.limits.max_frame_bytes if self.authenticated
                else self.limits.max_handshake_frame_bytes)
-        return unpack(await read_frame(self.reader, cap, self.limits.frame_body_timeout_s))
+        return await read_frame(self.reader, cap, self.limits.frame_body_timeout_s)
+
+    async def recv_frame(self) -> dict[str, Any]:
+        """The next frame as a map (for the few callers that route before parsing)."""
+        return unpack(await self._body())
 
     async def recv(self) -> Message:
         """The next frame as a checked message."""
-        cap = (self.limits.max_frame_bytes if self.authenticated
-               else self.limits.max_handshake_frame_bytes)
-        return decode(await read_frame(self.reader, cap, self.limits.frame_body_timeout_s),
-                      self.limits)
+        return decode(await self._body(), self.limits)
 
     async def close(self) -> None:
         self.writer.close()

@@ -20,6 +20,8 @@ SHA = 64  # a sha256 in hex
 ID = 64  # plan and session ids (128-bit hex is 32)
 MAX_ROLE_TEXT = 1 << 20  # one chat message
 MAX_STAGES = 64  # stages a step may pass (its trace's length)
+MAX_START = 1 << 30  # a step's position in its session
+MAX_ERROR = 2048  # characters of a step's error
 
 
 def expect(frame: dict[str, Any], limits: WireLimits, *kinds: type[Message]) -> Any:
@@ -286,9 +288,9 @@ class Forward(Message):
     plan_id: str = bounds(max_len=ID)
     session: str = bounds(max_len=ID)
     step: int = bounds(0, RID)
-    start: int = bounds(0, 1 << 30)
+    start: int = bounds(0, MAX_START)
     hidden: Tensor | None = None
-    error: str | None = bounds(max_len=2048, default=None)
+    error: str | None = bounds(max_len=MAX_ERROR, default=None)
     trace: list[tuple[int, int]] = bounds(max_len=MAX_STAGES, default=[])
 
 
@@ -299,9 +301,9 @@ class Result(Message):
     plan_id: str = bounds(max_len=ID)
     session: str = bounds(max_len=ID)
     step: int = bounds(0, RID)
-    start: int = bounds(0, 1 << 30)
+    start: int = bounds(0, MAX_START)
     hidden: Tensor | None = None
-    error: str | None = bounds(max_len=2048, default=None)
+    error: str | None = bounds(max_len=MAX_ERROR, default=None)
     trace: list[tuple[int, int]] = bounds(max_len=MAX_STAGES, default=[])
 
 

@@ -3,7 +3,8 @@ tensor's raw bytes (every other message is a msgpack map; frames.py picks the co
 
 A step crosses every hop of a plan, and the Python that encodes and checks it runs right after
 the layers have streamed the weights through the CPU caches: measured cold, a msgpack Forward
-took 136 us to pack and 102 us to parse and check, this layout 13 and 28 us. The body of a
+took 136 us to pack and 102 us to parse and check, this layout 75-100 us each (on the build
+VM a cold Python call alone costs 5-30 us, so fewer calls is what counts). The body of a
 step frame starts with 0xC1, a byte msgpack never uses, so a receiver tells the two apart by
 the first byte; a msgpack Forward is still accepted (and checked by the schema).
 
@@ -40,7 +41,7 @@ PAD = (0, 3, 2, 1)  # bytes that bring a length = 0, 1, 2, 3 (mod 4) to a multip
 HIDDEN, ERROR = 1, 2
 HEAD = struct.Struct("<BBBBQIBBHBBxx")
 U32 = 2**32 - 1
-MAX_ERROR_BYTES = 8192  # an error is at most 2048 characters (messages.py), 4 bytes each
+MAX_ERROR_BYTES = 4 * m.MAX_ERROR  # UTF-8: at most 4 bytes a character
 
 
 def carries(msg: Message) -> bool:
@@ -83,11 +84,11 @@ def parse(body: bytes | bytearray | memoryview, limits: WireLimits) -> m.Forward
     pos = HEAD.size + n_plan + n_session + n_error + 4 * n_ints
     pos += -pos % 4
     if (kind not in KINDS or flags > 3 or n_trace >= m.MAX_STAGES or step > m.RID
-            or start > 1 << 30 or n_plan > m.ID or n_session > m.ID or n_error > MAX_ERROR_BYTES
+            or start > m.MAX_START or n_plan > m.ID or n_session > m.ID or n_error > MAX_ERROR_BYTES
             or rank > limits.max_tensor_dims or code >= len(DTYPE_NAMES) or pos > size
             or (n_error > 0) != (flags & ERROR > 0) or (not flags & HIDDEN and (rank or code))):
         raise _header_error(head, size, limits)
-    *texts, = struct.unpack_from(f"<{n_plan}s{n_session}s{n_error}s{n_ints}I", body, HEAD.size)
+    texts = struct.unpack_from(f"<{n_plan}s{n_session}s{n_error}s{n_ints}I", body, HEAD.size)
     try:
         plan, session = texts[0].decode(), texts[1].decode()
         error = texts[2].decode() if flags & ERROR else None
@@ -105,8 +106,9 @@ def parse(body: bytes | bytearray | memoryview, limits: WireLimits) -> m.Forward
         hidden = np.frombuffer(body, dtype, count, pos).reshape(dims).copy()
     elif size != pos:
         raise ProtocolError(f"step frame: {size - pos} bytes after the header and no tensor")
-    if error is not None and len(error) > 2048:
-        raise ProtocolError(f"{KINDS[kind].TYPE}.error: {len(error)} long, the limit is 2048")
+    if error is not None and len(error) > m.MAX_ERROR:
+        raise ProtocolError(f"{KINDS[kind].TYPE}.error: {len(error)} long, the limit is "
+                            f"{m.MAX_ERROR}")
     t = texts[3 + rank:]
     return KINDS[kind](plan_id=plan, session=session, step=step, start=start, hidden=hidden,
                        error=error, trace=list(zip(t[::2], t[1::2], strict=True)))
@@ -122,7 +124,7 @@ def _header_error(head: tuple[int, ...], size: int, limits: WireLimits) -> Proto
             (flags > 3, f"unknown flags {flags:#x}"),
             (n_trace >= m.MAX_STAGES, f"trace: {n_trace} long, the limit is {m.MAX_STAGES - 1}"),
             (step > m.RID, f"step: {step} is outside 0..{m.RID}"),
-            (start > 1 << 30, f"start: {start} is outside 0..{1 << 30}"),
+            (start > m.MAX_START, f"start: {start} is outside 0..{m.MAX_START}"),
             (n_plan > m.ID or n_session > m.ID, f"plan_id or session longer than {m.ID}"),
             (n_error > MAX_ERROR_BYTES, f"error: {n_error} bytes, over {MAX_ERROR_BYTES}"),
             ((n_error > 0) != (flags & ERROR > 0), "error bytes and the error flag disagree"),

@@ -210,9 +210,10 @@ class DataPlane(FrameThread):
                 continue
             self.batches += 1
             self.batched_steps += len(members)
-            held: list[m.Forward | m.Result] = []  # sent together: the next stage (or the
-            for (r, _), out in zip(members, outs, strict=True):  # client's head) reads them
-                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in, held)  # as one batch
+            # sent in one write: the next stage (or the client's head) reads them as one batch
+            held: list[m.Forward | m.Result] = []
+            for (r, _), out in zip(members, outs, strict=True):
+                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in, held)
             self._send_all(stage, held)
 
     def _forward(self, stage: Stage, msg: m.Forward, t_in: float) -> None:
