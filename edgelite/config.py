@@ -34,7 +34,7 @@ class RuntimeConfig:
     cpu_arena: bool = False
     # a prompt runs in chunks of these sizes (the last one padded up): bounded shapes, and
     # no (prompt x prompt) attention at once
-    prefill_chunks: tuple[int, ...] = (16, 64, 256)
+    prefill_chunks: tuple[int, ...] = (4, 16, 64, 256)
     # what a chunk costs beyond its padded tokens (a call, a hop), in tokens: prompts are cut
     # into the chunks that run the fewest padded tokens + this per chunk
     chunk_overhead_tokens: int = 4

@@ -106,8 +106,8 @@ def test_shapes_stay_bounded_and_memory_goes_back(tmp_path: Path) -> None:
 
 def test_prompt_cut_runs_fewest_padded_tokens() -> None:
     """chunks_of covers the prompt in order with chunks no longer than the largest size, and
-    no other cut of its tail (whole chunks, then one padded chunk) runs fewer padded tokens +
-    overhead per chunk."""
+    no other cut of its tail (whole chunks or single tokens, then one padded chunk) runs fewer
+    padded tokens + overhead per chunk."""
     import itertools
 
     from edgelite.engine.runtime import _pad, chunks_of
@@ -124,8 +124,11 @@ def test_prompt_cut_runs_fewest_padded_tokens() -> None:
         assert [b for _, b in bounds] == ends
         rest = n - 256 * ((n - 1) // 256)  # what is left after the leading full chunks
         cut = [b - a for a, b in bounds][(n - 1) // 256:]
+        assert cut == sorted(cut, reverse=True)  # the shortest steps last
         best = min(cost([*c, rest - sum(c)])
-                   for r in range(8) for c in itertools.combinations_with_replacement(sizes, r)
+                   for r in range(8) for c in itertools.combinations_with_replacement((1, *sizes), r)
                    if 0 < rest - sum(c))
         assert cost(cut) <= best, (n, cut)
-    assert [b - a for a, b in chunks_of(35, sizes, 4)] == [16, 16, 3]  # not one chunk of 64
+    assert [b - a for a, b in chunks_of(35, sizes, 4)] == [16, 16, 1, 1, 1]  # not 3 padded to 16
+    assert [b - a for a, b in chunks_of(18, (4, *sizes), 4)] == [16, 2]  # 2 padded to 4
+    assert [b - a for a, b in chunks_of(18, sizes, 4)] == [16, 1, 1]  # not 16 + 2 padded to 16

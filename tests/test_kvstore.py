@@ -196,11 +196,15 @@ def test_100_corruptions_are_misses_never_wrong_kv(tmp_path: Path) -> None:
             else:
                 at.write_bytes(data)
                 store = KVStore(d, 1 << 30, BLOCK)
-            hit = store.get(LAYOUT, a)
+            # read into a slot-like array (more positions than the entry) or a new array
+            into = np.full((*LAYOUT.shape(1)[:3], 64, LAYOUT.head_dim), 7.0, np.float32)
+            hit = store.get(LAYOUT, a, into=into if warm else None)
             if hit is not None:
                 found += 1
                 if not np.array_equal(hit.kv, kv_for(a)[:, :, :, :hit.length]):
                     wrong.append(what)
+                if warm and not (np.shares_memory(hit.kv, into) and (into[:, :, :, hit.length:] == 7).all()):
+                    wrong.append(f"{what} (not in place)")
             # a corrupt entry is dropped: asking again is a plain miss (or the same right hit)
             again = store.get(LAYOUT, a)
             assert (again is None) == (hit is None), what
@@ -258,12 +262,15 @@ def test_encode_round_trips_the_header() -> None:
 # ---- on real node processes -------------------------------------------------------------
 async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8) -> tuple[list[int], int]:
     """One reply on a fresh client that holds layer 0, two nodes one layer each (its ids, and
-    the prompt tokens imported from the stores)."""
+    the prompt tokens imported from the stores). Afterwards no node holds KV: a restore that
+    missed freed the slot it had reserved."""
     stages = [Stage(f"n{i}", i + 1, i + 1, NodeAddr.parse(x.addr)) for i, x in enumerate(nodes)]
     plan = Plan((Stage("client", 0, 0), *stages), "latency", "split", "given")
     async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN, plan=plan) as llm:
         reply = llm.complete(prompt, max_tokens=n)
         await reply.collect()
+        stats = list((await llm.backend.inner.cluster.stats()).values())
+        assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stats), stats
         return reply.token_ids, reply.stats.reused_tokens
 
 

@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
+from edgelite.engine.kvstore import read_off_thread
 from edgelite.engine.runtime import ClientPart, LocalChain
 from edgelite.engine.sampling import sample
 from edgelite.errors import EdgeliteError
@@ -103,20 +104,23 @@ async def restore_part(part: ClientPart, session: str, tokens: list[int], on_thr
                        exact: bool = False) -> int:
     """The client part's share of `Backend.restore`: its layers' KV of the longest stored
     prefix of `tokens` (of all of them when `exact`, else nothing), read and checked off its
-    thread, then copied into a new slot on it. Returns the length imported."""
+    thread straight into a slot reserved on it, which becomes the session's only when the
+    entry passed every check. Returns the length imported."""
     if part.store is None or part.prefix is None:
         return 0
-    store, layout = part.store, part.prefix.layout
-    hit = await asyncio.to_thread(store.get, layout, np.array(tokens, np.int32))
-    if hit is None or (exact and hit.length != len(tokens)):
-        await on_thread(lambda: part.end(session))
-        return 0
+    store, pool = part.store, part.prefix.pool
+    slot = await on_thread(lambda: part.reserve(session))
+    hit = None
     try:
-        await on_thread(lambda: part.import_kv(session, hit.kv))
-    except EdgeliteError as exc:  # e.g. longer than this part's context
-        log.info("stored KV not imported: %s", exc)
+        hit = await read_off_thread(store, part.prefix.layout, np.array(tokens, np.int32), pool.view(slot))
+    finally:
+        if hit is None or (exact and hit.length != len(tokens)):
+            await on_thread(lambda: part.abandon(session, slot))
+    if hit is None or (exact and hit.length != len(tokens)):
         return 0
-    return hit.length
+    length = hit.length
+    await on_thread(lambda: part.attach(session, slot, length))
+    return length
 
 
 async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread) -> int:

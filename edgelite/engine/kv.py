@@ -98,13 +98,10 @@ class KVPool:
             raise KVBudgetExceeded(f"the session holds {slot.length} positions, not {n}")
         return slot.slab.array[:, :, slot.index, :, :n].copy()
 
-    def write(self, slot: Slot, kv: np.ndarray) -> None:
-        """Fill a slot with KV (layers, 2, kv_heads, n, head_dim): it then holds n positions."""
-        n = kv.shape[3]
-        if kv.shape != (self.layers, 2, self.kv_heads, n, self.head_dim) or n > self.max_length:
-            raise KVBudgetExceeded(f"KV of shape {list(kv.shape)} does not fit this range's slots")
-        slot.slab.array[:, :, slot.index, :, :n] = kv
-        slot.length = n
+    def view(self, slot: Slot) -> np.ndarray:
+        """The slot's KV memory (layers, 2, kv_heads, max_length, head_dim), to fill in place
+        (e.g. from the KV store) before the slot is given its length."""
+        return slot.slab.array[:, :, slot.index, :, :self.max_length]
 
     def close(self) -> None:
         self.slabs.clear()  # the buffers go with their arrays

@@ -11,15 +11,18 @@ are stored and compared on every hit: a hash collision can never return wrong KV
 Payloads are plain files named by a hash of seed and tokens: a header (magic, version,
 fingerprint, layer range, layout, token count, each section's checksum) with its own sha256,
 then the token ids and the KV. A write goes to a temporary file, is fsynced and renamed into
-place, so a killed writer leaves no file that reads as an entry. A read checks everything into
-a scratch array before anything uses it; an entry that fails any check is a miss with one log
-line, and is deleted. The index can always be rebuilt from the files (it is, when it is missing
+place, so a killed writer leaves no file that reads as an entry. A read checks everything
+before anything uses the KV (it goes straight into a new session's slot, which becomes the
+session's only when the whole entry passed); an entry that fails any check is a miss with one
+log line, and is deleted. The index can always be rebuilt from the files (it is, when it is missing
 or unreadable); files the index does not know are indexed at start, rows without files dropped.
 A disk budget evicts the least recently used entries; an entry a newer one extends is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -94,7 +97,7 @@ def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:
 @dataclass(frozen=True)
 class Hit:
     length: int  # tokens whose KV `kv` holds (a prefix of the query)
-    kv: np.ndarray  # (layers, 2, kv_heads, length, head_dim) float32, a fresh array
+    kv: np.ndarray  # (layers, 2, kv_heads, length, head_dim) float32 (a view of get's `into`)
 
 
 class KVStore:
@@ -202,10 +205,14 @@ class KVStore:
             out.append((name, int(diff[0]) if diff.size else n, len(stored)))
         return sorted(out, key=lambda c: -c[1])
 
-    def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None) -> Hit | None:
+    def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None,
+            into: np.ndarray | None = None) -> Hit | None:
         """The KV of the longest stored prefix of `tokens` (at most `at_most` tokens), checked
-        completely; None when nothing usable is stored."""
+        completely; None when nothing usable is stored. `into`: where it goes (see
+        read_entry; at most as many positions as it holds); the hit's KV is a view of it."""
         tokens = np.asarray(tokens, np.int32)
+        if into is not None:
+            at_most = min(into.shape[3], at_most if at_most is not None else len(tokens))
         if at_most is not None:
             tokens = tokens[:at_most]
         for name, length, _ in self._candidates(layout, tokens):
@@ -213,7 +220,7 @@ class KVStore:
                 break
             path = self.root / (name + SUFFIX)
             try:
-                kv = read_entry(path, layout, tokens[:length])
+                kv = read_entry(path, layout, tokens[:length], into)
             except (OSError, CorruptEntry) as exc:
                 log.warning("KV store: entry %s is unusable (%s); dropped, recomputing instead",
                             name[:16], exc)
@@ -279,6 +286,21 @@ class KVStore:
     def close(self) -> None:
         with self.lock:
             self.db.close()
+
+
+async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
+                          into: np.ndarray) -> Hit | None:
+    """`store.get(layout, tokens, into=into)` in a worker thread, awaited to its end even when
+    the caller is cancelled (the cancellation is raised after it): `into` is memory the caller
+    frees or hands on afterwards, so nothing may still be writing into it."""
+    fut = asyncio.get_running_loop().run_in_executor(None, lambda: store.get(layout, tokens, into=into))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        raise
 
 
 # ---- the file format -----------------------------------------------------------------------
@@ -349,29 +371,50 @@ def read_header(path: Path) -> tuple[Layout, np.ndarray]:
         return Layout(**meta["layout"]), np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
 
 
-def read_entry(path: Path, layout: Layout, tokens: np.ndarray) -> np.ndarray:
-    """The KV of the first len(tokens) positions of an entry, after checking that it is of
-    `layout`, that its checksums hold and that it was stored for these very tokens."""
+def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
+               into: np.ndarray | None = None) -> np.ndarray:
+    """The KV (layers, 2, kv_heads, len(tokens), head_dim) of the first len(tokens) positions
+    of an entry, after checking that it is of `layout`, that its checksums hold and that it
+    was stored for these very tokens. `into`: where to put it, an array (layers, 2, kv_heads,
+    >= len(tokens), head_dim), e.g. a new session's KV slot that nothing uses yet (after a
+    failed check it holds garbage); by default a new array. The KV section is read one head's
+    positions at a time through a small buffer that stays in cache while its checksum and
+    finiteness are checked and its first len(tokens) positions are copied out: no scratch
+    copy of the whole entry, one pass over it."""
+    k = len(tokens)
+    shape = layout.shape(k)
+    if into is None:
+        into = np.empty(shape, np.float32)
+    elif (into.dtype != np.float32 or into.ndim != 5 or into.shape[:3] != shape[:3]
+          or into.shape[3] < k or into.shape[4] != shape[4]):
+        raise ValueError(f"KV of {list(shape)} does not fit an array of {list(into.shape)}")
     with open(path, "rb") as f:
         meta = _read_meta(f)
         if Layout(**meta["layout"]) != layout:
             raise CorruptEntry(f"stored for {meta['layout']}, not {layout.to_json()}")
         n = meta["tokens"]
         (tsize, tsha), (ksize, ksha) = meta["sections"]
-        if tsize != 4 * n or ksize != 4 * int(np.prod(layout.shape(n))) or n < len(tokens):
+        if tsize != 4 * n or ksize != 4 * int(np.prod(layout.shape(n))) or n < k:
             raise CorruptEntry("section sizes do not match the header")
         stored = np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
-        if not np.array_equal(stored[:len(tokens)], tokens):
+        if not np.array_equal(stored[:k], tokens):
             raise CorruptEntry("stored for other tokens")
-        kv = np.empty(layout.shape(n), np.float32)
-        view = memoryview(kv).cast("B")
-        if f.readinto(view) != ksize or f.read(1):
-            raise CorruptEntry("truncated or overlong KV section")
-        if _digest(view, "crc32") != ksha:
+        block = np.empty((n, layout.head_dim), np.float32)  # one head's positions as stored
+        raw, crc = memoryview(block).cast("B"), 0
+        for li in range(layout.layers):
+            for kind in range(2):
+                for head in range(layout.kv_heads):
+                    if f.readinto(raw) != len(raw):
+                        raise CorruptEntry("truncated KV section")
+                    crc = zlib.crc32(raw, crc)
+                    if not np.isfinite(block[:k]).all():
+                        raise CorruptEntry("KV holds non-finite values")
+                    into[li, kind, head, :k] = block[:k]
+        if f.read(1):
+            raise CorruptEntry("overlong KV section")
+        if f"{crc:08x}" != ksha:
             raise CorruptEntry("KV checksum mismatch")
-    if not np.isfinite(kv).all():
-        raise CorruptEntry("KV holds non-finite values")
-    return np.ascontiguousarray(kv[:, :, :, :len(tokens)]) if len(tokens) < n else kv
+    return into[:, :, :, :k]
 
 
 def write_atomic(path: Path, parts: list[bytes]) -> None:

@@ -28,27 +28,29 @@ from edgelite.paths import home
 def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0) -> Iterator[tuple[int, int]]:
     """(start, end) of each chunk of a prompt of n tokens: the largest size while more than it
     is left, then the cut of the rest that runs the fewest padded tokens (each chunk costs
-    `overhead` tokens more: a call, a hop). E.g. sizes (16, 64, 256): 35 -> 16+16+3 (48
-    padded, not 64); 60 -> 60 (one chunk of 64)."""
+    `overhead` tokens more: a call, a hop; a single token is a decode step, a shape every
+    session has). E.g. sizes (16, 64, 256): 35 -> 16+16+1+1+1 (not 16+16+3 padded to 16, nor
+    one 64); 60 -> 60 (one chunk of 64). The shortest steps go last: a pipeline's stages work on
+    a prompt's chunks in turn, so the last chunk's time after the first stage is the wait."""
     sizes = tuple(sorted(sizes))
     big = sizes[-1]
     a = 0
     while n - a > big:
         yield a, a + big
         a += big
-    for size in _cut(n - a, sizes, overhead):
+    for size in sorted(_cut(n - a, sizes, overhead), reverse=True):  # the shortest step last
         yield a, a + size
         a += size
 
 
 @functools.lru_cache(maxsize=4096)
 def _cut(rest: int, sizes: tuple[int, ...], overhead: int) -> tuple[int, ...]:
-    """The chunk lengths for `rest` <= sizes[-1] tokens (whole sizes first, the padded one
-    last) with the fewest padded tokens + overhead per chunk."""
+    """The chunk lengths for `rest` <= sizes[-1] tokens (whole sizes or single tokens first,
+    the padded one last) with the fewest padded tokens + overhead per chunk."""
     if rest <= 0:
         return ()
     best = (_pad(rest, sizes) + overhead, (rest,))
-    for c in sizes:
+    for c in (*reversed(sizes), 1):  # (on a tie, the longer whole chunk)
         if c < rest:
             tail = _cut(rest - c, sizes, overhead)
             cost = c + overhead + sum(_pad(k, sizes) + overhead for k in tail)
@@ -148,6 +150,7 @@ class ClientPart:
         self.head_ = Head(manifest, cfg, files)
         self.prefix = LayerRange(manifest, *layers, cfg, files) if layers else None
         self.slots: dict[str, Slot] = {}
+        self.restoring: dict[str, Slot] = {}  # slots being filled from the KV store
         # its layers' KV on disk (a node stage keeps its own)
         self.store: KVStore | None = open_store(cfg.kv_store, home() / "kv") if layers else None
 
@@ -189,17 +192,30 @@ class ClientPart:
             raise EdgeliteError(f"session {session[:12]} holds no KV here")
         return self.prefix.pool.read(slot, n)
 
-    def import_kv(self, session: str, kv: np.ndarray) -> None:
-        """Start the session anew from stored KV (layers, 2, kv_heads, n, head_dim)."""
+    def reserve(self, session: str) -> Slot:
+        """A new slot for the session to be filled from the KV store (`view` of it, off this
+        thread), then made the session's by `attach` or freed by `abandon`; the session's
+        current KV, if any, is dropped."""
         assert self.prefix is not None
         self.end(session)
         slot = self.prefix.pool.acquire()
-        try:
-            self.prefix.pool.write(slot, kv)
-        except BaseException:
-            self.prefix.pool.release(slot)
-            raise
+        self.restoring[session] = slot
+        return slot
+
+    def attach(self, session: str, slot: Slot, n: int) -> None:
+        """The reserved slot, filled with n positions, becomes the session's."""
+        assert self.prefix is not None and self.restoring.get(session) is slot
+        del self.restoring[session]
+        self.end(session)
+        slot.length = n
         self.slots[session] = slot
+
+    def abandon(self, session: str, slot: Slot) -> None:
+        """A reserved slot that was not filled is freed."""
+        assert self.prefix is not None
+        if self.restoring.get(session) is slot:
+            del self.restoring[session]
+        self.prefix.pool.release(slot)
 
     def reset(self) -> None:
         """Forget every session (the stages lost theirs: the plan is deployed again)."""

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
-from edgelite.engine.kvstore import KVStore, open_store
+from edgelite.engine.kvstore import KVStore, open_store, read_off_thread
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
@@ -406,20 +406,27 @@ class Node:
         return m.KvSaved(id=msg.id, bytes=size)
 
     async def _kv_restore(self, msg: m.KvRestore, owner: str) -> m.KvRestored:
-        """Start a session from the KV store (read and checked off the loop, then copied into
-        a new slot on the data plane's thread)."""
+        """Start a session from the KV store: a slot reserved on the data plane's thread, the
+        entry read and checked into it off that thread (no step waits on it), the slot then
+        made the session's there, or freed when the entry did not pass."""
         stage = self._own_stage(msg.plan_id, owner, "kv_restore")
         tokens = kv_tokens(msg.tokens, "kv_restore")
-        plan_id, session = msg.plan_id, msg.session
-        hit = None
-        if self.kv is not None and len(tokens) >= self.kv.block:
-            hit = await asyncio.to_thread(self.kv.get, stage.layers.layout, tokens)
-        if hit is None or (msg.exact and hit.length != len(tokens)):
+        plan_id, session, kv = msg.plan_id, msg.session, self.kv
+        if kv is None or len(tokens) < kv.block:
             await self.data.submit(lambda: self.store.end(plan_id, session))
             return m.KvRestored(id=msg.id, length=0)
-        kv = hit.kv
+        slot = await self.data.submit(lambda: self.store.reserve(stage, session, len(tokens)))
+        hit = None
+        try:
+            hit = await read_off_thread(kv, stage.layers.layout, tokens, stage.layers.pool.view(slot))
+        finally:
+            if hit is None or (msg.exact and hit.length != len(tokens)):
+                await self.data.submit(lambda: self.store.abandon(stage, session, slot))
+        if hit is None or (msg.exact and hit.length != len(tokens)):
+            return m.KvRestored(id=msg.id, length=0)
+        length = hit.length
         return m.KvRestored(id=msg.id, length=await self.data.submit(
-            lambda: self.store.import_kv(stage, session, kv)))
+            lambda: self.store.attach(stage, session, slot, length)))
 
     async def _connect_onward(self, stage: Stage) -> None:
         """A data connection of the stage's plan to its next stage (which has loaded it)."""

@@ -52,6 +52,15 @@ class Session:
 
 
 @dataclass
+class Restoring:
+    """A slot being filled from the KV store: not a session's yet, but counted in the budget."""
+
+    stage: Stage
+    slot: Slot
+    nbytes: int
+
+
+@dataclass
 class StageStore:
     blobs: BlobStore
     kv_budget_bytes: int
@@ -59,6 +68,7 @@ class StageStore:
     max_sessions_per_client: int = 64
     stages: dict[str, Stage] = field(default_factory=dict)
     sessions: dict[tuple[str, str], Session] = field(default_factory=dict)
+    restoring: dict[tuple[str, str], Restoring] = field(default_factory=dict)
     runs: int = 0
     run_ms_total: float = 0.0
     # layer ranges open here, and how many loaded (or loading) stages use each
@@ -155,7 +165,8 @@ class StageStore:
     @property
     def kv_bytes(self) -> int:
         """KV held by all sessions, by capacity bucket (what they may come to hold)."""
-        return sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in self.sessions.values())
+        return (sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in self.sessions.values())
+                + sum(r.nbytes for r in self.restoring.values()))
 
     def prepare(self, stage: Stage, session: str, start: int, n: int) -> Session:
         """The session a step of n tokens at `start` continues (made at start 0), after
@@ -194,24 +205,50 @@ class StageStore:
             raise EdgeliteError(f"session {session[:12]} holds no KV on this node")
         return sess.stage.layers.pool.read(sess.slot, n)
 
-    def import_kv(self, stage: Stage, session: str, kv: np.ndarray) -> int:
-        """Start the session anew from stored KV (layers, 2, kv_heads, n, dim); returns n."""
-        if self.stages.get(stage.plan_id) is not stage:  # unloaded while the entry was read
-            raise EdgeliteError(f"plan {stage.plan_id[:12]} was unloaded")
+    def reserve(self, stage: Stage, session: str, n: int) -> Slot:
+        """A new slot for a session to be filled with up to n positions from the KV store (off
+        this thread), admitted within the budget, then made the session's by `attach` or freed
+        by `abandon` (by whoever reserved it: nothing else frees it while it may be written).
+        The session's current KV, if any, is dropped."""
+        if self.stages.get(stage.plan_id) is not stage:
+            raise EdgeliteError(f"plan {stage.plan_id[:12]} is not loaded")
         key = (stage.plan_id, session)
+        if key in self.restoring:
+            raise EdgeliteError(f"session {session[:12]} is being restored already")
         if key in self.sessions:
             self._drop(key)
-        pool, n = stage.layers.pool, int(kv.shape[3])
-        self._admit(stage, session, pool.bucket_bytes(n), new=True)
+        pool = stage.layers.pool
+        nbytes = pool.bucket_bytes(min(n, pool.max_length))
+        self._admit(stage, session, nbytes, new=True)
         slot = pool.acquire()
-        try:
-            pool.write(slot, kv)
-        except BaseException:
-            pool.release(slot)
-            raise
         with self.lock:
+            self.restoring[key] = Restoring(stage, slot, nbytes)
+        return slot
+
+    def attach(self, stage: Stage, session: str, slot: Slot, n: int) -> int:
+        """The reserved slot, filled with n positions, becomes the session's; returns n."""
+        key = (stage.plan_id, session)
+        r = self.restoring.get(key)
+        if r is None or r.slot is not slot:
+            raise EdgeliteError(f"session {session[:12]} has no such reserved slot")
+        if self.stages.get(stage.plan_id) is not stage:  # unloaded while the entry was read
+            self.abandon(stage, session, slot)
+            raise EdgeliteError(f"plan {stage.plan_id[:12]} was unloaded")
+        if key in self.sessions:  # (a step started it from 0 meanwhile: the stored KV wins)
+            self._drop(key)
+        slot.length = n
+        with self.lock:
+            del self.restoring[key]
             self.sessions[key] = Session(stage, slot, time.monotonic())
         return n
+
+    def abandon(self, stage: Stage, session: str, slot: Slot) -> None:
+        """A reserved slot that was not filled is freed."""
+        key = (stage.plan_id, session)
+        with self.lock:
+            if key in self.restoring and self.restoring[key].slot is slot:
+                del self.restoring[key]
+        stage.layers.pool.release(slot)
 
     def compute(self, sess: Session, hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """hidden (1, n, hidden) through the stage's layers: (its output, ms)."""
@@ -259,12 +296,14 @@ class StageStore:
         only as counts (None: the node's own operator, who sees everything)."""
         with self.lock:
             sessions = list(self.sessions.values())
+            restoring = sum(r.nbytes for r in self.restoring.values())
             runs, ms = self.runs, self.run_ms_total
         mine = [s for s in self.stages.values() if owner is None or s.owner == owner]
         return {"sessions": len(sessions),
                 "own_sessions": sum(1 for s in sessions if owner is None or s.stage.owner == owner),
                 "other_plans": len(self.stages) - len(mine),
-                "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions),
+                "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions)
+                + restoring,
                 "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
                 "runs": runs,
