@@ -333,3 +333,46 @@ def test_chat_session_continues_a_conversation_from_its_file(exported, tmp_path)
     broken = chat("hi", session="broken")
     assert broken.returncode != 0 and "cannot be read" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+def test_a_restore_fills_a_reserved_slot_that_is_the_sessions_only_when_it_passed(exported, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """The client part's restore: the entry is read straight into a reserved slot; a corrupt
+    entry frees it and leaves every live session as it was; a second restore of the same
+    session at once is refused."""
+    from edgelite import manifest as mf
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.generate import restore_part
+    from edgelite.engine.runtime import ClientPart
+    from edgelite.errors import EdgeliteError
+
+    monkeypatch.setenv("EDGELITE_HOME", str(tmp_path))
+    part = ClientPart(mf.load(exported["llama"]), RuntimeConfig(threads=1), (0, 0))
+    assert part.prefix is not None and part.store is not None
+    pool, layout = part.prefix.pool, part.prefix.layout
+    part.front("live", np.array([[5, 6, 7]]))
+    live = pool.read(part.slots["live"], 3)
+    tokens = list(range(3, 40))
+    kv = np.random.default_rng(0).standard_normal(layout.shape(len(tokens))).astype(np.float32)
+    part.store.put(layout, np.array(tokens, np.int32), kv)
+
+    async def on_thread(fn):
+        return fn()
+
+    assert asyncio.run(restore_part(part, "b", tokens, on_thread)) == len(tokens)
+    assert part.slots["b"].length == len(tokens) and not part.restoring
+    assert np.array_equal(pool.read(part.slots["b"], len(tokens)), kv)
+
+    (entry,) = (tmp_path / "kv").glob("*.kv")
+    raw = bytearray(entry.read_bytes())
+    raw[-100] ^= 0x01  # a bit of the KV section
+    entry.write_bytes(bytes(raw))
+    assert asyncio.run(restore_part(part, "c", tokens, on_thread)) == 0
+    assert "c" not in part.slots and not part.restoring and pool.sessions == 2
+    assert np.array_equal(pool.read(part.slots["live"], 3), live)
+
+    slot = part.reserve("d")
+    with pytest.raises(EdgeliteError, match="being restored"):
+        part.reserve("d")
+    part.abandon("d", slot)
+    assert pool.sessions == 2 and not part.restoring

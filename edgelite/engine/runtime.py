@@ -197,6 +197,8 @@ class ClientPart:
         thread), then made the session's by `attach` or freed by `abandon`; the session's
         current KV, if any, is dropped."""
         assert self.prefix is not None
+        if session in self.restoring:
+            raise EdgeliteError(f"session {session[:12]} is being restored already")
         self.end(session)
         slot = self.prefix.pool.acquire()
         self.restoring[session] = slot
@@ -204,7 +206,8 @@ class ClientPart:
 
     def attach(self, session: str, slot: Slot, n: int) -> None:
         """The reserved slot, filled with n positions, becomes the session's."""
-        assert self.prefix is not None and self.restoring.get(session) is slot
+        if self.restoring.get(session) is not slot:
+            raise EdgeliteError(f"session {session[:12]} has no such reserved slot")
         del self.restoring[session]
         self.end(session)
         slot.length = n
