@@ -5,10 +5,10 @@ a resumed conversation computes only what is new."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
+from edgelite.engine.kvstore import write_atomic
 from edgelite.errors import EdgeliteError
 from edgelite.paths import home
 
@@ -47,6 +47,4 @@ def load(name: str) -> list[Message]:
 def save(name: str, messages: list[Message]) -> None:
     path = path_of(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"messages": messages}, ensure_ascii=False, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, [json.dumps({"messages": messages}, ensure_ascii=False, indent=1).encode()])

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.kvstore import read_off_thread
+from edgelite.engine.kvstore import restore_into
 from edgelite.engine.runtime import ClientPart, LocalChain
 from edgelite.engine.sampling import sample
 from edgelite.errors import EdgeliteError
@@ -108,19 +108,11 @@ async def restore_part(part: ClientPart, session: str, tokens: list[int], on_thr
     entry passed every check. Returns the length imported."""
     if part.store is None or part.prefix is None:
         return 0
-    store, pool = part.store, part.prefix.pool
+    store, layers = part.store, part.prefix
     slot = await on_thread(lambda: part.reserve(session))
-    hit = None
-    try:
-        hit = await read_off_thread(store, part.prefix.layout, np.array(tokens, np.int32), pool.view(slot))
-    finally:
-        if hit is None or (exact and hit.length != len(tokens)):
-            await on_thread(lambda: part.abandon(session, slot))
-    if hit is None or (exact and hit.length != len(tokens)):
-        return 0
-    length = hit.length
-    await on_thread(lambda: part.attach(session, slot, length))
-    return length
+    return await restore_into(store, layers.layout, np.array(tokens, np.int32), layers.pool.view(slot),
+                              exact, lambda n: on_thread(lambda: part.attach(session, slot, n)),
+                              lambda: on_thread(lambda: part.abandon(session, slot)))
 
 
 async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread) -> int:

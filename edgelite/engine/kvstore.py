@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -301,6 +302,23 @@ async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([fut])
         raise
+
+
+async def restore_into(store: KVStore, layout: Layout, tokens: np.ndarray, into: np.ndarray,
+                       exact: bool, attach: Callable[[int], Awaitable[int]],
+                       abandon: Callable[[], Awaitable[None]]) -> int:
+    """Fill `into`, memory reserved for it (a new session's slot), with the KV of the longest
+    stored prefix of `tokens` (of all of them when `exact`, else nothing), read and checked off
+    the caller's thread; then `attach(length)` hands it over (its result is returned), or
+    `abandon()` frees it when nothing usable was read or the read failed."""
+    hit = None
+    try:
+        hit = await read_off_thread(store, layout, tokens, into)
+    finally:
+        if hit is None or (exact and hit.length != len(tokens)):
+            hit = None
+            await abandon()
+    return 0 if hit is None else await attach(hit.length)
 
 
 # ---- the file format -----------------------------------------------------------------------

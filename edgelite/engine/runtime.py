@@ -204,14 +204,15 @@ class ClientPart:
         self.restoring[session] = slot
         return slot
 
-    def attach(self, session: str, slot: Slot, n: int) -> None:
-        """The reserved slot, filled with n positions, becomes the session's."""
+    def attach(self, session: str, slot: Slot, n: int) -> int:
+        """The reserved slot, filled with n positions, becomes the session's; returns n."""
         if self.restoring.get(session) is not slot:
             raise EdgeliteError(f"session {session[:12]} has no such reserved slot")
         del self.restoring[session]
         self.end(session)
         slot.length = n
         self.slots[session] = slot
+        return n
 
     def abandon(self, session: str, slot: Slot) -> None:
         """A reserved slot that was not filled is freed."""

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
-from edgelite.engine.kvstore import KVStore, open_store, read_off_thread
+from edgelite.engine.kvstore import KVStore, open_store, restore_into
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
@@ -416,17 +416,11 @@ class Node:
             await self.data.submit(lambda: self.store.end(plan_id, session))
             return m.KvRestored(id=msg.id, length=0)
         slot = await self.data.submit(lambda: self.store.reserve(stage, session, len(tokens)))
-        hit = None
-        try:
-            hit = await read_off_thread(kv, stage.layers.layout, tokens, stage.layers.pool.view(slot))
-        finally:
-            if hit is None or (msg.exact and hit.length != len(tokens)):
-                await self.data.submit(lambda: self.store.abandon(stage, session, slot))
-        if hit is None or (msg.exact and hit.length != len(tokens)):
-            return m.KvRestored(id=msg.id, length=0)
-        length = hit.length
-        return m.KvRestored(id=msg.id, length=await self.data.submit(
-            lambda: self.store.attach(stage, session, slot, length)))
+        length = await restore_into(
+            kv, stage.layers.layout, tokens, stage.layers.pool.view(slot), msg.exact,
+            lambda n: self.data.submit(lambda: self.store.attach(stage, session, slot, n)),
+            lambda: self.data.submit(lambda: self.store.abandon(stage, session, slot)))
+        return m.KvRestored(id=msg.id, length=length)
 
     async def _connect_onward(self, stage: Stage) -> None:
         """A data connection of the stage's plan to its next stage (which has loaded it)."""

@@ -164,7 +164,8 @@ class StageStore:
     # ---- sessions (the data plane's thread) ----------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        """KV held by all sessions, by capacity bucket (what they may come to hold)."""
+        """KV held by all sessions, by capacity bucket (what they may come to hold), and by
+        the slots being filled from the KV store."""
         return (sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in self.sessions.values())
                 + sum(r.nbytes for r in self.restoring.values()))
 
@@ -193,7 +194,8 @@ class StageStore:
                                    f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
         if new:
-            mine = sum(1 for s in self.sessions.values() if s.stage.owner == stage.owner)
+            mine = sum(1 for s in (*self.sessions.values(), *self.restoring.values())
+                       if s.stage.owner == stage.owner)
             if mine >= self.max_sessions_per_client:
                 raise KVBudgetExceeded(f"this client holds {mine} sessions on this node; the "
                                        f"limit is {self.max_sessions_per_client}")
@@ -296,14 +298,13 @@ class StageStore:
         only as counts (None: the node's own operator, who sees everything)."""
         with self.lock:
             sessions = list(self.sessions.values())
-            restoring = sum(r.nbytes for r in self.restoring.values())
+            kv_bytes = self.kv_bytes
             runs, ms = self.runs, self.run_ms_total
         mine = [s for s in self.stages.values() if owner is None or s.owner == owner]
         return {"sessions": len(sessions),
                 "own_sessions": sum(1 for s in sessions if owner is None or s.stage.owner == owner),
                 "other_plans": len(self.stages) - len(mine),
-                "kv_bytes": sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in sessions)
-                + restoring,
+                "kv_bytes": kv_bytes,
                 "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
                 "runs": runs,
