@@ -94,6 +94,9 @@ class NodeConfig:
     part_ttl_s: float = 3600.0  # a partial upload untouched this long is deleted
     # decode steps of several sessions that arrive together run as one batch (weights read once)
     batch_max_steps: int = 8  # 1: never batch
+    # steps of a session whose KV is being read from the KV store wait for it (on the data plane)
+    max_waiting_steps: int = 64  # per session; more are refused
+    max_unrestored_kept: int = 256  # failed restores remembered to tell the session's next step
     queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
     supervise_s: float = 1.0  # how often the data plane's thread is checked (and restarted)
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take

@@ -260,14 +260,19 @@ def test_encode_round_trips_the_header() -> None:
 
 
 # ---- on real node processes -------------------------------------------------------------
-async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8) -> tuple[list[int], int]:
+def _plan(nodes: list) -> Plan:
+    stages = [Stage(f"n{i}", i + 1, i + 1, NodeAddr.parse(x.addr)) for i, x in enumerate(nodes)]
+    return Plan((Stage("client", 0, 0), *stages), "latency", "split", "given")
+
+
+async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8,
+                reuse: bool = True) -> tuple[list[int], int]:
     """One reply on a fresh client that holds layer 0, two nodes one layer each (its ids, and
     the prompt tokens imported from the stores). Afterwards no node holds KV: a restore that
     missed freed the slot it had reserved."""
-    stages = [Stage(f"n{i}", i + 1, i + 1, NodeAddr.parse(x.addr)) for i, x in enumerate(nodes)]
-    plan = Plan((Stage("client", 0, 0), *stages), "latency", "split", "given")
-    async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN, plan=plan) as llm:
-        reply = llm.complete(prompt, max_tokens=n)
+    async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
+                                plan=_plan(nodes)) as llm:
+        reply = llm.complete(prompt, max_tokens=n, reuse=reuse)
         await reply.collect()
         stats = list((await llm.backend.inner.cluster.stats()).values())
         assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stats), stats
@@ -304,6 +309,51 @@ def test_a_conversation_resumes_after_every_process_restarted(exported, node_fac
         f.write_bytes(bytes(raw))
     again, reused_again = asyncio.run(_turn(model, nodes, first + reply1 + more))
     assert reused_again == 0 and again == straight
+
+
+@pytest.mark.e2e
+def test_steps_wait_for_a_restore_still_reading_and_a_failed_one_is_computed(exported, node_factory,
+                                                                            tmp_path) -> None:
+    """A node answers kv_restore once its index has found the prefix and reads the entry
+    meanwhile: the session's steps that arrive first wait for the read (here the entry is a
+    FIFO the test fills only once a step waits on it), then run; when the entry read that way
+    turns out corrupt, the waiting steps fail and the client computes the prompt instead. The
+    same ids every time, and no KV left on the nodes."""
+    model = exported["llama"]
+    rng = np.random.default_rng(3)
+    nodes = [node_factory(data_dir=tmp_path / f"w{i}") for i in range(2)]
+    held = NodeAddr.parse(nodes[0].addr)
+
+    async def held_turn(prompt: list[int], corrupt: bool) -> tuple[list[int], int]:
+        [entry] = list((nodes[0].data_dir / "kv").glob("*.kv"))
+        raw = bytearray(entry.read_bytes())
+        if corrupt:
+            raw[-len(raw) // 3] ^= 0x10  # in the KV section
+        entry.unlink()
+        os.mkfifo(entry)
+        async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
+                                    plan=_plan(nodes)) as llm:
+            reply = llm.complete(prompt, max_tokens=8)
+            task = asyncio.create_task(reply.collect())
+            deadline = time.monotonic() + 30
+            while (await llm.node_stats())[held]["steps_waiting_for_restores"] == 0:
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(entry.write_bytes, bytes(raw))  # the node reads it now
+            await task
+            stats = list((await llm.node_stats()).values())
+            assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 and s["restores"] == 0
+                       and s["steps_waiting_for_restores"] == 0 for s in stats), stats
+            return reply.token_ids, reply.stats.reused_tokens
+
+    prompt = rng.integers(3, 200, 90).tolist()
+    for corrupt in (False, True):
+        reply, _ = asyncio.run(_turn(model, nodes, prompt))  # stored on every part
+        prompt = prompt + reply + rng.integers(3, 200, 20).tolist()
+        expected, _ = asyncio.run(_turn(model, nodes, prompt, reuse=False))
+        ids, reused = asyncio.run(held_turn(prompt, corrupt))
+        assert ids == expected
+        assert reused == 0 if corrupt else reused >= 90
 
 
 def test_chat_session_continues_a_conversation_from_its_file(exported, tmp_path) -> None:

@@ -21,7 +21,7 @@ from edgelite.config import GenerationConfig, RuntimeConfig
 from edgelite.engine.kvstore import restore_into
 from edgelite.engine.runtime import ClientPart, LocalChain
 from edgelite.engine.sampling import sample
-from edgelite.errors import EdgeliteError
+from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable
 from edgelite.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,19 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
             fed = prompt[:stats.reused_tokens]
         ids = np.array([prompt[len(fed):]], np.int64)
         for i in range(cfg.max_tokens):
-            logits = await backend.step(session, ids)
+            try:
+                logits = await backend.step(session, ids)
+            except NodeError as exc:
+                if i or not fed or isinstance(exc, NodeUnavailable):
+                    raise
+                # a stage could not use its stored KV after all (an entry failed its checks
+                # when read): the prompt is computed instead
+                log.warning("the stored KV of the prompt's first %d tokens was not usable (%s); "
+                            "computing them", len(fed), exc)
+                await backend.end(session)
+                stats.reused_tokens, fed = 0, []
+                ids = np.array([prompt], np.int64)
+                logits = await backend.step(session, ids)
             fed += ids[0].tolist()
             tok = sample(logits, cfg.temperature, cfg.top_p, rng)
             now = time.perf_counter()

@@ -206,6 +206,13 @@ class KVStore:
             out.append((name, int(diff[0]) if diff.size else n, len(stored)))
         return sorted(out, key=lambda c: -c[1])
 
+    def longest(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None) -> int:
+        """The length of the longest stored prefix of `tokens` (at most `at_most`; 0 when it
+        is shorter than a block), from the index alone: what `get` returns unless the entry
+        fails its checks when read."""
+        found = self._candidates(layout, np.asarray(tokens, np.int32)[:at_most])
+        return found[0][1] if found and found[0][1] >= self.block else 0
+
     def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None,
             into: np.ndarray | None = None) -> Hit | None:
         """The KV of the longest stored prefix of `tokens` (at most `at_most` tokens), checked

@@ -213,7 +213,9 @@ class KvRestore(Message):
 @message("kv_restored")
 class KvRestored(Message):
     id: int = bounds(-RID, RID)
-    length: int  # positions the session now holds (0: nothing stored)
+    # positions the session starts from (0: nothing stored). The entry may still be being
+    # read: the session's steps wait for it on the node, and fail if it does not pass
+    length: int
 
 
 @message("bulk")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
+from edgelite.engine.kv import Slot
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
 from edgelite.net.framethread import FrameThread
@@ -80,6 +81,11 @@ class DataPlane(FrameThread):
         self.outbound: dict[str, socket.socket] = {}  # plan_id -> the next stage's `in` connection
         self.sinks: dict[str, socket.socket] = {}  # plan_id -> its client's sink connection
         self.ready: list[Ready] = []  # steps read this round, run once all input is read
+        # steps of sessions whose KV is being read from the KV store, until it is in place
+        self.waiting: dict[tuple[str, str], list[Ready]] = {}
+        self.steps_waiting = 0  # their number (read by stats from the event loop)
+        # sessions whose restore failed before any step came: the next step is told why
+        self.unrestored: dict[tuple[str, str], str] = {}
         self.batches = 0  # batched runs, and the steps in them
         self.batched_steps = 0
 
@@ -117,6 +123,10 @@ class DataPlane(FrameThread):
         self.add(sock, "in")
 
     def _close_plan(self, plan_id: str) -> None:
+        for key in [k for k in self.waiting if k[0] == plan_id]:
+            self.steps_waiting -= len(self.waiting.pop(key))
+        for key in [k for k in self.unrestored if k[0] == plan_id]:
+            del self.unrestored[key]
         socks = [s for s, (p, _) in self.inbound.items() if p == plan_id]
         socks += [t[plan_id] for t in (self.outbound, self.sinks) if plan_id in t]
         for sock in socks:
@@ -157,7 +167,61 @@ class DataPlane(FrameThread):
             self.send(sock, m.Result(plan_id=msg.plan_id, session=msg.session, step=msg.step,
                                      start=msg.start, error=f"{self.name}: {exc}"))
             return
+        key = (msg.plan_id, msg.session)
+        if (why := self.unrestored.pop(key, None)) is not None and msg.error is None:
+            msg = m.Forward(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
+                            error=f"{self.name}: session {msg.session[:12]}: {why}")
+        elif key in self.store.restoring or key in self.waiting:  # its KV is still being read
+            waiting = self.waiting.setdefault(key, [])
+            if len(waiting) < self.cfg.max_waiting_steps:
+                waiting.append(Ready(sock, msg, t_in, stage))
+                self.steps_waiting += 1
+                return
+            msg = m.Forward(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
+                            error=f"{self.name}: session {msg.session[:12]}: {len(waiting)} steps "
+                                  f"wait for its KV to be restored already (max_waiting_steps)")
         self.ready.append(Ready(sock, msg, t_in, stage))
+
+    def reserve(self, stage: Stage, session: str, n: int) -> Slot:
+        """A slot for the session's KV to be read into from the KV store (StageStore.reserve);
+        its steps wait for it from now on."""
+        self.unrestored.pop((stage.plan_id, session), None)
+        return self.store.reserve(stage, session, n)
+
+    def end(self, plan_id: str, session: str) -> int:
+        """End a session (on this thread, after its steps read so far): its KV, and what is
+        remembered of a restore of it. Returns the bytes freed."""
+        self.unrestored.pop((plan_id, session), None)
+        return self.store.end(plan_id, session)
+
+    def restored(self, stage: Stage, session: str, slot: Slot, length: int | None) -> int:
+        """A restore's end, on this thread: the slot, filled with `length` positions, becomes
+        the session's, or (length None: the entry failed its checks) is freed. The session's
+        steps that waited for it then run, or fail with the reason. Returns the length."""
+        waiting = self.waiting.pop((stage.plan_id, session), [])
+        self.steps_waiting -= len(waiting)
+        error = None
+        if length is None:
+            self.store.abandon(stage, session, slot)
+            error = "its KV could not be read from this node's KV store after all"
+        else:
+            try:
+                self.store.attach(stage, session, slot, length)
+            except EdgeliteError as exc:
+                error = str(exc)
+        if error is not None and not waiting:
+            self.unrestored[stage.plan_id, session] = error
+            while len(self.unrestored) > self.cfg.max_unrestored_kept:
+                del self.unrestored[next(iter(self.unrestored))]
+        for r in waiting:
+            if error is None:
+                self.ready.append(r)
+            else:
+                self._pass_on(r.stage, r.msg, None, f"{self.name}: session {session[:12]}: {error}",
+                              0.0, r.t_in)
+        if error is not None and length is not None:
+            raise EdgeliteError(error)
+        return length or 0
 
     def on_idle(self) -> None:
         """Run the steps read this round: decode steps of one stage together (up to the batch

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
+from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import KVStore, open_store, restore_into
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
@@ -117,6 +118,8 @@ class Node:
         self.owners: dict[str, int] = {}  # client key -> its open control connections
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         self.loading: set[str] = set()  # plan ids being loaded
+        # restores under way, each reading a KV store entry into its session's slot
+        self.restores: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.bulk_slots = asyncio.Semaphore(c.bulk_concurrency)
         self.probe_slots = asyncio.Semaphore(c.probe_concurrency)
         self.profiling = False
@@ -178,6 +181,10 @@ class Node:
         if handlers:
             await asyncio.wait(handlers, timeout=self.cfg.shutdown_timeout_s)
         self.compute_pool.shutdown(wait=False)
+        restores = list(self.restores.values())
+        for t in restores:
+            t.cancel()
+        await asyncio.gather(*restores, return_exceptions=True)  # each frees its slot first
         await self.data.stop()
         if self.kv is not None:
             self.kv.close()
@@ -327,6 +334,7 @@ class Node:
         return m.StatsReply(id=msg.id, stats={
             "node": self.name, "bad_frames": self.bad_frames + d.bad_frames,
             "batches": d.batches, "batched_steps": d.batched_steps,
+            "restores": len(self.restores), "steps_waiting_for_restores": d.steps_waiting,
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
                            "restarts": self.restarts},
             "connections": len(self.conns), "refused_connections": self.refused_connections,
@@ -381,8 +389,9 @@ class Node:
     async def _end(self, msg: m.EndSession, owner: str) -> m.Ended:
         self._own_stage(msg.plan_id, owner, "end")
         plan_id, session = msg.plan_id, msg.session
+        await self._restore_done(plan_id, session)
         return m.Ended(id=msg.id, freed=await self.data.submit(
-            lambda: self.store.end(plan_id, session)))
+            lambda: self.data.end(plan_id, session)))
 
     def _own_stage(self, plan_id: str, owner: str, what: str) -> Stage:
         stage = self.store.stages.get(plan_id)
@@ -398,6 +407,7 @@ class Node:
         if self.kv is None or len(tokens) < self.kv.block:
             return m.KvSaved(id=msg.id, bytes=0)
         plan_id, session = msg.plan_id, msg.session
+        await self._restore_done(plan_id, session)
         kv = await self.data.submit(lambda: self.store.export_kv(plan_id, session, len(tokens)))
         try:
             size = await asyncio.to_thread(self.kv.put, stage.layers.layout, tokens, kv)
@@ -406,21 +416,54 @@ class Node:
         return m.KvSaved(id=msg.id, bytes=size)
 
     async def _kv_restore(self, msg: m.KvRestore, owner: str) -> m.KvRestored:
-        """Start a session from the KV store: a slot reserved on the data plane's thread, the
-        entry read and checked into it off that thread (no step waits on it), the slot then
-        made the session's there, or freed when the entry did not pass."""
+        """Start a session from the KV store, in two parts. The answer comes once the index
+        has given the longest stored prefix and a slot is reserved for it (on the data plane's
+        thread); the entry is then read and checked into the slot off that thread while the
+        client goes on (its own layers, its first step). Steps of the session wait for the
+        read on the data plane (no other session's step does); the slot then becomes the
+        session's, or, when the entry failed its checks, is freed and those steps fail (the
+        client computes the prompt instead)."""
         stage = self._own_stage(msg.plan_id, owner, "kv_restore")
         tokens = kv_tokens(msg.tokens, "kv_restore")
         plan_id, session, kv = msg.plan_id, msg.session, self.kv
-        if kv is None or len(tokens) < kv.block:
-            await self.data.submit(lambda: self.store.end(plan_id, session))
+        await self._restore_done(plan_id, session)
+        length = 0
+        if kv is not None and len(tokens) >= kv.block:
+            length = await asyncio.to_thread(kv.longest, stage.layers.layout, tokens,
+                                             stage.layers.pool.max_length)
+            if msg.exact and length != len(tokens):
+                length = 0
+        if not length:
+            await self.data.submit(lambda: self.data.end(plan_id, session))
             return m.KvRestored(id=msg.id, length=0)
-        slot = await self.data.submit(lambda: self.store.reserve(stage, session, len(tokens)))
-        length = await restore_into(
-            kv, stage.layers.layout, tokens, stage.layers.pool.view(slot), msg.exact,
-            lambda n: self.data.submit(lambda: self.store.attach(stage, session, slot, n)),
-            lambda: self.data.submit(lambda: self.store.abandon(stage, session, slot)))
+        slot = await self.data.submit(lambda: self.data.reserve(stage, session, length))
+        key = (plan_id, session)
+        task = asyncio.create_task(self._fill(stage, session, slot, tokens[:length]))
+        self.restores[key] = task
+        task.add_done_callback(lambda t: self._forget_restore(key, t))
         return m.KvRestored(id=msg.id, length=length)
+
+    async def _fill(self, stage: Stage, session: str, slot: Slot, tokens: np.ndarray) -> None:
+        """Read the entry for exactly `tokens` into the reserved slot, then hand it over."""
+        assert self.kv is not None
+        try:
+            await restore_into(
+                self.kv, stage.layers.layout, tokens, stage.layers.pool.view(slot), True,
+                lambda n: self.data.submit(lambda: self.data.restored(stage, session, slot, n)),
+                lambda: self.data.submit(lambda: self.data.restored(stage, session, slot, None)))
+        except (EdgeliteError, OSError, TimeoutError) as exc:  # unloaded meanwhile, stopping
+            log.warning("session %s: its KV was not restored: %s", session[:12], exc)
+
+    def _forget_restore(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self.restores.get(key) is task:
+            del self.restores[key]
+
+    async def _restore_done(self, plan_id: str, session: str) -> None:
+        """Wait for a restore of the session under way to end (a request about the session
+        comes after it)."""
+        task = self.restores.get((plan_id, session))
+        if task is not None:
+            await asyncio.wait([task])
 
     async def _connect_onward(self, stage: Stage) -> None:
         """A data connection of the stage's plan to its next stage (which has loaded it)."""

@@ -44,7 +44,15 @@ from edgelite.config import GatewayConfig, GenerationConfig, WireLimits
 from edgelite.engine.generate import Backend
 from edgelite.engine.sampling import sample
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
-from edgelite.errors import AuthError, EdgeliteError, ProtocolError, QueueFull, StreamError
+from edgelite.errors import (
+    AuthError,
+    EdgeliteError,
+    NodeError,
+    NodeUnavailable,
+    ProtocolError,
+    QueueFull,
+    StreamError,
+)
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, bound_port, listen
@@ -146,6 +154,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
     swapped: int = 0  # tokens whose KV it stored when it was last preempted
+    restored: int = 0  # tokens imported at its last swap-in that no step has confirmed yet
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
     token_times: list[float] = field(default_factory=list)
@@ -387,8 +396,13 @@ class Gateway:
             for (r, (_, last)), logits in zip(work, results, strict=True):
                 if lost and isinstance(logits, BaseException):
                     continue  # the request goes back to the queue (_recover)
+                job = self.jobs[r.rid]
+                if job.restored and isinstance(logits, NodeError) and not isinstance(logits, NodeUnavailable):
+                    await self._unswap(job, logits)
+                    continue
+                job.restored = 0
                 if last or isinstance(logits, BaseException):
-                    await self._deliver(self.jobs[r.rid], logits)
+                    await self._deliver(job, logits)
 
     def _this_step(self, d: Decision) -> list[Request]:
         """The requests that run this step: every decoding one, and prefill chunks up to
@@ -445,7 +459,18 @@ class Gateway:
         self.swapped_tokens += n
         self.recomputed_tokens += len(job.pending) - 1 - n
         del job.pending[:n]
-        job.swapped = 0
+        job.swapped, job.restored = 0, n
+
+    async def _unswap(self, job: Job, exc: NodeError) -> None:
+        """A node could not read the KV it had found for a resumed request after all (its
+        first step failed): the request computes it instead."""
+        log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
+                 job.req.rid[:12], exc)
+        await self._end(job)
+        job.pending = job.prompt + job.tokens
+        self.swapped_tokens -= job.restored
+        self.recomputed_tokens += job.restored
+        job.restored = 0
 
     async def _end(self, job: Job) -> None:
         """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
