@@ -129,6 +129,13 @@ async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread
         return 0
 
 
+def stored_kv_failed(exc: BaseException) -> bool:
+    """Whether the first step after a restore failed because a stage could not use the KV it
+    had found (its entry failed the checks when read: a node refused the step) rather than
+    because a node was lost: the prompt is then computed instead."""
+    return isinstance(exc, NodeError) and not isinstance(exc, NodeUnavailable)
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -167,7 +174,7 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
             try:
                 logits = await backend.step(session, ids)
             except NodeError as exc:
-                if i or not fed or isinstance(exc, NodeUnavailable):
+                if i or not fed or not stored_kv_failed(exc):
                     raise
                 # a stage could not use its stored KV after all (an entry failed its checks
                 # when read): the prompt is computed instead

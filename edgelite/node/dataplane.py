@@ -83,7 +83,6 @@ class DataPlane(FrameThread):
         self.ready: list[Ready] = []  # steps read this round, run once all input is read
         # steps of sessions whose KV is being read from the KV store, until it is in place
         self.waiting: dict[tuple[str, str], list[Ready]] = {}
-        self.steps_waiting = 0  # their number (read by stats from the event loop)
         # sessions whose restore failed before any step came: the next step is told why
         self.unrestored: dict[tuple[str, str], str] = {}
         self.batches = 0  # batched runs, and the steps in them
@@ -123,10 +122,9 @@ class DataPlane(FrameThread):
         self.add(sock, "in")
 
     def _close_plan(self, plan_id: str) -> None:
-        for key in [k for k in self.waiting if k[0] == plan_id]:
-            self.steps_waiting -= len(self.waiting.pop(key))
-        for key in [k for k in self.unrestored if k[0] == plan_id]:
-            del self.unrestored[key]
+        for table in (self.waiting, self.unrestored):
+            for key in [k for k in table if k[0] == plan_id]:
+                del table[key]
         socks = [s for s, (p, _) in self.inbound.items() if p == plan_id]
         socks += [t[plan_id] for t in (self.outbound, self.sinks) if plan_id in t]
         for sock in socks:
@@ -168,19 +166,23 @@ class DataPlane(FrameThread):
                                      start=msg.start, error=f"{self.name}: {exc}"))
             return
         key = (msg.plan_id, msg.session)
-        if (why := self.unrestored.pop(key, None)) is not None and msg.error is None:
-            msg = m.Forward(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
-                            error=f"{self.name}: session {msg.session[:12]}: {why}")
-        elif key in self.store.restoring or key in self.waiting:  # its KV is still being read
+        why = self.unrestored.pop(key, None)
+        if why is None and (key in self.store.restoring or key in self.waiting):  # still read
             waiting = self.waiting.setdefault(key, [])
             if len(waiting) < self.cfg.max_waiting_steps:
                 waiting.append(Ready(sock, msg, t_in, stage))
-                self.steps_waiting += 1
                 return
-            msg = m.Forward(plan_id=msg.plan_id, session=msg.session, step=msg.step, start=msg.start,
-                            error=f"{self.name}: session {msg.session[:12]}: {len(waiting)} steps "
-                                  f"wait for its KV to be restored already (max_waiting_steps)")
+            why = f"{len(waiting)} steps wait for its KV to be restored already (max_waiting_steps)"
+        if why is not None and msg.error is None:
+            self._pass_on(stage, msg, None, f"{self.name}: session {msg.session[:12]}: {why}", 0.0, t_in)
+            return
         self.ready.append(Ready(sock, msg, t_in, stage))
+
+    @property
+    def steps_waiting(self) -> int:
+        """Steps waiting for their sessions' KV to be restored (read from the event loop: one
+        snapshot of the table)."""
+        return sum(len(w) for w in list(self.waiting.values()))
 
     def reserve(self, stage: Stage, session: str, n: int) -> Slot:
         """A slot for the session's KV to be read into from the KV store (StageStore.reserve);
@@ -199,7 +201,6 @@ class DataPlane(FrameThread):
         the session's, or (length None: the entry failed its checks) is freed. The session's
         steps that waited for it then run, or fail with the reason. Returns the length."""
         waiting = self.waiting.pop((stage.plan_id, session), [])
-        self.steps_waiting -= len(waiting)
         error = None
         if length is None:
             self.store.abandon(stage, session, slot)

@@ -41,18 +41,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig, WireLimits
-from edgelite.engine.generate import Backend
+from edgelite.engine.generate import Backend, stored_kv_failed
 from edgelite.engine.sampling import sample
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
-from edgelite.errors import (
-    AuthError,
-    EdgeliteError,
-    NodeError,
-    NodeUnavailable,
-    ProtocolError,
-    QueueFull,
-    StreamError,
-)
+from edgelite.errors import AuthError, EdgeliteError, ProtocolError, QueueFull, StreamError
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, bound_port, listen
@@ -397,7 +389,7 @@ class Gateway:
                 if lost and isinstance(logits, BaseException):
                     continue  # the request goes back to the queue (_recover)
                 job = self.jobs[r.rid]
-                if job.restored and isinstance(logits, NodeError) and not isinstance(logits, NodeUnavailable):
+                if job.restored and stored_kv_failed(logits):
                     await self._unswap(job, logits)
                     continue
                 job.restored = 0
@@ -461,7 +453,7 @@ class Gateway:
         del job.pending[:n]
         job.swapped, job.restored = 0, n
 
-    async def _unswap(self, job: Job, exc: NodeError) -> None:
+    async def _unswap(self, job: Job, exc: BaseException) -> None:
         """A node could not read the KV it had found for a resumed request after all (its
         first step failed): the request computes it instead."""
         log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
