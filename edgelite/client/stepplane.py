@@ -52,7 +52,6 @@ class SessionState:
 
     position: int = 0  # tokens every stage confirmed holding KV for
     sent: int = 0  # tokens sent (position + those in flight)
-    steps: int = 0  # steps sent (each step's number is its key in flight)
     broken: str | None = None  # why the session cannot go on
 
 
@@ -87,6 +86,10 @@ class StepPlane(FrameThread):
         self.data_in: socket.socket | None = None
         self.sessions: dict[SessionId, SessionState] = {}
         self.in_flight: dict[tuple[SessionId, int], InFlight] = {}
+        # steps sent; each step's number (its key in flight) is unique across sessions and
+        # their restarts, so a late result of an ended session's step (a node answering after
+        # the end) is never taken for a step of a new session of that id
+        self.steps = 0
         self.gone: NodeUnavailable | None = None
         self.traces: deque[StepTrace] = deque(maxlen=cfg.trace_window)
         self.done: list[tuple[InFlight, np.ndarray]] = []  # results read, waiting for the head
@@ -165,8 +168,8 @@ class StepPlane(FrameThread):
                 self._settle(job.fut, exc=exc)
                 return
             timeout = (self.cfg.step_timeout_s if b - a == 1 else self.cfg.prefill_timeout_s) * (k + 1)
-            step = state.steps
-            state.steps += 1
+            step = self.steps
+            self.steps += 1
             self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
                                                          b == n, time.perf_counter(), timeout,
                                                          time.monotonic() + timeout)
