@@ -97,6 +97,12 @@ class NodeConfig:
     # steps of a session whose KV is being read from the KV store wait for it (on the data plane)
     max_waiting_steps: int = 64  # per session; more are refused
     max_unrestored_kept: int = 256  # failed restores remembered to tell the session's next step
+    # KV of layers that moved to another node (kv_export, KvRestore.sources)
+    kv_export_chunk_bytes: int = 4 * 1024 * 1024  # bytes per kv_export_read reply
+    max_kv_exports: int = 8  # exports held at once for other nodes (each in memory until read)
+    max_kv_export_bytes: int = 256 * 1024 * 1024  # their bytes in all
+    kv_export_ttl_s: float = 60.0  # an export not read to its end this long is dropped
+    kv_fetch_timeout_s: float = 30.0  # each request to a node this node fetches KV from
     queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
     supervise_s: float = 1.0  # how often the data plane's thread is checked (and restarted)
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take

@@ -7,6 +7,10 @@ The client holds layers 0-9, two node processes 10-19 and 20-29 (1 thread each, 
   against the same conversation run without a restart.
 - shared prefix: a second session whose prompt shares a 500-token prefix with the first's
   (time to first token, i.e. its prefill, over the first's); ids against no sharing.
+- move: the conversation's next turn on plans that split the model otherwise: the two nodes
+  re-split (10-14, 15-29: layers 15-19 taken over from the other node), then a third node in
+  place of the second (15-29 fetched from it); time to first token over computing the whole
+  history on the same plan, and the ids against it.
 - preemption: `edgelite serve` with a KV budget that forces preemptions, the same requests with
   swap and without: outputs, swapped-in vs recomputed tokens.
 Rounds interleave; medians. Prints one JSON object.
@@ -41,17 +45,17 @@ RANGES = [(10, 19), (20, 29)]
 NEW_TURN = "\n\nQuestion: so what does a node keep on its disk?\nAnswer:"  # the next turn
 
 
-def plan_for(nodes: list[NodeProc]) -> Plan:
+def plan_for(nodes: list[NodeProc], ranges: list[tuple[int, int]] = RANGES) -> Plan:
     stages = [Stage(f"node{i}", a, b, NodeAddr.parse(n.addr)) for i, (n, (a, b)) in
-              enumerate(zip(nodes, RANGES, strict=True))]
+              enumerate(zip(nodes, ranges, strict=True))]
     return Plan((Stage("client", 0, 9), *stages), "latency", "split", "given")
 
 
 async def turn(model: Path, nodes: list[NodeProc], prompt: list[int], n: int,
-               reuse: bool = True) -> dict[str, Any]:
+               reuse: bool = True, plan: Plan | None = None) -> dict[str, Any]:
     """A reply on a new client (a restarted one: its store is read from disk)."""
     async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
-                                plan=plan_for(nodes)) as llm:
+                                plan=plan or plan_for(nodes)) as llm:
         r = llm.complete(prompt, max_tokens=n, reuse=reuse)
         await r.collect()
         return {"ids": r.token_ids, "ttft_ms": r.stats.ttft_ms, "reused": r.stats.reused_tokens}
@@ -90,6 +94,25 @@ def resume_round(model: Path, tmp: Path, ids: list[int], r: int, history: int,
         finally:
             stop(nodes)
     return out
+
+
+def move_round(model: Path, tmp: Path, ids: list[int], r: int, history: int,
+               new: list[int]) -> dict[str, Any]:
+    os.environ["EDGELITE_HOME"] = str(tmp / f"home-move-{r}")
+    nodes = start([tmp / f"move-{r}-{i}" for i in range(3)])
+    try:
+        first = ids[100 + r * 7:100 + r * 7 + history]
+        prompt = first + asyncio.run(turn(model, nodes[:2], first, 8))["ids"] + new
+        out: dict[str, Any] = {"prompt_tokens": len(prompt)}
+        for case, plan in (("resplit", plan_for(nodes[:2], [(10, 14), (15, 29)])),
+                           ("new_node", plan_for([nodes[0], nodes[2]], [(10, 14), (15, 29)]))):
+            alone = asyncio.run(turn(model, nodes, prompt, 16, reuse=False, plan=plan))
+            moved = asyncio.run(turn(model, nodes, prompt, 16, plan=plan))
+            out[case] = {"move": moved, "recompute": alone}
+            prompt = prompt + moved["ids"] + new
+        return out
+    finally:
+        stop(nodes)
 
 
 def shared_round(model: Path, nodes: list[NodeProc], ids: list[int], r: int) -> dict[str, Any]:
@@ -165,7 +188,7 @@ def main() -> None:
     new_turn = tok.encode(NEW_TURN)
     os.environ["EDGELITE_TOKEN"] = TOKEN  # (edgelite serve reads it)
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-kv-"))
-    resume, shared = [], []
+    resume, shared, move = [], [], []
     shared_nodes = None
     try:
         os.environ["EDGELITE_HOME"] = str(tmp / "home-shared")
@@ -173,6 +196,7 @@ def main() -> None:
         asyncio.run(turn(model, shared_nodes, ids[:64], 2, reuse=False))  # warm up
         for r in range(args.rounds):
             resume.append(resume_round(model, tmp, ids, r, args.history, new_turn))
+            move.append(move_round(model, tmp, ids, r, args.history, new_turn))
             os.environ["EDGELITE_HOME"] = str(tmp / "home-shared")
             shared.append(shared_round(model, shared_nodes, ids, r))
     finally:
@@ -196,6 +220,14 @@ def main() -> None:
                     "second_reused": x["second"]["reused"],
                     "ids_equal_without_sharing": x["second"]["ids"] == x["second_alone"]["ids"]}
                    for x in shared]}
+    for case in ("resplit", "new_node"):
+        out[f"move_{case}_ttft_ratio"] = statistics.median(
+            x[case]["move"]["ttft_ms"] / x[case]["recompute"]["ttft_ms"] for x in move)
+        out[f"move_{case}"] = [{"prompt_tokens": x["prompt_tokens"], "reused": x[case]["move"]["reused"],
+                                "move_ttft_ms": round(x[case]["move"]["ttft_ms"], 1),
+                                "recompute_ttft_ms": round(x[case]["recompute"]["ttft_ms"], 1),
+                                "ids_equal_recompute": x[case]["move"]["ids"] == x[case]["recompute"]["ids"]}
+                               for x in move]
     if not args.skip_gateway:
         prompts = [f"Tell me about item {i}: " + tok.decode(ids[3000 + 90 * i:3000 + 90 * i + 80])
                    for i in range(6)]

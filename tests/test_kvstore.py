@@ -21,7 +21,15 @@ import pytest
 import edgelite
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import WireLimits
-from edgelite.engine.kvstore import KVStore, Layout, block_hashes, encode, read_header
+from edgelite.engine.kvstore import (
+    KVStore,
+    Layout,
+    block_hashes,
+    encode,
+    layout_from_json,
+    read_header,
+)
+from edgelite.errors import NodeError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
@@ -64,6 +72,51 @@ def test_the_longest_stored_prefix_comes_back_exactly(tmp_path: Path) -> None:
     assert store.get(other, a) is None
     assert store.get(Layout("f" * 64, 0, 1, 2, 8), a) is None
     assert store.put(LAYOUT, a[:10], kv_for(a[:10])) == 0  # shorter than a block: not kept
+
+
+def test_some_layers_of_an_entry_come_back_and_a_peers_layout_is_checked(tmp_path: Path) -> None:
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    a = toks(50)
+    kv = kv_for(a)
+    store.put(LAYOUT, a, kv)
+    into = np.full((2, 2, 2, 64, 8), np.nan, np.float32)
+    hit = store.get(LAYOUT, a, into=into, layers=range(1, 3))
+    assert hit is not None and hit.length == 50 and np.array_equal(hit.kv, kv[1:3])
+    assert np.isnan(into[:, :, :, 50:]).all()  # nothing written past the prefix
+    with pytest.raises(ValueError, match="layers"):
+        store.get(LAYOUT, a, layers=range(2, 4))
+
+    good = LAYOUT.to_json()
+    assert layout_from_json(good) == LAYOUT
+    for bad in (None, [], {**good, "extra": 1}, {**good, "first": "0"}, {**good, "first": 3},
+                {**good, "kv_heads": 0}, {**good, "dtype": "float16"}, {**good, "last": 1 << 20},
+                {**good, "fingerprint": 5}, {k: v for k, v in good.items() if k != "head_dim"}):
+        with pytest.raises(ValueError):
+            layout_from_json(bad)
+
+
+def test_placements_point_each_stage_at_where_its_layers_were_stored(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    from edgelite.client import placements as pl
+
+    monkeypatch.setenv("EDGELITE_HOME", str(tmp_path))
+    x, y, z = (NodeAddr("10.0.0.1", p) for p in (7070, 7071, 7072))
+    old = (pl.Span(None, 0, 3), pl.Span(x, 4, 9), pl.Span(y, 10, 15))
+    assert pl.load("fp") is None
+    pl.record("fp", old)
+    pl.record("other", (pl.Span(None, 0, 15),))
+    assert pl.load("fp") == old
+    assert pl.sources(old, pl.Span(x, 4, 9)) == []  # its own entries
+    assert pl.sources(old, pl.Span(z, 6, 12)) == [m.KvSource(4, 9, x), m.KvSource(10, 15, y)]
+    assert pl.sources(old, pl.Span(x, 4, 12)) == [m.KvSource(4, 9, None), m.KvSource(10, 15, y)]
+    assert pl.sources(old, pl.Span(z, 2, 5)) == []  # layers 2-3 were on the client
+    assert pl.sources(None, pl.Span(z, 4, 9)) == []
+    (tmp_path / pl.FILE).write_text("{broken")
+    assert pl.load("fp") is None  # a miss, never an error
+    (tmp_path / pl.FILE).write_text(json.dumps({"fp": [{"addr": "nowhere", "first": 0, "last": 1}]}))
+    assert pl.load("fp") is None
+    pl.record("fp", old)
+    assert pl.load("fp") == old
 
 
 def test_an_extended_conversation_replaces_its_older_entry_and_the_budget_holds(tmp_path: Path) -> None:
@@ -268,13 +321,20 @@ def _plan(nodes: list) -> Plan:
     return Plan((Stage("client", 0, 0), *stages), "latency", "split", "given")
 
 
+def _split(*spans: tuple) -> Plan:
+    """The client holds layer 0; each (node, first, last) a range of the others."""
+    return Plan((Stage("client", 0, 0), *(Stage(f"n{i}", a, b, NodeAddr.parse(x.addr))
+                                          for i, (x, a, b) in enumerate(spans))),
+                "latency", "split", "given")
+
+
 async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8,
-                reuse: bool = True) -> tuple[list[int], int]:
-    """One reply on a fresh client that holds layer 0, two nodes one layer each (its ids, and
-    the prompt tokens imported from the stores). Afterwards no node holds KV: a restore that
-    missed freed the slot it had reserved."""
+                reuse: bool = True, plan: Plan | None = None) -> tuple[list[int], int]:
+    """One reply on a fresh client that holds layer 0, two nodes one layer each (or `plan`):
+    its ids, and the prompt tokens imported from the stores. Afterwards no node holds KV: a
+    restore that missed freed the slot it had reserved."""
     async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
-                                plan=_plan(nodes)) as llm:
+                                plan=plan or _plan(nodes)) as llm:
         reply = llm.complete(prompt, max_tokens=n, reuse=reuse)
         await reply.collect()
         stats = list((await llm.backend.inner.cluster.stats()).values())
@@ -301,7 +361,12 @@ def test_a_conversation_resumes_after_every_process_restarted(exported, node_fac
         return reply1, reply2, reused2, nodes
 
     reply1, resumed, reused, nodes = conversation("r", restart=True)
-    _, straight, reused_straight, _ = conversation("s", restart=False)
+    home = os.environ["EDGELITE_HOME"]
+    os.environ["EDGELITE_HOME"] = str(tmp_path / "home-s")  # nothing of the first conversation
+    try:
+        _, straight, reused_straight, _ = conversation("s", restart=False)
+    finally:
+        os.environ["EDGELITE_HOME"] = home
     assert resumed == straight and reused == reused_straight
     assert 90 <= reused <= 90 + 7  # the first turn's prompt and reply (the KV it computed)
 
@@ -312,6 +377,69 @@ def test_a_conversation_resumes_after_every_process_restarted(exported, node_fac
         f.write_bytes(bytes(raw))
     again, reused_again = asyncio.run(_turn(model, nodes, first + reply1 + more))
     assert reused_again == 0 and again == straight
+
+
+@pytest.mark.e2e
+def test_a_conversation_moves_to_plans_that_split_the_model_otherwise(exported, node_factory) -> None:
+    """Each plan's stages take their layers' KV from where the plan before held them: from
+    their own store under a wider range, and from the node that held them (kv_export), or
+    both; the prefix is imported, not computed, and the ids equal computing it. A source node
+    that is gone makes it a miss: all is computed, the same ids."""
+    model = exported["llama"]
+    x, y, z = (node_factory() for _ in range(3))
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(3, 200, 80).tolist()
+    plans = [_split((x, 1, 2)),  # the conversation starts on one node
+             _split((x, 1, 1), (y, 2, 2)),  # x: its own entry of 1-2; y: layer 2 from x
+             _split((y, 1, 2)),  # y: layer 1 from x, layer 2 its own
+             _split((z, 1, 1), (x, 2, 2))]  # z: layer 1 from y; x: layer 2 from y
+    held = 0  # the prompt tokens of the turn before (whose KV it stored, with its reply's)
+    for i, plan in enumerate(plans):
+        expected, _ = asyncio.run(_turn(model, [x, y, z], prompt, plan=plan, reuse=False))
+        ids, reused = asyncio.run(_turn(model, [x, y, z], prompt, plan=plan))
+        assert ids == expected, i
+        assert reused == 0 if i == 0 else held <= reused < len(prompt), (i, reused)
+        held, prompt = len(prompt), prompt + ids + rng.integers(3, 200, 10).tolist()
+    served = [asyncio.run(_stats(n))["kv_exports"] for n in (x, y)]
+    assert [s["served"] for s in served] == [2, 2] and all(s["held"] == 0 for s in served), served
+
+    asyncio.run(_export_is_its_askers(x))
+
+    x.kill()  # z would take layer 2 from x, which held it last: gone
+    plan = _split((z, 1, 2))
+    expected, _ = asyncio.run(_turn(model, [y, z], prompt, plan=plan, reuse=False))
+    ids, reused = asyncio.run(_turn(model, [y, z], prompt, plan=plan))
+    assert ids == expected and reused == 0
+
+
+async def _export_is_its_askers(node) -> None:
+    """A KV export is read only on the connection that asked for it, and dropped with it."""
+    layout, stored = read_header(next((node.data_dir / "kv").glob("*.kv")))
+    addr = NodeAddr.parse(node.addr)
+    asker = await NodeLink.open(addr, TOKEN, None, WireLimits(), 5)
+    other = await NodeLink.open(addr, TOKEN, None, WireLimits(), 5)
+    try:
+        ready = await asker.request(m.KvExport(id=0, layout=layout.to_json(), tokens=stored.tobytes(),
+                                               first=layout.first, last=layout.first), m.KvExportReady, 5)
+        assert ready.length == len(stored) and ready.handle
+        with pytest.raises(NodeError, match="no such export"):
+            await other.request(m.KvExportRead(id=0, handle=ready.handle, offset=0), m.KvExportData, 5)
+        assert (await _stats(node))["kv_exports"]["held"] == 1
+    finally:
+        await asker.close()
+        await other.close()
+    deadline = time.monotonic() + 5
+    while (await _stats(node))["kv_exports"]["held"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def _stats(node) -> dict:
+    link = await NodeLink.open(NodeAddr.parse(node.addr), TOKEN, None, WireLimits(), 5)
+    try:
+        return (await link.request(m.StatsRequest(id=0), m.StatsReply, 5)).stats
+    finally:
+        await link.close()
 
 
 @pytest.mark.e2e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import struct
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import WireLimits
-from edgelite.errors import AuthError
+from edgelite.errors import AuthError, NodeError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.frames import Conn, pack, read_frame
@@ -157,6 +158,29 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
                                      data=b"abcd"))
             assert "not a sha256" in (await conn.recv()).message
             await conn.close()
+            # 10. KV exports asked by other nodes (kv_export): a bad layout, layers outside
+            # its range, token bytes that are no int32 ids, a handle that is not there; an
+            # entry that is not stored is nothing (length 0), not an error
+            conn = await _authed(node.port)
+            lay = {"fingerprint": "f" * 64, "first": 0, "last": 2, "kv_heads": 2, "head_dim": 8,
+                   "dtype": "float32"}
+            for i, (req, want) in enumerate((
+                    (m.KvExport(id=0, layout={**lay, "kv_heads": "2"}, tokens=b"", first=0, last=0),
+                     "kv_export.layout"),
+                    (m.KvExport(id=0, layout=lay, tokens=b"", first=1, last=5), "not within"),
+                    (m.KvExport(id=0, layout=lay, tokens=b"abc", first=0, last=0), "whole number"),
+                    (m.KvExportRead(id=0, handle="nope", offset=0), "no such export"))):
+                await conn.send(dataclasses.replace(req, id=20 + i))
+                msg = await conn.recv()
+                assert isinstance(msg, m.Error) and msg.id == 20 + i and want in msg.message, msg
+            await conn.send(m.KvExport(id=30, layout=lay, tokens=b"\1\0\0\0" * 40, first=0, last=2))
+            assert (await conn.recv()).length == 0
+            await conn.close()
+            # kv_restore whose sources leave a layer of the stage out
+            link = be.cluster.links[NodeAddr.parse(node.addr)]
+            with pytest.raises(NodeError, match="do not cover layers 0-2"):
+                await link.request(m.KvRestore(id=0, plan_id=plan, session="k", tokens=b"\1\0\0\0" * 40,
+                                               sources=[m.KvSource(0, 1)]), m.KvRestored, 5)
             # a sender stalled mid-frame on a data connection holds up nobody
             stalled = await _data(node.port, plan, cap)
             stalled.writer.write(struct.pack(">I", 1000) + b"x" * 10)
@@ -165,7 +189,7 @@ def test_node_survives_every_kind_of_bad_input(exported, node_factory) -> None:
             assert len(await asyncio.wait_for(_tokens(be, [5, 6, 7], 6), 10)) > 0
             await stalled.close()
             stats = next(iter((await be.cluster.stats()).values()))
-            assert stats["bad_frames"] >= 11
+            assert stats["bad_frames"] >= 16
         finally:
             await be.close()
         assert node.proc.poll() is None

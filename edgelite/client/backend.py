@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from edgelite.client import placements
 from edgelite.client.cluster import Cluster, Progress
 from edgelite.client.stepplane import StepPlane, StepTimeout
 from edgelite.config import ClientConfig, RuntimeConfig
@@ -35,6 +36,7 @@ class ClusterBackend:
     def __init__(self, cluster: Cluster, plane: StepPlane, routes: Routes | None = None) -> None:
         self.cluster, self.plane, self.routes = cluster, plane, routes
         self.manifest = cluster.manifest
+        self.placed = placements.Tracker(cluster.manifest.fingerprint)
         cluster.on_lost = self._lost
         self.heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(), name="heartbeat")
 
@@ -143,11 +145,14 @@ class ClusterBackend:
     async def restore(self, session: str, tokens: list[int]) -> int:
         """Every part (the client's layers, each node stage) imports the longest prefix of
         `tokens` its KV store holds; when they differ, all import the shortest of them (or
-        nothing, if that fails)."""
-        lengths = await self._restore(session, tokens, exact=False)
+        nothing, if that fails). Where the plan that stored the conversation last split the
+        model otherwise, each part takes its layers from where that plan held them
+        (placements.py)."""
+        newest = await self.placed.newest()
+        lengths = await self._restore(session, tokens, False, newest)
         n = min(lengths)
         if n and any(x != n for x in lengths):
-            lengths = await self._restore(session, tokens[:n], exact=True)
+            lengths = await self._restore(session, tokens[:n], True, newest)
         if not n or any(x != n for x in lengths):
             if any(lengths):
                 await self.end(session)
@@ -155,9 +160,12 @@ class ClusterBackend:
         await self.plane.start_at(SessionId(session), n)
         return n
 
-    async def _restore(self, session: str, tokens: list[int], exact: bool) -> list[int]:
+    async def _restore(self, session: str, tokens: list[int], exact: bool,
+                       newest: placements.Placement | None) -> list[int]:
         raw = np.asarray(tokens, "<i4").tobytes()
-        nodes = self.cluster.kv_restore(SessionId(session), raw, exact)
+        nodes = self.cluster.kv_restore(
+            SessionId(session), raw, exact,
+            lambda s: placements.sources(newest, placements.Span(s.addr, s.first, s.last)))
         if self.plane.part.prefix is None:
             return await nodes
         mine = restore_part(self.plane.part, session, tokens, self.plane.submit, exact)
@@ -168,6 +176,9 @@ class ClusterBackend:
         raw = np.asarray(tokens, "<i4").tobytes()
         mine = save_part(self.plane.part, session, tokens, self.plane.submit)
         local, remote = await asyncio.gather(mine, self.cluster.kv_save(SessionId(session), raw))
+        if local + remote and (plan := self.cluster.plan) is not None:
+            await self.placed.saved(tuple(placements.Span(s.addr, s.first, s.last)
+                                          for s in plan.stages))
         return local + remote
 
     async def close(self) -> None:

@@ -135,30 +135,35 @@ class Cluster:
         await asyncio.gather(*(link.request(end, m.Ended, self.cfg.end_timeout_s) for link in live),
                              return_exceptions=True)
 
-    async def _each_stage(self, req: m.Message, reply: type[m.Message], live_only: bool) -> list:
-        """`req` to every stage (or those not lost) at once: each one's reply, or None where
-        the node refused it or is unreachable (logged); the KV stores are best effort."""
+    async def _each_stage(self, req: Callable[[Stage], m.Message], reply: type[m.Message],
+                          live_only: bool) -> list:
+        """`req(stage)` to every stage (or those not lost) at once: each one's reply, or None
+        where the node refused it or is unreachable (logged); the KV stores are best effort."""
         stages = [s for s in self.stages if not live_only or s.addr not in self.lost]
+        reqs = [req(s) for s in stages]
         answers = await asyncio.gather(*(
-            self.links[s.addr].request(req, reply, self.cfg.kv_store_timeout_s)  # type: ignore[index]
-            for s in stages), return_exceptions=True)
-        for s, a in zip(stages, answers, strict=True):
+            self.links[s.addr].request(r, reply, self.cfg.kv_store_timeout_s)  # type: ignore[index]
+            for s, r in zip(stages, reqs, strict=True)), return_exceptions=True)
+        for s, r, a in zip(stages, reqs, answers, strict=True):
             if isinstance(a, EdgeliteError):
-                log.info("node %s: %s: %s", s.addr, req.TYPE, a)
+                log.info("node %s: %s: %s", s.addr, r.TYPE, a)
             elif isinstance(a, BaseException):
                 raise a
         return [a if isinstance(a, reply) else None for a in answers]
 
-    async def kv_restore(self, session: SessionId, tokens: bytes, exact: bool) -> list[int]:
+    async def kv_restore(self, session: SessionId, tokens: bytes, exact: bool,
+                         sources: Callable[[Stage], list[m.KvSource]] = lambda _s: []) -> list[int]:
         """Each stage's length after starting the session from its KV store (0 where it has
-        nothing, or refused)."""
-        req = m.KvRestore(id=0, plan_id=self.plan_id, session=session, tokens=tokens, exact=exact)
-        return [a.length if a else 0 for a in await self._each_stage(req, m.KvRestored, False)]
+        nothing, or refused); `sources`: where each stage's layers were stored when another
+        plan held them (KvRestore.sources)."""
+        return [a.length if a else 0 for a in await self._each_stage(
+            lambda s: m.KvRestore(id=0, plan_id=self.plan_id, session=session, tokens=tokens,
+                                  exact=exact, sources=sources(s)), m.KvRestored, False)]
 
     async def kv_save(self, session: SessionId, tokens: bytes) -> int:
         """Store the session's KV on every stage; the bytes written (best effort)."""
         req = m.KvSave(id=0, plan_id=self.plan_id, session=session, tokens=tokens)
-        return sum(a.bytes for a in await self._each_stage(req, m.KvSaved, True) if a)
+        return sum(a.bytes for a in await self._each_stage(lambda _s: req, m.KvSaved, True) if a)
 
     async def ping(self, addr: NodeAddr, timeout_s: float) -> None:
         await self.links[addr].request(m.Ping(id=0), m.Pong, timeout_s)

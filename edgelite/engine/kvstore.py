@@ -37,13 +37,14 @@ import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 
 from edgelite.config import KVStoreConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAGIC = b"EDGELKV\x00"
 VERSION = 1
@@ -82,6 +83,22 @@ class Layout:
 
     def shape(self, n: int) -> tuple[int, ...]:
         return (self.layers, 2, self.kv_heads, n, self.head_dim)  # K and V of each layer
+
+
+def layout_from_json(obj: object) -> Layout:
+    """A Layout sent by a peer (kv_export), checked field by field; ValueError otherwise."""
+    if not isinstance(obj, dict) or set(obj) != {"fingerprint", "first", "last", "kv_heads",
+                                                 "head_dim", "dtype"}:
+        raise ValueError("a KV layout has the fields fingerprint, first, last, kv_heads, "
+                         "head_dim, dtype")
+    fp, dtype = obj["fingerprint"], obj["dtype"]
+    ints = [obj[k] for k in ("first", "last", "kv_heads", "head_dim")]
+    if not isinstance(fp, str) or len(fp) > 128 or dtype != "float32":
+        raise ValueError("a KV layout's fingerprint is a string, its dtype float32")
+    if any(type(v) is not int or not 0 <= v < 1 << 16 for v in ints) or ints[0] > ints[1] \
+            or not (ints[2] and ints[3]):
+        raise ValueError(f"KV layout fields out of range: {ints}")
+    return Layout(fp, *ints)
 
 
 def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:
@@ -214,10 +231,11 @@ class KVStore:
         return found[0][1] if found and found[0][1] >= self.block else 0
 
     def get(self, layout: Layout, tokens: np.ndarray, at_most: int | None = None,
-            into: np.ndarray | None = None) -> Hit | None:
+            into: np.ndarray | None = None, layers: range | None = None) -> Hit | None:
         """The KV of the longest stored prefix of `tokens` (at most `at_most` tokens), checked
         completely; None when nothing usable is stored. `into`: where it goes (see
-        read_entry; at most as many positions as it holds); the hit's KV is a view of it."""
+        read_entry; at most as many positions as it holds); the hit's KV is a view of it.
+        `layers`: only these of the layout's layers (indices within it) are copied out."""
         tokens = np.asarray(tokens, np.int32)
         if into is not None:
             at_most = min(into.shape[3], at_most if at_most is not None else len(tokens))
@@ -228,7 +246,7 @@ class KVStore:
                 break
             path = self.root / (name + SUFFIX)
             try:
-                kv = read_entry(path, layout, tokens[:length], into)
+                kv = read_entry(path, layout, tokens[:length], into, layers)
             except (OSError, CorruptEntry) as exc:
                 log.warning("KV store: entry %s is unusable (%s); dropped, recomputing instead",
                             name[:16], exc)
@@ -296,12 +314,11 @@ class KVStore:
             self.db.close()
 
 
-async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
-                          into: np.ndarray) -> Hit | None:
-    """`store.get(layout, tokens, into=into)` in a worker thread, awaited to its end even when
-    the caller is cancelled (the cancellation is raised after it): `into` is memory the caller
-    frees or hands on afterwards, so nothing may still be writing into it."""
-    fut = asyncio.get_running_loop().run_in_executor(None, lambda: store.get(layout, tokens, into=into))
+async def to_end(fn: Callable[[], T]) -> T:
+    """fn() in a worker thread, awaited to its end even when the caller is cancelled (the
+    cancellation is raised after it): for work that writes into memory the caller frees or
+    hands on afterwards, so nothing may still be writing into it."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -309,6 +326,12 @@ async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([fut])
         raise
+
+
+async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
+                          into: np.ndarray) -> Hit | None:
+    """`store.get(layout, tokens, into=into)` in a worker thread, awaited to its end (to_end)."""
+    return await to_end(lambda: store.get(layout, tokens, into=into))
 
 
 async def restore_into(store: KVStore, layout: Layout, tokens: np.ndarray, into: np.ndarray,
@@ -397,17 +420,22 @@ def read_header(path: Path) -> tuple[Layout, np.ndarray]:
 
 
 def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
-               into: np.ndarray | None = None) -> np.ndarray:
+               into: np.ndarray | None = None, layers: range | None = None) -> np.ndarray:
     """The KV (layers, 2, kv_heads, len(tokens), head_dim) of the first len(tokens) positions
     of an entry, after checking that it is of `layout`, that its checksums hold and that it
-    was stored for these very tokens. `into`: where to put it, an array (layers, 2, kv_heads,
-    >= len(tokens), head_dim), e.g. a new session's KV slot that nothing uses yet (after a
-    failed check it holds garbage); by default a new array. The KV section is read one head's
-    positions at a time through a small buffer that stays in cache while its checksum and
-    finiteness are checked and its first len(tokens) positions are copied out: no scratch
-    copy of the whole entry, one pass over it."""
+    was stored for these very tokens. `layers`: only these of its layers (indices within the
+    layout; by default all) are copied out (the checksum covers every one). `into`: where
+    to put them, an array (layers, 2, kv_heads, >= len(tokens), head_dim), e.g. a new
+    session's KV slot that nothing uses yet (after a failed check it holds garbage); by
+    default a new array. The KV section is read one head's positions at a time through a
+    small buffer that stays in cache while its checksum and finiteness are checked and its
+    first len(tokens) positions are copied out: no scratch copy of the whole entry, one pass
+    over it."""
     k = len(tokens)
-    shape = layout.shape(k)
+    wanted = layers if layers is not None else range(layout.layers)
+    if wanted.step != 1 or not 0 <= wanted.start < wanted.stop <= layout.layers:
+        raise ValueError(f"layers {wanted} of an entry of {layout.layers}")
+    shape = (len(wanted), *layout.shape(k)[1:])
     if into is None:
         into = np.empty(shape, np.float32)
     elif (into.dtype != np.float32 or into.ndim != 5 or into.shape[:3] != shape[:3]
@@ -432,9 +460,11 @@ def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
                     if f.readinto(raw) != len(raw):
                         raise CorruptEntry("truncated KV section")
                     crc = zlib.crc32(raw, crc)
+                    if li not in wanted:
+                        continue
                     if not np.isfinite(block[:k]).all():
                         raise CorruptEntry("KV holds non-finite values")
-                    into[li, kind, head, :k] = block[:k]
+                    into[li - wanted.start, kind, head, :k] = block[:k]
         if f.read(1):
             raise CorruptEntry("overlong KV section")
         if f"{crc:08x}" != ksha:

@@ -198,16 +198,30 @@ class KvSaved(Message):
     bytes: int  # written (0: not kept, or the node keeps no KV store)
 
 
+@record
+class KvSource:
+    """Where a stage's KV may be stored when its layers moved (another plan held them): the
+    store of the node at `addr` (None: the asked node's own), in its entries of layers
+    first..last."""
+
+    first: int = bounds(0, 1 << 16)
+    last: int = bounds(0, 1 << 16)
+    addr: NodeAddr | None = None
+
+
 @message("kv_restore")
 class KvRestore(Message):
     """Start the session from the node's KV store: the longest stored prefix of these token
-    ids (int32 little-endian), or, with `exact`, all of them or nothing."""
+    ids (int32 little-endian), or, with `exact`, all of them or nothing. With `sources`, the
+    stage's layers are taken from the entries of the plan that held them before (fetched
+    from the nodes named; the prefix all of them hold), not from entries of its own range."""
 
     id: int = bounds(-RID, RID)
     plan_id: str = bounds(max_len=ID)
     session: str = bounds(max_len=ID)
     tokens: bytes = bounds(max_len=4 * MAX_KV_TOKENS)
     exact: bool = False
+    sources: list[KvSource] = bounds(max_len=MAX_STAGES, default=[])
 
 
 @message("kv_restored")
@@ -216,6 +230,46 @@ class KvRestored(Message):
     # positions the session starts from (0: nothing stored). The entry may still be being
     # read: the session's steps wait for it on the node, and fail if it does not pass
     length: int
+
+
+@message("kv_export")
+class KvExport(Message):
+    """Another node asks for layers first..last (indices within `layout`'s range) of this
+    node's stored KV for the longest stored prefix of `tokens`: read and checked now, then
+    fetched with kv_export_read."""
+
+    id: int = bounds(-RID, RID)
+    layout: Json  # the entry's Layout (engine/kvstore.py), as its to_json()
+    tokens: bytes = bounds(max_len=4 * MAX_KV_TOKENS)
+    first: int = bounds(0, 1 << 16)
+    last: int = bounds(0, 1 << 16)
+
+
+@message("kv_export_ok")
+class KvExportReady(Message):
+    """`length` positions are ready as `size` bytes (float32 (layers, 2, kv_heads, length,
+    head_dim)) under `handle` (0 positions: nothing stored, no handle)."""
+
+    id: int = bounds(-RID, RID)
+    length: int = bounds(0, MAX_KV_TOKENS)
+    size: int = bounds(0, 2**50)
+    handle: str = bounds(max_len=ID, default="")
+
+
+@message("kv_export_read")
+class KvExportRead(Message):
+    id: int = bounds(-RID, RID)
+    handle: str = bounds(max_len=ID)
+    offset: int = bounds(0, 2**50)
+
+
+@message("kv_export_data")
+class KvExportData(Message):
+    """The export's bytes from the offset asked (at most the node's chunk size; the export
+    is dropped once its last byte is sent)."""
+
+    id: int = bounds(-RID, RID)
+    data: bytes
 
 
 @message("bulk")

@@ -46,8 +46,10 @@ from edgelite.net.frames import Conn, bound_port, detach, listen, pack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.linkprobe import ProbeConfig, UdpEcho, probe_peer
 from edgelite.net.schema import Message
+from edgelite.node import kvshare
 from edgelite.node.blobs import BlobStore, check_sha
 from edgelite.node.dataplane import DataPlane
+from edgelite.node.kvshare import kv_tokens
 from edgelite.node.profile import loaded_flops, measure_flops
 from edgelite.node.shelf import Shelf
 from edgelite.node.stages import Stage, StageStore
@@ -55,13 +57,6 @@ from edgelite.node.stages import Stage, StageStore
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, str], Awaitable[Message]]  # (request, its client's owner key) -> reply
 PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for (at most)
-
-
-def kv_tokens(raw: bytes, what: str) -> np.ndarray:
-    """Token ids sent as int32 little-endian bytes."""
-    if len(raw) % 4:
-        raise ProtocolError(f"{what}.tokens: {len(raw)} bytes is not a whole number of int32 ids")
-    return np.frombuffer(raw, "<i4")
 
 
 def probe_config(raw: dict[str, Any], cfg: NodeConfig) -> ProbeConfig:
@@ -120,6 +115,7 @@ class Node:
         self.loading: set[str] = set()  # plan ids being loaded
         # restores under way, each reading a KV store entry into its session's slot
         self.restores: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.exports = kvshare.Exports(c)  # stored KV read for other nodes (kv_export)
         self.bulk_slots = asyncio.Semaphore(c.bulk_concurrency)
         self.probe_slots = asyncio.Semaphore(c.probe_concurrency)
         self.profiling = False
@@ -129,7 +125,8 @@ class Node:
             m.Ping: self._ping, m.StatsRequest: self._stats, m.FilesQuery: self._files,
             m.Upload: self._upload, m.ModelPut: self._model_put, m.Load: self._load, m.EndSession: self._end,
             m.Bulk: self._bulk, m.ProfileRequest: self._profile, m.ProbeLink: self._probe_link,
-            m.KvSave: self._kv_save, m.KvRestore: self._kv_restore}
+            m.KvSave: self._kv_save, m.KvRestore: self._kv_restore, m.KvExport: self._kv_export,
+            m.KvExportRead: self._kv_export_read}
 
     @property
     def port(self) -> int:
@@ -225,6 +222,7 @@ class Node:
                 self.owners[owner] -= 1
                 if not self.owners[owner]:
                     del self.owners[owner]
+                    self.exports.drop(owner)
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
@@ -339,6 +337,7 @@ class Node:
                            "restarts": self.restarts},
             "connections": len(self.conns), "refused_connections": self.refused_connections,
             "kv_store": self.kv.stats() if self.kv is not None else None,
+            "kv_exports": self.exports.stats(),
             **self.store.stats(owner)})
 
     async def _files(self, msg: m.FilesQuery, _owner: str) -> m.FilesState:
@@ -424,35 +423,75 @@ class Node:
         session's, or, when the entry failed its checks, is freed and those steps fail (the
         client computes the prompt instead)."""
         stage = self._own_stage(msg.plan_id, owner, "kv_restore")
-        tokens = kv_tokens(msg.tokens, "kv_restore")
-        plan_id, session, kv = msg.plan_id, msg.session, self.kv
+        tokens = kv_tokens(msg.tokens, "kv_restore")[:stage.layers.pool.max_length]
+        plan_id, session, kv, layout = msg.plan_id, msg.session, self.kv, stage.layers.layout
         await self._restore_done(plan_id, session)
-        length = 0
+        imp, length = None, 0
         if kv is not None and len(tokens) >= kv.block:
-            length = await asyncio.to_thread(kv.longest, stage.layers.layout, tokens,
-                                             stage.layers.pool.max_length)
-            if msg.exact and length != len(tokens):
-                length = 0
+            length = await asyncio.to_thread(kv.longest, layout, tokens)
+        if msg.sources and length < len(tokens):  # its layers were held by other stages
+            imp = await kvshare.plan(kv, layout, tokens, msg.sources, self.token, self.limits, self.cfg)
+            if imp.length > length:
+                length = imp.length
+            else:  # its own entries hold as much
+                await imp.close()
+                imp = None
+        if msg.exact and length != len(msg.tokens) // 4:
+            length = 0
         if not length:
+            if imp is not None:
+                await imp.close()
             await self.data.submit(lambda: self.data.end(plan_id, session))
             return m.KvRestored(id=msg.id, length=0)
-        slot = await self.data.submit(lambda: self.data.reserve(stage, session, length))
+        try:
+            slot = await self.data.submit(lambda: self.data.reserve(stage, session, length))
+        except BaseException:
+            if imp is not None:
+                await imp.close()
+            raise
         key = (plan_id, session)
-        task = asyncio.create_task(self._fill(stage, session, slot, tokens[:length]))
+        task = asyncio.create_task(self._fill(stage, session, slot, tokens[:length], imp))
         self.restores[key] = task
         task.add_done_callback(lambda t: self._forget_restore(key, t))
         return m.KvRestored(id=msg.id, length=length)
 
-    async def _fill(self, stage: Stage, session: str, slot: Slot, tokens: np.ndarray) -> None:
-        """Read the entry for exactly `tokens` into the reserved slot, then hand it over."""
-        assert self.kv is not None
+    async def _fill(self, stage: Stage, session: str, slot: Slot, tokens: np.ndarray,
+                    imp: kvshare.Import | None) -> None:
+        """Read the entry for exactly `tokens` (or, with `imp`, the layers' KV from where
+        the plan before held them) into the reserved slot, then hand it over."""
+        view = stage.layers.pool.view(slot)
+
+        def attach(n: int) -> Awaitable[int]:
+            return self.data.submit(lambda: self.data.restored(stage, session, slot, n))
+
+        def abandon() -> Awaitable[None]:
+            return self.data.submit(lambda: self.data.restored(stage, session, slot, None))
+
         try:
-            await restore_into(
-                self.kv, stage.layers.layout, tokens, stage.layers.pool.view(slot), True,
-                lambda n: self.data.submit(lambda: self.data.restored(stage, session, slot, n)),
-                lambda: self.data.submit(lambda: self.data.restored(stage, session, slot, None)))
+            if imp is None:
+                assert self.kv is not None
+                await restore_into(self.kv, stage.layers.layout, tokens, view, True, attach, abandon)
+                return
+            try:
+                await kvshare.fill(self.kv, imp, tokens, view, self.cfg.kv_fetch_timeout_s)
+            except (EdgeliteError, OSError) as exc:
+                log.warning("session %s: the KV of layers %d-%d was not taken over: %s",
+                            session[:12], stage.layers.layout.first, stage.layers.layout.last, exc)
+                await abandon()
+            except BaseException:
+                await abandon()
+                raise
+            else:
+                await attach(len(tokens))
         except (EdgeliteError, OSError, TimeoutError) as exc:  # unloaded meanwhile, stopping
             log.warning("session %s: its KV was not restored: %s", session[:12], exc)
+
+    async def _kv_export(self, msg: m.KvExport, owner: str) -> m.KvExportReady:
+        """Another node takes over layers of a conversation this node stored (KvRestore.sources)."""
+        return await self.exports.open(self.kv, msg, owner)
+
+    async def _kv_export_read(self, msg: m.KvExportRead, owner: str) -> m.KvExportData:
+        return self.exports.read(msg, owner)
 
     def _forget_restore(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self.restores.get(key) is task:
