@@ -102,7 +102,7 @@ class NodeConfig:
     max_kv_exports: int = 8  # exports held at once for other nodes (each in memory until read)
     max_kv_export_bytes: int = 256 * 1024 * 1024  # their bytes in all
     kv_export_ttl_s: float = 60.0  # an export not read to its end this long is dropped
-    kv_fetch_timeout_s: float = 30.0  # each request to a node this node fetches KV from
+    kv_fetch_timeout_s: float = 10.0  # each request to a node this node fetches KV from
     queued_call_timeout_s: float = 120.0  # work queued behind a step (a long prefill) on its thread
     supervise_s: float = 1.0  # how often the data plane's thread is checked (and restarted)
     shutdown_timeout_s: float = 5.0  # on the way out, how long connections and threads may take

@@ -10,7 +10,7 @@ The client holds layers 0-9, two node processes 10-19 and 20-29 (1 thread each, 
 - move: the conversation's next turn on plans that split the model otherwise: the two nodes
   re-split (10-14, 15-29: layers 15-19 taken over from the other node), then a third node in
   place of the second (15-29 fetched from it); time to first token over computing the whole
-  history on the same plan, and the ids against it.
+  history on the same plan, and the ids against it and against the same turns on the first plan.
 - preemption: `edgelite serve` with a KV budget that forces preemptions, the same requests with
   swap and without: outputs, swapped-in vs recomputed tokens.
 Rounds interleave; medians. Prints one JSON object.
@@ -98,21 +98,32 @@ def resume_round(model: Path, tmp: Path, ids: list[int], r: int, history: int,
 
 def move_round(model: Path, tmp: Path, ids: list[int], r: int, history: int,
                new: list[int]) -> dict[str, Any]:
+    """The same turns twice: on plans that move layers, and (on processes and a home of
+    their own) all on the first plan, as if nothing moved."""
+    first = ids[100 + r * 7:100 + r * 7 + history]
+    os.environ["EDGELITE_HOME"] = str(tmp / f"home-still-{r}")
+    still = start([tmp / f"still-{r}-{i}" for i in range(2)])
     os.environ["EDGELITE_HOME"] = str(tmp / f"home-move-{r}")
     nodes = start([tmp / f"move-{r}-{i}" for i in range(3)])
     try:
-        first = ids[100 + r * 7:100 + r * 7 + history]
-        prompt = first + asyncio.run(turn(model, nodes[:2], first, 8))["ids"] + new
+        reply = asyncio.run(turn(model, nodes[:2], first, 8))["ids"]
+        prompt = first + reply + new
         out: dict[str, Any] = {"prompt_tokens": len(prompt)}
+        os.environ["EDGELITE_HOME"] = str(tmp / f"home-still-{r}")
+        assert asyncio.run(turn(model, still, first, 8))["ids"] == reply
         for case, plan in (("resplit", plan_for(nodes[:2], [(10, 14), (15, 29)])),
                            ("new_node", plan_for([nodes[0], nodes[2]], [(10, 14), (15, 29)]))):
+            os.environ["EDGELITE_HOME"] = str(tmp / f"home-still-{r}")
+            straight = asyncio.run(turn(model, still, prompt, 16))
+            os.environ["EDGELITE_HOME"] = str(tmp / f"home-move-{r}")
             alone = asyncio.run(turn(model, nodes, prompt, 16, reuse=False, plan=plan))
             moved = asyncio.run(turn(model, nodes, prompt, 16, plan=plan))
-            out[case] = {"move": moved, "recompute": alone}
+            out[case] = {"move": moved, "recompute": alone, "straight": straight}
             prompt = prompt + moved["ids"] + new
         return out
     finally:
         stop(nodes)
+        stop(still)
 
 
 def shared_round(model: Path, nodes: list[NodeProc], ids: list[int], r: int) -> dict[str, Any]:
@@ -226,6 +237,7 @@ def main() -> None:
         out[f"move_{case}"] = [{"prompt_tokens": x["prompt_tokens"], "reused": x[case]["move"]["reused"],
                                 "move_ttft_ms": round(x[case]["move"]["ttft_ms"], 1),
                                 "recompute_ttft_ms": round(x[case]["recompute"]["ttft_ms"], 1),
+                                "ids_equal_unmoved": x[case]["move"]["ids"] == x[case]["straight"]["ids"],
                                 "ids_equal_recompute": x[case]["move"]["ids"] == x[case]["recompute"]["ids"]}
                                for x in move]
     if not args.skip_gateway:
