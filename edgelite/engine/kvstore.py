@@ -334,21 +334,32 @@ async def read_off_thread(store: KVStore, layout: Layout, tokens: np.ndarray,
     return await to_end(lambda: store.get(layout, tokens, into=into))
 
 
+async def hand_over(fill: Awaitable[int], attach: Callable[[int], Awaitable[int]],
+                    abandon: Callable[[], Awaitable[None]]) -> int:
+    """Await `fill`, which writes KV into memory reserved for it (a new session's slot) and
+    gives the positions written (0: nothing usable); then `attach(length)` hands the memory
+    over (its result is returned), or `abandon()` frees it when nothing was written or the
+    fill failed."""
+    n = 0
+    try:
+        n = await fill
+    finally:
+        if not n:
+            await abandon()
+    return await attach(n) if n else 0
+
+
 async def restore_into(store: KVStore, layout: Layout, tokens: np.ndarray, into: np.ndarray,
                        exact: bool, attach: Callable[[int], Awaitable[int]],
                        abandon: Callable[[], Awaitable[None]]) -> int:
-    """Fill `into`, memory reserved for it (a new session's slot), with the KV of the longest
-    stored prefix of `tokens` (of all of them when `exact`, else nothing), read and checked off
-    the caller's thread; then `attach(length)` hands it over (its result is returned), or
-    `abandon()` frees it when nothing usable was read or the read failed."""
-    hit = None
-    try:
+    """Fill `into`, memory reserved for it, with the KV of the longest stored prefix of
+    `tokens` (of all of them when `exact`, else nothing), read and checked off the caller's
+    thread; then attach it or abandon it (hand_over)."""
+    async def read() -> int:
         hit = await read_off_thread(store, layout, tokens, into)
-    finally:
-        if hit is None or (exact and hit.length != len(tokens)):
-            hit = None
-            await abandon()
-    return 0 if hit is None else await attach(hit.length)
+        return 0 if hit is None or (exact and hit.length != len(tokens)) else hit.length
+
+    return await hand_over(read(), attach, abandon)
 
 
 # ---- the file format -----------------------------------------------------------------------

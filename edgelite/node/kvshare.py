@@ -23,6 +23,7 @@ import numpy as np
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kvstore import KVStore, Layout, layout_from_json, to_end
 from edgelite.errors import EdgeliteError, ProtocolError
+from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
 
@@ -125,14 +126,16 @@ class Exports:
 @dataclass
 class Piece:
     """Layers of a stage's range from one source: layers offset..offset+count-1 of the stage,
-    stored under `layout` (the source's range) at index `within` of it."""
+    stored under `layout` (the source's range) at index `within` of it, on the node at `addr`
+    (None: this node's own store)."""
 
     layout: Layout
+    addr: NodeAddr | None
     offset: int
     within: int
     count: int
     length: int = 0  # positions the source holds (0: none)
-    link: NodeLink | None = None  # the source node (None: this node's own store)
+    link: NodeLink | None = None  # open to the source node while the import needs it
     handle: str = ""
     size: int = 0
 
@@ -149,7 +152,7 @@ def pieces(stage: Layout, sources: list[m.KvSource]) -> list[Piece]:
             continue
         if lo != want:
             break
-        out.append(Piece(replace(stage, first=s.first, last=s.last), lo - stage.first,
+        out.append(Piece(replace(stage, first=s.first, last=s.last), s.addr, lo - stage.first,
                          lo - s.first, hi - lo + 1))
         want = hi + 1
     if want != stage.last + 1:
@@ -178,15 +181,13 @@ async def plan(store: KVStore | None, stage: Layout, tokens: np.ndarray, sources
     entry and keeps the layers asked for); length 0 when one holds nothing or cannot be asked
     (logged: the session is then computed)."""
     imp = Import(pieces(stage, sources), 0)
-    srcs = sorted(sources, key=lambda s: s.first)
     try:
         for p in imp.pieces:
-            addr = next(s.addr for s in srcs if s.first == p.layout.first and s.last == p.layout.last)
-            if addr is None:
+            if p.addr is None:
                 if store is not None and len(tokens) >= store.block:
                     p.length = await to_end(lambda lay=p.layout: store.longest(lay, tokens))
             else:
-                p.link = await NodeLink.open(addr, token, stage.fingerprint, limits,
+                p.link = await NodeLink.open(p.addr, token, stage.fingerprint, limits,
                                              cfg.kv_fetch_timeout_s)
                 ready = await p.link.request(
                     m.KvExport(id=0, layout=p.layout.to_json(),
@@ -196,7 +197,7 @@ async def plan(store: KVStore | None, stage: Layout, tokens: np.ndarray, sources
                     m.KvExportReady, cfg.kv_fetch_timeout_s)
                 p.length, p.handle, p.size = min(ready.length, len(tokens)), ready.handle, ready.size
                 if p.length and p.size != 4 * p.count * 2 * stage.kv_heads * ready.length * stage.head_dim:
-                    raise ProtocolError(f"node {addr} offers {p.size} bytes for {ready.length} "
+                    raise ProtocolError(f"node {p.addr} offers {p.size} bytes for {ready.length} "
                                         f"positions of {p.count} layers")
             if not p.length:
                 break
@@ -211,14 +212,15 @@ async def plan(store: KVStore | None, stage: Layout, tokens: np.ndarray, sources
 
 
 async def fill(store: KVStore | None, imp: Import, tokens: np.ndarray, into: np.ndarray,
-               timeout_s: float) -> None:
+               timeout_s: float) -> int:
     """Copy every piece's first len(tokens) positions into `into` (the stage's slot:
-    (layers, 2, kv_heads, >= len(tokens), head_dim)); EdgeliteError when one cannot be had."""
+    (layers, 2, kv_heads, >= len(tokens), head_dim)): len(tokens), or 0 (logged) when one
+    cannot be had."""
     n = len(tokens)
     try:
         for p in imp.pieces:
             part = into[p.offset:p.offset + p.count]
-            if p.link is None:
+            if p.addr is None:
                 assert store is not None
                 hit = await to_end(lambda p=p, part=part: store.get(
                     p.layout, tokens, into=part, layers=range(p.within, p.within + p.count)))
@@ -228,8 +230,14 @@ async def fill(store: KVStore | None, imp: Import, tokens: np.ndarray, into: np.
                 continue
             raw = await _fetch(p, timeout_s)
             await to_end(lambda p=p, part=part, raw=raw: _copy_in(p, raw, part, n))
+    except (EdgeliteError, OSError) as exc:
+        first = imp.pieces[0].layout.first + imp.pieces[0].within
+        log.warning("the KV of layers %d-%d was not taken over: %s", first,
+                    first + into.shape[0] - 1, exc)
+        return 0
     finally:
         await imp.close()
+    return n
 
 
 async def _fetch(p: Piece, timeout_s: float) -> np.ndarray:

@@ -36,7 +36,7 @@ import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kv import Slot
-from edgelite.engine.kvstore import KVStore, open_store, restore_into
+from edgelite.engine.kvstore import KVStore, hand_over, open_store, restore_into
 from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
@@ -471,18 +471,9 @@ class Node:
             if imp is None:
                 assert self.kv is not None
                 await restore_into(self.kv, stage.layers.layout, tokens, view, True, attach, abandon)
-                return
-            try:
-                await kvshare.fill(self.kv, imp, tokens, view, self.cfg.kv_fetch_timeout_s)
-            except (EdgeliteError, OSError) as exc:
-                log.warning("session %s: the KV of layers %d-%d was not taken over: %s",
-                            session[:12], stage.layers.layout.first, stage.layers.layout.last, exc)
-                await abandon()
-            except BaseException:
-                await abandon()
-                raise
             else:
-                await attach(len(tokens))
+                await hand_over(kvshare.fill(self.kv, imp, tokens, view, self.cfg.kv_fetch_timeout_s),
+                                attach, abandon)
         except (EdgeliteError, OSError, TimeoutError) as exc:  # unloaded meanwhile, stopping
             log.warning("session %s: its KV was not restored: %s", session[:12], exc)
 
