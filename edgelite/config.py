@@ -74,13 +74,18 @@ class NodeConfig:
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
     bulk_reply_max_bytes: int = 16 * 1024 * 1024  # largest reverse transfer a link probe may ask
     bulk_concurrency: int = 2  # bulk transfers served at once (each holds its reply in memory)
-    probe_concurrency: int = 1  # link probes this node runs at once, for any client
+    probe_concurrency: int = 1  # link probes this node runs at once, for any client (more wait)
     max_probe_packets: int = 500  # UDP datagrams one link probe may send
     max_probe_bytes: int = 16 * 1024 * 1024  # bulk bytes one link probe may send each way
     max_probe_timeout_s: float = 10.0  # the longest per-request timeout a probe may ask for
     max_profile_hidden: int = 4096  # the largest GEMV side a profile request may ask for
     max_profile_bytes: int = 64 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
     max_connections: int = 128  # open connections (control and data) from all peers
+    # requests of one control connection run at once (each answered when it is done, so a
+    # slow one, a KV write or a model load, does not hold back that client's heartbeats);
+    # more wait their turn, up to max_queued_requests; pings are answered as they are read
+    max_requests_per_connection: int = 8
+    max_queued_requests: int = 64  # per connection, running or waiting: then it is not read
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # a control connection silent this long is closed
     forward_connect_timeout_s: float = 2.0

@@ -389,6 +389,65 @@ def test_requests_that_allocate_send_or_connect_are_bounded(exported, node_facto
     asyncio.run(main())
 
 
+def test_a_slow_request_holds_back_neither_pings_nor_other_requests(node_factory) -> None:
+    """Requests on one control connection are answered as each is done: a slow one (a link
+    probe toward a peer that accepts and never answers waits out its timeout, as a KV write
+    behind a long prefill or a model load can) no longer holds back the pings a client's
+    heartbeat sends there (it declared the node lost after 0.8 s) nor a quick request; the
+    number under way at once is bounded (max_requests_per_connection)."""
+    node = node_factory()
+    one = node_factory(extra=("--set", "max_requests_per_connection=1"))
+    hung = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nothing ever answers
+
+    async def main() -> None:
+        conn = await _authed(node.port)
+        peer = NodeAddr("127.0.0.1", hung.getsockname()[1])
+        replies: dict[int, tuple[float, m.Message]] = {}
+
+        async def read(n: int) -> None:
+            for _ in range(n):
+                reply = await _reply(conn, 10)
+                replies[reply.id] = (time.monotonic() - t0, reply)  # type: ignore[attr-defined]
+
+        try:
+            t0 = time.monotonic()
+            await conn.send(m.ProbeLink(id=1, peer=peer, config={"timeout_s": 2.0}))
+            for i in range(5):
+                await conn.send(m.Ping(id=10 + i))
+            await conn.send(m.StatsRequest(id=2))
+            await conn.send(m.Upload(id=3, sha256="a" * 64, offset=0, total=10**12, data=b"x"))
+            await read(8)
+            probe_at, probe = replies[1]
+            assert isinstance(probe, m.LinkReport) and probe.link["reachable"] is False
+            assert probe_at >= 1.9
+            for i in range(5):
+                at, pong = replies[10 + i]
+                assert isinstance(pong, m.Pong) and at < 1.0, (at, pong)
+            assert isinstance(replies[2][1], m.StatsReply) and replies[2][0] < 1.0
+            assert "takes files of at most" in _text(replies[3][1])  # an error keeps its id
+            # a node that takes one request at a time per connection: a quick one waits
+            conn1 = await _authed(one.port)
+            await conn1.send(m.ProbeLink(id=4, peer=peer, config={"timeout_s": 1.5}))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            await conn1.send(m.StatsRequest(id=5))
+            await conn1.send(m.Ping(id=6))
+            at: dict[int, float] = {}
+            for _ in range(3):
+                at[(await _reply(conn1)).id] = time.monotonic() - t0  # type: ignore[attr-defined]
+            assert list(at) == [6, 4, 5] and at[6] < 0.5 and at[5] >= 1.0, at
+            await conn1.close()
+            alive = await _authed(node.port)  # the node serves other connections throughout
+            await alive.send(m.StatsRequest(id=1))
+            assert isinstance(await _reply(alive), m.StatsReply)
+            await alive.close()
+        finally:
+            await conn.close()
+            hung.close()
+
+    asyncio.run(main())
+
+
 # ---- 6. leaks --------------------------------------------------------------------------------
 def test_a_clients_plans_and_sessions_go_with_it(exported, node_factory) -> None:
     model = exported["llama"]

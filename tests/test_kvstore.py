@@ -339,6 +339,7 @@ async def _turn(model: Path, nodes: list, prompt: list[int], n: int = 8,
         await reply.collect()
         stats = list((await llm.backend.inner.cluster.stats()).values())
         assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stats), stats
+        assert not llm.backend.recoveries  # no node was lost, nor taken for lost
         return reply.token_ids, reply.stats.reused_tokens
 
 
@@ -386,7 +387,7 @@ def test_a_conversation_moves_to_plans_that_split_the_model_otherwise(exported, 
     both; the prefix is imported, not computed, and the ids equal computing it. A source node
     that is gone makes it a miss: all is computed, the same ids."""
     model = exported["llama"]
-    x, y, z = (node_factory() for _ in range(3))
+    x, y, z = node_factory(), node_factory(extra=("--set", "kv_fetch_timeout_s=2")), node_factory()
     rng = np.random.default_rng(4)
     prompt = rng.integers(3, 200, 80).tolist()
     plans = [_split((x, 1, 2)),  # the conversation starts on one node
@@ -410,6 +411,21 @@ def test_a_conversation_moves_to_plans_that_split_the_model_otherwise(exported, 
     expected, _ = asyncio.run(_turn(model, [y, z], prompt, plan=plan, reuse=False))
     ids, reused = asyncio.run(_turn(model, [y, z], prompt, plan=plan))
     assert ids == expected and reused == 0
+
+    # a source that hangs (stopped: its port accepts, nothing answers) costs the stage at most
+    # its kv_fetch_timeout_s (2 s on y), and meanwhile the client's heartbeat still hears y
+    # (no recovery: _turn checks), though y's kv_restore is under way on the same connection
+    prompt = prompt + ids + rng.integers(3, 200, 10).tolist()
+    plan = _split((y, 1, 2))  # y: layers 1-2 from z, which held them last
+    expected, _ = asyncio.run(_turn(model, [y], prompt, plan=plan, reuse=False))
+    os.kill(z.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        ids, reused = asyncio.run(_turn(model, [y], prompt, plan=plan))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(z.proc.pid, signal.SIGCONT)
+    assert ids == expected and 2 <= took < 10, took
 
 
 async def _export_is_its_askers(node) -> None:

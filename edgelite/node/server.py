@@ -228,31 +228,82 @@ class Node:
             await conn.close()
 
     async def _serve(self, conn: Conn, fingerprint: str | None, owner: str) -> None:
-        """Answer requests until the peer closes. A bad request gets an error reply and the
-        connection stays; a broken stream (StreamError) ends it."""
-        while True:
-            frame: dict[str, Any] = {}
-            try:
-                try:
-                    frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
-                except asyncio.IncompleteReadError:
-                    return  # clean close between frames
-                msg = m.parse(frame, self.limits)
-                if isinstance(msg, m.OpenData):
-                    if await self._data(conn, msg, fingerprint):
-                        return  # the connection now belongs to the data plane
+        """Answer requests until the peer closes. Each request runs on its own and is answered
+        when done (replies carry the request's id), at most `max_requests_per_connection` at
+        once (more wait their turn), so a slow one (a KV write waiting behind a long prefill, a
+        model load, a link probe) holds back neither the pings of the client's heartbeat, which
+        are answered as they are read, nor its other requests. Past `max_queued_requests` the
+        connection is not read until one is done. A bad request gets an error reply and the
+        connection stays; a broken stream (StreamError) ends it. Requests under way when the
+        peer leaves still finish."""
+        slots = asyncio.Semaphore(self.cfg.max_requests_per_connection)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                if len(running) >= self.cfg.max_queued_requests:
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                handler = self._handlers.get(type(msg))
-                if handler is None:
-                    raise ProtocolError(f"{msg.TYPE} is not a request this node serves")
-                await conn.send(await handler(msg, owner))
-            except StreamError:
-                raise
-            except EdgeliteError as exc:  # the request was bad; the connection stays usable
-                self.bad_frames += 1
-                rid = frame.get("id") if type(frame.get("id")) is int else None
-                log.info("%s: %s refused: %s", conn.peer, str(frame.get("type"))[:40], exc)
-                await conn.send(m.Error(message=str(exc), id=rid))
+                frame: dict[str, Any] = {}
+                try:
+                    try:
+                        frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
+                    except asyncio.IncompleteReadError:
+                        return  # clean close between frames
+                    msg = m.parse(frame, self.limits)
+                    if isinstance(msg, m.OpenData):
+                        if running:
+                            raise ProtocolError("data: requests are under way on this connection")
+                        if await self._data(conn, msg, fingerprint):
+                            return  # the connection now belongs to the data plane
+                        continue
+                    if isinstance(msg, m.Ping):
+                        await conn.send(await self._ping(msg, owner))
+                        continue
+                    handler = self._handlers.get(type(msg))
+                    if handler is None:
+                        raise ProtocolError(f"{msg.TYPE} is not a request this node serves")
+                except StreamError:
+                    raise
+                except EdgeliteError as exc:  # the request was bad; the connection stays usable
+                    await self._refused(conn, frame, exc)
+                    continue
+                task = asyncio.create_task(self._answer(conn, frame, msg, handler, owner, slots),
+                                           name=f"{conn.peer} {msg.TYPE}")
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            if running:
+                try:
+                    await asyncio.wait(running)
+                except asyncio.CancelledError:  # the node is stopping
+                    for task in running:
+                        task.cancel()
+                    await asyncio.gather(*running, return_exceptions=True)
+                    raise
+
+    async def _answer(self, conn: Conn, frame: dict[str, Any], msg: Message, handler: Handler,
+                      owner: str, slots: asyncio.Semaphore) -> None:
+        """One request's reply, or its error (the connection stays), once it has a slot."""
+        async with slots:
+            await self._reply(conn, frame, msg, handler, owner)
+
+    async def _reply(self, conn: Conn, frame: dict[str, Any], msg: Message, handler: Handler,
+                     owner: str) -> None:
+        try:
+            await self._try_send(conn, await handler(msg, owner))
+        except EdgeliteError as exc:
+            await self._refused(conn, frame, exc)
+        except (TimeoutError, OSError) as exc:
+            await self._refused(conn, frame, EdgeliteError(f"{msg.TYPE} failed: {exc or type(exc).__name__}"))
+        except Exception as exc:  # a fault of this node's own: the node and the connection go on
+            log.exception("%s: %s failed", conn.peer, msg.TYPE)
+            await self._refused(conn, frame, EdgeliteError(f"{msg.TYPE} failed on the node: {exc!r}"[:300]))
+
+    async def _refused(self, conn: Conn, frame: dict[str, Any], exc: EdgeliteError) -> None:
+        self.bad_frames += 1
+        rid = frame.get("id") if type(frame.get("id")) is int else None
+        log.info("%s: %s refused: %s", conn.peer, str(frame.get("type"))[:40], exc)
+        await self._try_send(conn, m.Error(message=str(exc), id=rid))
 
     async def _try_send(self, conn: Conn, msg: Message) -> None:
         try:
@@ -320,10 +371,7 @@ class Node:
         """Measure the link to another node. Packets go only to a peer that has completed the
         handshake with this cluster's token (probe_peer connects first), within the limits."""
         cfg = probe_config(msg.config, self.cfg)
-        if self.probe_slots.locked():
-            raise ProtocolError(f"probe_link: {self.cfg.probe_concurrency} probes are under way "
-                                f"(probe_concurrency); try later")
-        async with self.probe_slots:
+        async with self.probe_slots:  # at most probe_concurrency at once; the others wait
             stats = await probe_peer(msg.peer, self.token, cfg)
         return m.LinkReport(id=msg.id, link=stats.to_json())
 
