@@ -86,6 +86,8 @@ class NodeConfig:
     # more wait their turn, up to max_queued_requests; pings are answered as they are read
     max_requests_per_connection: int = 8
     max_queued_requests: int = 64  # per connection, running or waiting: then it is not read
+    # and the frames they came in, in bytes (a frame is read when less than this is held)
+    max_queued_request_bytes: int = 16 * 1024 * 1024
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # a control connection silent this long is closed
     forward_connect_timeout_s: float = 2.0

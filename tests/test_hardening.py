@@ -396,7 +396,8 @@ def test_a_slow_request_holds_back_neither_pings_nor_other_requests(node_factory
     heartbeat sends there (it declared the node lost after 0.8 s) nor a quick request; the
     number under way at once is bounded (max_requests_per_connection)."""
     node = node_factory()
-    one = node_factory(extra=("--set", "max_requests_per_connection=1"))
+    one = node_factory(extra=("--set", "max_requests_per_connection=1",
+                              "--set", "max_queued_request_bytes=4000000"))
     hung = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nothing ever answers
 
     async def main() -> None:
@@ -436,6 +437,23 @@ def test_a_slow_request_holds_back_neither_pings_nor_other_requests(node_factory
             for _ in range(3):
                 at[(await _reply(conn1)).id] = time.monotonic() - t0  # type: ignore[attr-defined]
             assert list(at) == [6, 4, 5] and at[6] < 0.5 and at[5] >= 1.0, at
+            # while its requests' frames hold max_queued_request_bytes, a connection is not read
+            # (a client cannot make the node hold many large frames it has not answered)
+            await conn1.send(m.ProbeLink(id=7, peer=peer, config={"timeout_s": 2.0}))
+            sent = 0
+
+            async def flood() -> None:
+                nonlocal sent
+                for i in range(40):
+                    await conn1.send(m.Bulk(id=100 + i, data=bytes(1 << 20), reply_bytes=0))
+                    sent += 1
+
+            sending = asyncio.create_task(flood())
+            await asyncio.sleep(1.0)
+            assert not sending.done() and sent < 30, sent  # 4 MB held + what the sockets buffer
+            replies = {(await _reply(conn1)).id for _ in range(41)}  # type: ignore[attr-defined]
+            await sending
+            assert replies == {7, *range(100, 140)}
             await conn1.close()
             alive = await _authed(node.port)  # the node serves other connections throughout
             await alive.send(m.StatsRequest(id=1))

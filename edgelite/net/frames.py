@@ -109,6 +109,10 @@ class Conn:
         """The next frame as a map (for the few callers that route before parsing)."""
         return unpack(await self._body())
 
+    async def recv_body(self) -> bytes:
+        """The next frame's body, unparsed (`unpack` it; its length is what it holds)."""
+        return await self._body()
+
     async def recv(self) -> Message:
         """The next frame as a checked message."""
         return decode(await self._body(), self.limits)

@@ -42,7 +42,7 @@ from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.discovery import respond
-from edgelite.net.frames import Conn, bound_port, detach, listen, pack
+from edgelite.net.frames import Conn, bound_port, detach, listen, pack, unpack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.linkprobe import ProbeConfig, UdpEcho, probe_peer
 from edgelite.net.schema import Message
@@ -233,22 +233,26 @@ class Node:
         once (more wait their turn), so a slow one (a KV write waiting behind a long prefill, a
         model load, a link probe) holds back neither the pings of the client's heartbeat, which
         are answered as they are read, nor its other requests. Past `max_queued_requests` the
-        connection is not read until one is done. A bad request gets an error reply and the
-        connection stays; a broken stream (StreamError) ends it. Requests under way when the
-        peer leaves still finish."""
-        slots = asyncio.Semaphore(self.cfg.max_requests_per_connection)
-        running: set[asyncio.Task[None]] = set()
+        connection is not read until one is done, nor while their frames hold
+        `max_queued_request_bytes`. A bad request gets an error reply and the connection stays;
+        a broken stream (StreamError) ends it. Requests under way when the peer leaves still
+        finish."""
+        cfg = self.cfg
+        slots = asyncio.Semaphore(cfg.max_requests_per_connection)
+        running: dict[asyncio.Task[None], int] = {}  # -> the bytes of its frame
         try:
             while True:
-                if len(running) >= self.cfg.max_queued_requests:
+                if running and (len(running) >= cfg.max_queued_requests
+                                or sum(running.values()) >= cfg.max_queued_request_bytes):
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 frame: dict[str, Any] = {}
                 try:
                     try:
-                        frame = await asyncio.wait_for(conn.recv_frame(), self.cfg.idle_timeout_s)
+                        body = await asyncio.wait_for(conn.recv_body(), cfg.idle_timeout_s)
                     except asyncio.IncompleteReadError:
                         return  # clean close between frames
+                    frame = unpack(body)
                     msg = m.parse(frame, self.limits)
                     if isinstance(msg, m.OpenData):
                         if running:
@@ -269,8 +273,8 @@ class Node:
                     continue
                 task = asyncio.create_task(self._answer(conn, frame, msg, handler, owner, slots),
                                            name=f"{conn.peer} {msg.TYPE}")
-                running.add(task)
-                task.add_done_callback(running.discard)
+                running[task] = len(body)
+                task.add_done_callback(running.pop)
         finally:
             if running:
                 try:
