@@ -101,6 +101,21 @@ class Blocks:
         return replace(self, q=self.q[index], scale=self.scale[index], zero=self.zero[index],
                        minimum=None if self.minimum is None else self.minimum[index])
 
+    @property
+    def halves_apply(self) -> bool:
+        """Whether `halves` takes it: 8-bit codes around 128 with no minima (Q8_0, int8)."""
+        return self.bits == 8 and self.minimum is None and self.default_zero
+
+    def halves(self) -> tuple[Blocks, Blocks]:
+        """An 8-bit table (w = d(q - 128)) as two 4-bit ones of the same bytes in all, with no
+        minima: hi = q >> 4 (scale 16d, zero point 8), lo = q & 15 (scale d, zero point 0);
+        w = 16d(hi - 8) + d lo exactly. The embedding and an exact head share them."""
+        assert self.halves_apply
+        hi = replace(self, q=self.q >> 4, scale=self.scale * 16, zero=np.full_like(self.zero, 8),
+                     bits=4)
+        lo = replace(self, q=self.q & 15, zero=np.zeros_like(self.zero), bits=4)
+        return hi, lo
+
     def split_nibbles(self) -> tuple[Blocks, Blocks]:
         """An 8-bit matrix as two exact 4-bit ones, hi and lo (with minimum = m - scale*zero
         folded into lo): MatMulNBits has a fast float-activation kernel for 4 bits only."""

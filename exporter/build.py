@@ -92,7 +92,7 @@ def write_pieces(w: weights.Weights, compute: str, out: Path, progress: Progress
     total = len(w.layers) + 2
     shared = graph.DataFile(out / "embed_head.data")  # a tied head reuses the table's bytes
     t0 = time.perf_counter()
-    eb = graph.embed(a, w.embed, shared, out / "embed.onnx")
+    eb = graph.embed(a, w.embed, shared, out / "embed.onnx", graph.halves_head(w.head, compute))
     hb = graph.head(a, w.norm, w.head, compute, shared, out / "head.onnx")
     rows = graph.exact_rows(w.head, shared) if compute == "fast" and isinstance(w.head, Blocks) else None
     shared.close()

@@ -308,14 +308,28 @@ def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
     return g.param_bytes
 
 
-def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path) -> int:
-    """embed.onnx: a Gather (float table) or GatherBlockQuantized (blocks)."""
+def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
+          halves: bool = False) -> int:
+    """embed.onnx: a Gather (float table) or GatherBlockQuantized (blocks; with `halves`, an
+    8-bit table as its two 4-bit halves, the bytes an exact head takes: `halves_head`)."""
     g = Graph("embed", data)
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "seq"])
     out = "hidden_0"
     if isinstance(table, np.ndarray):
         g.node("Gather", [g.init("/model/embed_tokens.weight", table), ids], [out],
                "/model/embed_tokens/Gather", axis=0)
+    elif halves and table.halves_apply:  # hi rows + lo rows
+        parts = []
+        for half, scales, label in zip(table.halves(), _half_scales(g, table, "/model/embed_tokens"),
+                                       ("hi", "lo"), strict=True):
+            ins = [g.init(f"/model/embed_tokens.{label}.qweight", half.gather_data()), ids, scales]
+            zp = half.zero_points()
+            if zp is not None:
+                ins.append(g.init(f"/model/embed_tokens.{label}.zero_points", zp))
+            parts += g.node("GatherBlockQuantized", ins, 1,
+                            f"/model/embed_tokens/{label}/GatherBlockQuantized", MS, bits=4,
+                            block_size=table.block, gather_axis=0, quantize_axis=1)
+        g.node("Add", parts, [out], "/model/embed_tokens/Add")
     else:
         lin = Linears(g, "fast")
         scales = lin._scales(table.scale, table.scale_fp16, "/model/embed_tokens.scales")
@@ -370,9 +384,38 @@ def head(arch: Arch, norm: np.ndarray, weight: np.ndarray | Blocks, compute: str
         wt = g.node("Transpose", [g.init("/lm_head.weight", weight)], 1, "/lm_head/Transpose",
                     perm=[1, 0])[0]  # folded when the session loads
         g.node("MatMul", [x, wt], ["logits"], "/lm_head/MatMul")
+    elif halves_head(weight, compute):
+        hi, lo = weight.halves()
+        products = []
+        for half, scales, label in zip((hi, lo), _half_scales(g, weight, "/lm_head"), ("hi", "lo"),
+                                       strict=True):
+            ins = [x, g.init(f"/lm_head.{label}.qweight", half.packed()), scales]
+            zp = half.zero_points()
+            if zp is not None:
+                ins.append(g.init(f"/lm_head.{label}.zero_points", zp))
+            products += g.node("MatMulNBits", ins, 1, f"/lm_head/{label}/MatMulNBits", MS,
+                               K=arch.hidden, N=weight.shape[0], bits=4, block_size=half.block,
+                               accuracy_level=0)
+        g.node("Add", products, ["logits"], "/lm_head/Add")
     else:
         y = Linears(g, compute)(x, Linear(weight), "/lm_head", arch.hidden)
         g.node("Identity", [y], ["logits"], "/lm_head/Identity")
     g.output("logits", TensorProto.FLOAT, ["batch", "seq", arch.vocab])
     g.save(path)
     return g.param_bytes
+
+
+def halves_head(weight: np.ndarray | Blocks, compute: str) -> bool:
+    """Whether head() writes the vocabulary projection as the two 4-bit halves of an 8-bit
+    table (Blocks.halves): in exact mode, where 8-bit products run as two 4-bit ones anyway
+    (the fast float kernel is 4-bit only); the embedding then stores the same halves, so a tied
+    table is on disk once. (Fast mode keeps the 8-bit product and the 8-bit embedding.)"""
+    return compute == "exact" and isinstance(weight, Blocks) and weight.halves_apply
+
+
+def _half_scales(g: Graph, table: Blocks, name: str) -> tuple[str, str]:
+    """The scales of an 8-bit table's hi and lo halves (16d and d), d stored once."""
+    lo = Linears(g, "exact")._scales(table.scale, table.scale_fp16, f"{name}.scales")
+    hi = g.node("Mul", [lo, g.init(f"{name}.sixteen", np.array(16, np.float32))], 1,
+                f"{name}/hi_scales/Mul")[0]
+    return hi, lo

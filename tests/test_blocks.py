@@ -66,3 +66,34 @@ def test_rows_concat_and_reorder() -> None:
     assert np.array_equal(both.dequantize()[N:], b.dequantize()[::-1])
     assert blocks.concat_rows([b, blocks.from_q8_0(_random_raw("Q8_0", np.random.default_rng(4)),
                                                    N, K)]) is None
+
+
+def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
+    """In exact mode a tied 8-bit table (Q8_0) is written once, as its two 4-bit halves, and
+    both graphs read it: embedding rows equal the table's values, the head's logits x W^T."""
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.session import open_model
+    from edgelite_export import graph
+
+    vocab, hidden = 96, 64
+    rng = np.random.default_rng(3)
+    table = blocks.quantize_int8(rng.standard_normal((vocab, hidden)).astype(np.float32))
+    hi, lo = table.halves()
+    assert np.array_equal(hi.dequantize() + lo.dequantize(), table.dequantize())
+    arch = graph.Arch(hidden=hidden, heads=2, kv_heads=2, head_dim=32, intermediate=128,
+                      vocab=vocab, eps=1e-5)
+    data = graph.DataFile(tmp_path / "embed_head.data")
+    graph.embed(arch, table, data, tmp_path / "embed.onnx", graph.halves_head(table, "exact"))
+    graph.head(arch, np.ones(hidden, np.float32), table, "exact", data, tmp_path / "head.onnx")
+    data.close()
+    one_table = table.q.nbytes + table.scale.size * 2 + vocab * (hidden // 32 // 2)  # + lo's zero points
+    assert data.path.stat().st_size <= one_table + 4096, (data.path.stat().st_size, one_table)
+    w = table.dequantize()
+    cfg = RuntimeConfig(threads=1)
+    emb = open_model((tmp_path / "embed.onnx").read_bytes(), tmp_path, cfg, "embed")
+    ids = np.array([[0, 5, 95, 17]])
+    assert np.array_equal(emb.run(None, {"input_ids": ids})[0][0], w[ids[0]])
+    head = open_model((tmp_path / "head.onnx").read_bytes(), tmp_path, cfg, "head")
+    x = rng.standard_normal((1, 3, hidden)).astype(np.float32)
+    normed, logits = head.run(["normed", "logits"], {"hidden": x})
+    assert np.abs(logits[0] - normed[0] @ w.T).max() <= 1e-4 * np.abs(logits).max()
