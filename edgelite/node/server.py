@@ -478,34 +478,30 @@ class Node:
         tokens = kv_tokens(msg.tokens, "kv_restore")[:stage.layers.pool.max_length]
         plan_id, session, kv, layout = msg.plan_id, msg.session, self.kv, stage.layers.layout
         await self._restore_done(plan_id, session)
-        imp, length = None, 0
+        own = 0
         if kv is not None and len(tokens) >= kv.block:
-            length = await asyncio.to_thread(kv.longest, layout, tokens)
-        if msg.sources and length < len(tokens):  # its layers were held by other stages
+            own = await asyncio.to_thread(kv.longest, layout, tokens)
+        imp = None
+        if msg.sources and own < len(tokens):  # its layers were held by other stages
             imp = await kvshare.plan(kv, layout, tokens, msg.sources, self.token, self.limits, self.cfg)
-            if imp.length > length:
-                length = imp.length
-            else:  # its own entries hold as much
-                await imp.close()
-                imp = None
-        if msg.exact and length != len(msg.tokens) // 4:
-            length = 0
-        if not length:
-            if imp is not None:
-                await imp.close()
-            await self.data.submit(lambda: self.data.end(plan_id, session))
-            return m.KvRestored(id=msg.id, length=0)
         try:
+            use = imp if imp is not None and imp.length > own else None  # else its own entries
+            length = use.length if use is not None else own
+            if msg.exact and length != len(msg.tokens) // 4:
+                length = 0
+            if not length:
+                await self.data.submit(lambda: self.data.end(plan_id, session))
+                return m.KvRestored(id=msg.id, length=0)
             slot = await self.data.submit(lambda: self.data.reserve(stage, session, length))
-        except BaseException:
+            key = (plan_id, session)
+            task = asyncio.create_task(self._fill(stage, session, slot, tokens[:length], use))
+            imp = None if use is imp else imp  # the fill closes the import it was handed
+            self.restores[key] = task
+            task.add_done_callback(lambda t: self._forget_restore(key, t))
+            return m.KvRestored(id=msg.id, length=length)
+        finally:
             if imp is not None:
                 await imp.close()
-            raise
-        key = (plan_id, session)
-        task = asyncio.create_task(self._fill(stage, session, slot, tokens[:length], imp))
-        self.restores[key] = task
-        task.add_done_callback(lambda t: self._forget_restore(key, t))
-        return m.KvRestored(id=msg.id, length=length)
 
     async def _fill(self, stage: Stage, session: str, slot: Slot, tokens: np.ndarray,
                     imp: kvshare.Import | None) -> None:
