@@ -8,6 +8,7 @@ the same tokens (greedy), so they reach EOS together and start over together.
 Per-hop overhead comes from the steps' own timings: the client's round trip minus the time each
 stage held the step. Concurrency (4 sessions vs 1 on 2 nodes) runs in alternating rounds.
 Prints one JSON object. Usage: python scripts/bench_pipeline.py [--tokens 384] [--block 8]
+[--export int4-fast|fp32] (the int4 export the demo runs, or the fp32 one of the earlier runs)
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ async def ping_us(be: ClusterBackend, n: int = 200) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    model = edgelite_export(args.models / "smol-int4-fast")  # what the demo runs
+    if args.export == "fp32":
+        model = edgelite_export(args.models / "smol-fp32", "--quantize", "none")
+    else:
+        model = edgelite_export(args.models / "smol-int4-fast")  # what the demo runs
     m = mf.load(model)
     prompt = Tokenizer(m).chat_prompt([{"role": "user", "content": PROMPT}])
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-"))
@@ -165,7 +169,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     conc = [f / o for f, o in zip(res["four_tok_s"], res["one_tok_s"], strict=True)]
     hops, hops2 = hop_summary(traces), hop_summary(traces2)
     return {
-        "model": m.name, "threads_per_node": 1, "decode_tokens_each": args.tokens,
+        "model": m.name, "export": args.export, "threads_per_node": 1, "decode_tokens_each": args.tokens,
         "block_tokens": args.block, "block_pairs": len(paired), "session_tokens": args.session_tokens,
         "single_process_decode_ms_per_token": round(statistics.fmean(res["local_ms"]), 2),
         "pipeline_2_nodes_decode_ms_per_token": round(statistics.fmean(res["pipe2_ms"]), 2),
@@ -207,6 +211,7 @@ def main() -> None:
     ap.add_argument("--session-tokens", type=int, default=48,
                     help="decode tokens per session (pairs restart their sessions after this many)")
     ap.add_argument("--models", type=Path, default=Path("models/bench"))
+    ap.add_argument("--export", choices=["int4-fast", "fp32"], default="int4-fast")
     install_uvloop()  # the same event loop as `edgelite generate` and the nodes
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=1))
 
