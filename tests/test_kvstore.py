@@ -441,6 +441,15 @@ async def _export_is_its_askers(node) -> None:
         with pytest.raises(NodeError, match="no such export"):
             await other.request(m.KvExportRead(id=0, handle=ready.handle, offset=0), m.KvExportData, 5)
         assert (await _stats(node))["kv_exports"]["held"] == 1
+        # requests of a connection run side by side: exports being read count against
+        # max_kv_exports (8) before their read ends, so 8 more at once leave one refused
+        ask = m.KvExport(id=0, layout=layout.to_json(), tokens=stored.tobytes(), first=layout.first,
+                         last=layout.first)
+        got = await asyncio.gather(*(asker.request(ask, m.KvExportReady, 5) for _ in range(8)),
+                                   return_exceptions=True)
+        refused = [g for g in got if isinstance(g, NodeError)]
+        assert len(refused) == 1 and "max_kv_exports" in str(refused[0]), got
+        assert (await _stats(node))["kv_exports"]["held"] == 8
     finally:
         await asker.close()
         await other.close()

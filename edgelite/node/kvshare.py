@@ -53,6 +53,7 @@ class Exports:
         self.cfg = cfg
         self.held: dict[str, Export] = {}
         self.served = 0  # exports read to their end
+        self.opening: list[int] = []  # bytes of each export being read (counted against the bounds)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -72,30 +73,38 @@ class Exports:
         tokens = kv_tokens(msg.tokens, "kv_export")
         self._reap()
         c = self.cfg
-        if len(self.held) >= c.max_kv_exports:
-            raise ProtocolError(f"kv_export: {len(self.held)} exports are held for other nodes "
-                                f"(max_kv_exports); try later")
+        if len(self.held) + len(self.opening) >= c.max_kv_exports:
+            raise ProtocolError(f"kv_export: {len(self.held) + len(self.opening)} exports are held "
+                                f"for other nodes (max_kv_exports); try later")
         if store is None or len(tokens) < store.block:
             return m.KvExportReady(id=msg.id, length=0, size=0)
-        n = await to_end(lambda: store.longest(layout, tokens))
         count = msg.last - msg.first + 1
-        size = count * 2 * layout.kv_heads * n * layout.head_dim * 4
-        used = sum(len(e.data) for e in self.held.values())
-        if used + size > c.max_kv_export_bytes:
-            raise ProtocolError(f"kv_export: {size} bytes would exceed the {c.max_kv_export_bytes} "
-                                f"this node holds for other nodes (max_kv_export_bytes); try later")
-        if not n:
-            return m.KvExportReady(id=msg.id, length=0, size=0)
-        into = np.empty((count, 2, layout.kv_heads, n, layout.head_dim), np.float32)
-        lo = msg.first - layout.first
-        hit = await to_end(lambda: store.get(layout, tokens[:n], into=into,
-                                             layers=range(lo, lo + count)))
-        if hit is None:
-            return m.KvExportReady(id=msg.id, length=0, size=0)
-        data = memoryview(np.ascontiguousarray(hit.kv)).cast("B")
-        handle = secrets.token_hex(16)
-        self.held[handle] = Export(data, time.monotonic() + c.kv_export_ttl_s, owner)
-        return m.KvExportReady(id=msg.id, length=hit.length, size=len(data), handle=handle)
+        most = count * 2 * layout.kv_heads * len(tokens) * layout.head_dim * 4
+        # requests run side by side: what is being read counts against the bounds before the
+        # read (at most `most` bytes: all of the tokens), not after it
+        self.opening.append(most)
+        try:
+            used = sum(len(e.data) for e in self.held.values()) + sum(self.opening) - most
+            n = await to_end(lambda: store.longest(layout, tokens))
+            size = count * 2 * layout.kv_heads * n * layout.head_dim * 4
+            if used + size > c.max_kv_export_bytes:
+                raise ProtocolError(f"kv_export: {size} bytes would exceed the "
+                                    f"{c.max_kv_export_bytes} this node holds for other nodes "
+                                    f"(max_kv_export_bytes); try later")
+            if not n:
+                return m.KvExportReady(id=msg.id, length=0, size=0)
+            into = np.empty((count, 2, layout.kv_heads, n, layout.head_dim), np.float32)
+            lo = msg.first - layout.first
+            hit = await to_end(lambda: store.get(layout, tokens[:n], into=into,
+                                                 layers=range(lo, lo + count)))
+            if hit is None:
+                return m.KvExportReady(id=msg.id, length=0, size=0)
+            data = memoryview(np.ascontiguousarray(hit.kv)).cast("B")
+            handle = secrets.token_hex(16)
+            self.held[handle] = Export(data, time.monotonic() + c.kv_export_ttl_s, owner)
+            return m.KvExportReady(id=msg.id, length=hit.length, size=len(data), handle=handle)
+        finally:
+            self.opening.remove(most)
 
     def read(self, msg: m.KvExportRead, owner: str) -> m.KvExportData:
         e = self.held.get(msg.handle)
