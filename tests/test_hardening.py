@@ -543,6 +543,31 @@ def test_cached_blobs_are_verified_when_loaded(exported, node_factory) -> None:
     asyncio.run(main())
 
 
+def test_plans_being_loaded_count_against_a_clients_limit(exported, node_factory) -> None:
+    """Requests of a connection run side by side: loads under way count against
+    max_plans_per_client, so three at once with a limit of two leave one refused."""
+    model = exported["llama"]
+    node = node_factory(extra=("--set", "max_plans_per_client=2"))
+    m0 = mf.load(model)
+
+    async def main() -> None:
+        await (await _cluster(model, [node.addr], [(0, 2)])).close()  # the files are there now
+        cluster = Cluster(m0, TOKEN)
+        try:
+            await cluster.connect([NodeAddr.parse(node.addr)])
+            link = next(iter(cluster.links.values()))
+            got = await asyncio.gather(*(
+                link.request(m.Load(id=0, plan_id=f"{i}" * 32, first=0, last=2, next=None,
+                                    manifest=m0.to_json()), m.Loaded, 20) for i in range(3)),
+                return_exceptions=True)
+            refused = [g for g in got if isinstance(g, NodeError)]
+            assert len(refused) == 1 and "max_plans_per_client" in str(refused[0]), got
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
+
+
 # ---- 9. manifest values and corrupt files ----------------------------------------------------
 @pytest.mark.parametrize("field, value, words", [
     ("eos_token_ids", "2", "eos_token_ids must be a list"),

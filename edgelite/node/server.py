@@ -112,7 +112,7 @@ class Node:
         self.udp_port = 0
         self.owners: dict[str, int] = {}  # client key -> its open control connections
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
-        self.loading: set[str] = set()  # plan ids being loaded
+        self.loading: dict[str, str] = {}  # plan ids being loaded -> their owners
         # restores under way, each reading a KV store entry into its session's slot
         self.restores: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.exports = kvshare.Exports(c)  # stored KV read for other nodes (kv_export)
@@ -412,12 +412,13 @@ class Node:
         existing = self.store.stages.get(pid)
         if pid in self.loading or (existing is not None and existing.owner != owner):
             raise ProtocolError(f"load: plan_id {pid[:12]} is another client's")
-        if existing is None and len(self.store.plans_of(owner)) >= self.cfg.max_plans_per_client:
+        held = len(self.store.plans_of(owner)) + sum(o == owner for o in self.loading.values())
+        if existing is None and held >= self.cfg.max_plans_per_client:  # (loading ones count)
             raise ProtocolError(f"load: this client has {self.cfg.max_plans_per_client} plans "
                                 f"loaded here, the limit (max_plans_per_client)")
         if (msg.next is None) != (msg.next_capability is None):
             raise ProtocolError("load: next and next_capability go together")
-        self.loading.add(pid)
+        self.loading[pid] = owner
         try:
             stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
                                             msg.last, msg.next, owner, msg.next_capability)
@@ -433,7 +434,7 @@ class Node:
                     await self.data.unload(pid)
                     raise
         finally:
-            self.loading.discard(pid)
+            self.loading.pop(pid, None)
         log.info("loaded plan %s: layers %d-%d, next %s", pid, msg.first, msg.last, msg.next)
         return m.Loaded(id=msg.id, first=msg.first, last=msg.last, capability=stage.capability)
 
