@@ -359,6 +359,11 @@ def test_requests_that_allocate_send_or_connect_are_bounded(exported, node_facto
             part = await ask(m.Upload(id=3, sha256="c" * 64, offset=0, total=1000, data=b"x" * 10))
             assert isinstance(part, m.UploadAck) and part.held == 10
             assert (blobs / f"{'c' * 64}.part").exists()
+            # the quota counts uploads under way at their declared size, not their bytes so far
+            half = await ask(m.Upload(id=8, sha256="d" * 64, offset=0, total=150_000, data=b"x"))
+            assert isinstance(half, m.UploadAck)
+            assert "disk quota" in (await ask(m.Upload(id=9, sha256="e" * 64, offset=0,
+                                                       total=150_000, data=b"x"))).message
             assert "reply_bytes" in (await ask(m.Bulk(id=4, data=b"", reply_bytes=64 << 20))).message
             before = _rss_mib(node.proc.pid)
             t0 = time.monotonic()

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,9 @@ class BlobStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes, self.quota_bytes, self.part_ttl_s = max_file_bytes, quota_bytes, part_ttl_s
         self._verified: dict[str, tuple[int, ...]] = {}  # sha -> (size, mtime, ctime, inode)
+        # uploads under way -> their declared sizes: the quota counts what they will hold
+        self._declared: dict[str, int] = {}
+        self._lock = threading.Lock()  # appends run in worker threads, side by side
 
     def path(self, sha: str) -> Path:
         return self.dir / check_sha(sha)
@@ -66,7 +70,12 @@ class BlobStore:
         return sum(st.st_size for p in self.dir.iterdir() if (st := self._regular(p)) is not None)
 
     def append(self, sha: str, offset: int, total: int, data: bytes) -> int:
-        """Write a chunk; returns bytes held. Completes (hash-checked) when `total` is reached."""
+        """Write a chunk; returns bytes held. Completes (hash-checked) when `total` is reached.
+        The disk quota counts every upload under way at its declared size."""
+        with self._lock:
+            return self._append(sha, offset, total, data)
+
+    def _append(self, sha: str, offset: int, total: int, data: bytes) -> int:
         if self.has(sha):
             return total
         if total > self.max_file_bytes:
@@ -80,9 +89,13 @@ class BlobStore:
             raise ProtocolError(f"upload {sha[:12]}: chunk at offset {offset}, expected {held}")
         if held + len(data) > total:
             raise ProtocolError(f"upload {sha[:12]}: chunk runs past the stated size {total}")
-        if held == 0 and self.used_bytes() + total > self.quota_bytes:
-            raise ProtocolError(f"upload {sha[:12]}: {total} more bytes would exceed this node's "
-                                f"disk quota of {self.quota_bytes}")
+        if self._declared.get(sha) != total:  # a new upload (or one resumed after a restart)
+            coming = sum(max(0, t - self.partial(s)) for s, t in self._declared.items() if s != sha)
+            if self.used_bytes() - held + coming + total > self.quota_bytes:
+                raise ProtocolError(f"upload {sha[:12]}: {total} more bytes would exceed this "
+                                    f"node's disk quota of {self.quota_bytes} (with the uploads "
+                                    f"under way)")
+            self._declared[sha] = total
         with open(part, "ab") as f:
             f.write(data)
             if held + len(data) == total:
@@ -90,6 +103,7 @@ class BlobStore:
                 os.fsync(f.fileno())
         held += len(data)
         if held == total:
+            self._declared.pop(sha, None)
             if sha256_file(part) != sha:
                 part.unlink()
                 raise ModelFileError(f"upload {sha[:12]}: content does not hash to its name; "
@@ -129,7 +143,9 @@ class BlobStore:
         for p in self.dir.glob("*.part"):
             st = self._regular(p)
             if st is None or now - st.st_mtime > self.part_ttl_s:
-                p.unlink(missing_ok=True)
+                with self._lock:
+                    p.unlink(missing_ok=True)
+                    self._declared.pop(p.stem, None)
                 gone += 1
         if gone:
             log.info("deleted %d partial uploads nobody finished", gone)
