@@ -178,6 +178,11 @@ class GatewayConfig:
     # a preempted request's KV goes to the KV stores and comes back when it resumes (else it
     # is recomputed)
     swap_preempted: bool = True
+    # a new request imports the KV of the longest stored prefix of its prompt (a shared system
+    # prompt, a conversation's earlier turns) instead of computing it, and a finished request's
+    # KV is stored for the next; across users, as vLLM's prefix caching (timing can tell a
+    # user that some request began with a prefix: turn it off where that matters)
+    reuse_prefixes: bool = True
     reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again
 
 

@@ -170,7 +170,8 @@ def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], token
             ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
              "--split", ",".join(f"{a}-{b}" for a, b in [(0, 14), (15, 29)]), "--users", str(users),
              "--port", "0", "--threads", "1", "--kv-tokens", "700", "--max-preemptions", "100",
-             "--set", f"swap_preempted={'true' if swap else 'false'}"], log)
+             "--set", f"swap_preempted={'true' if swap else 'false'}",
+             "--set", "reuse_prefixes=false"], log)  # (the swap alone)
         outs, stats = asyncio.run(gateway_requests(int(found.group(1)), prompts, tokens))
     finally:
         if proc is not None:
@@ -182,6 +183,46 @@ def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], token
         stop(nodes)
     return {"outputs": outs, "preemptions": stats["preemptions"],
             "resumed_tokens": stats["resumed_tokens"]}
+
+
+def gateway_turns_run(model: Path, tmp: Path, reuse: bool, first: str, tokens: int) -> dict[str, Any]:
+    """A conversation's two turns through `edgelite serve`: the second's TTFT (as the gateway
+    reports it) with or without `reuse_prefixes`."""
+    tag = f"turns-{'reuse' if reuse else 'compute'}"
+    os.environ["EDGELITE_HOME"] = str(tmp / f"home-{tag}")
+    nodes = [start_node(tmp / f"{tag}-{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
+    users = tmp / "users.json"
+    users.write_text(json.dumps({"users": [{"name": "u", "token": "t-u", "tier": 1}]}))
+    log = (tmp / f"gw-{tag}.log").open("w")
+    proc = None
+
+    async def talk(port: int) -> dict[str, Any]:
+        c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
+        try:
+            turns, messages = [], [{"role": "user", "content": first}]
+            for question in ("Summarise that in one line.", "Which part matters most?"):
+                reply = "".join([p async for p in c.generate(messages, GenerationConfig(max_tokens=tokens))])
+                assert c.last is not None
+                turns.append({"ttft_ms": c.last.ttft_ms, "ids": c.last.token_ids})
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+            return {"turns": turns, "reused": (await c.stats())["prompt_tokens_reused"]}
+        finally:
+            await c.close()
+
+    try:
+        proc, found = start_serve(
+            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
+             "--split", "0-14,15-29", "--users", str(users), "--port", "0", "--threads", "1",
+             "--set", f"reuse_prefixes={'true' if reuse else 'false'}"], log)
+        return asyncio.run(talk(int(found.group(1))))
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
+            assert proc.stdout is not None
+            proc.stdout.close()
+        log.close()
+        stop(nodes)
 
 
 def main() -> None:
@@ -253,6 +294,17 @@ def main() -> None:
                 "swap": runs[True]["resumed_tokens"], "recompute": runs[False]["resumed_tokens"],
                 "outputs_equal": sum(a == b for a, b in zip(runs[True]["outputs"], runs[False]["outputs"],
                                                             strict=True))}
+        first = tok.decode(ids[5000:5500])
+        turns = {reuse: gateway_turns_run(model, tmp, reuse, first, 16) for reuse in (True, False)}
+        out["gateway_next_turn"] = {
+            "first_prompt_tokens": 500,
+            "second_turn_ttft_ms": {"reuse": turns[True]["turns"][1]["ttft_ms"],
+                                    "compute": turns[False]["turns"][1]["ttft_ms"]},
+            "first_turn_ttft_ms": {"reuse": turns[True]["turns"][0]["ttft_ms"],
+                                   "compute": turns[False]["turns"][0]["ttft_ms"]},
+            "prompt_tokens_reused": turns[True]["reused"],
+            "ids_equal": [a["ids"] == b["ids"] for a, b in zip(turns[True]["turns"], turns[False]["turns"],
+                                                             strict=True)]}
         out["preemption_recomputed_tokens"] = {
             name: {"with_swap": p["swap"]["recomputed"], "without_swap": p["recompute"]["recomputed"]}
             for name, p in out["preemption"].items()}

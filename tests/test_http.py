@@ -148,6 +148,11 @@ def test_curl_streams_server_sent_events(server) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
+# the streams are compared with the solo runs token for token, so each computes its whole
+# prompt: with reuse_prefixes a prompt whose prefix came from the store computes its tail in
+# other shapes, and that can flip a near tie of this random model (ids then depend on what
+# ran before, as for any prefix cache)
+@pytest.mark.parametrize("server", [("--set", "reuse_prefixes=false")], indirect=True)
 def test_sixteen_streams_match_solo_runs_and_tiers_show(server) -> None:
     base, _ = server
 

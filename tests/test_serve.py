@@ -106,3 +106,64 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
     assert chat.returncode == 0, chat.stderr
     assert results[0]["text"] in chat.stdout and "tier 2]" in chat.stdout
     assert '"tiers"' in chat.stdout
+
+
+def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node_factory,
+                                                                   tmp_path: Path) -> None:
+    """A conversation's next turn through the gateway imports the KV of the turn before (stored
+    when that request finished) instead of computing it (reuse_prefixes), with the ids of
+    computing it all; a request that shares nothing reuses nothing."""
+    from edgelite import manifest as mf
+    from edgelite.engine.generate import LocalBackend, generate
+    from edgelite.engine.tokenizer import Tokenizer
+
+    model = exported["llama"]
+    nodes = [node_factory() for _ in range(2)]
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    first = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
+    with (tmp_path / "gateway.log").open("w") as log_file:
+        proc, port = _start_gateway(model, nodes, users, log_file)
+    try:
+        async def ask(c: GatewayClient, messages: list[dict]) -> tuple[str, list[int], int]:
+            text = "".join([p async for p in c.generate(messages, GenerationConfig(max_tokens=12))])
+            assert c.last is not None
+            return text, c.last.token_ids, (await c.stats())["prompt_tokens_reused"]
+
+        async def main() -> list[tuple[str, list[int], int]]:
+            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
+            try:
+                one = await ask(c, first)
+                two = await ask(c, [*first, {"role": "assistant", "content": one[0]},
+                                    {"role": "user", "content": "and then?"}])
+                three = await ask(c, [{"role": "user", "content": "something else"}])
+                return [one, two, three]
+            finally:
+                await c.close()
+
+        (_, _, reused0), (_, ids, reused1), (_, _, reused2) = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    m = mf.load(model)
+    tok = Tokenizer(m)
+    prompt1 = tok.chat_prompt(first)
+    assert reused0 == 0 and reused1 - reused0 >= len(prompt1) // 16 * 16 - 16 > 0, (reused0, reused1)
+    assert reused2 == reused1  # (its prompt shares less than a block with the others)
+
+    async def computed() -> list[int]:
+        backend = LocalBackend(m)
+        try:
+            reply = await backend_reply(backend, prompt1)
+            prompt2 = tok.chat_prompt([*first, {"role": "assistant", "content": tok.decode(reply)},
+                                       {"role": "user", "content": "and then?"}])
+            return await backend_reply(backend, prompt2)
+        finally:
+            await backend.close()
+
+    async def backend_reply(backend, prompt: list[int]) -> list[int]:
+        return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=12), reuse=False)]
+
+    assert ids == asyncio.run(computed())

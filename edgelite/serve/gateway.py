@@ -147,6 +147,7 @@ class Job:
     pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
     swapped: int = 0  # tokens whose KV it stored when it was last preempted
     restored: int = 0  # tokens imported at its last swap-in that no step has confirmed yet
+    reused: bool = False  # those tokens are a stored prefix of its prompt (not its own swap)
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
     token_times: list[float] = field(default_factory=list)
@@ -189,6 +190,7 @@ class Gateway:
         self.cancelled = 0  # requests of clients that left before they finished
         # tokens of resumed requests whose KV came back from the stores, and that were computed
         self.swapped_tokens = self.recomputed_tokens = 0
+        self.reused_tokens = 0  # prompt tokens whose KV came from a stored prefix (reuse_prefixes)
         self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
         self.floods = 0
         self.reconnects = 0  # times the plan was deployed again after a lost node
@@ -373,13 +375,13 @@ class Gateway:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.cfg.idle_poll_s)
                 continue
-            back = []  # requests that ran before (preempted, or put back for fair shares)
+            back, new = [], []  # requests that ran before (preempted, or put back for fair shares)
             for r in (*d.admit, *d.resume):
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
-                if job.tokens or job.swapped:
-                    back.append(job)
-            await asyncio.gather(*(self._swap_in(job) for job in back))
+                (back if job.tokens or job.swapped else new).append(job)
+            await asyncio.gather(*(self._swap_in(job) for job in back),
+                                 *(self._reuse(job) for job in new))
             work = [(r, self._next_ids(self.jobs[r.rid])) for r in self._this_step(d)]
             results = (await asyncio.gather(
                 *ends, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
@@ -451,18 +453,34 @@ class Gateway:
         self.swapped_tokens += n
         self.recomputed_tokens += len(job.pending) - 1 - n
         del job.pending[:n]
-        job.swapped, job.restored = 0, n
+        job.swapped, job.restored, job.reused = 0, n, False
+
+    async def _reuse(self, job: Job) -> None:
+        """A new request imports the KV of the longest stored prefix of its prompt
+        (`reuse_prefixes`); the rest is computed."""
+        n = 0
+        if self.cfg.reuse_prefixes and len(job.pending) > 1:
+            try:
+                n = await self.backend.restore(job.session, job.pending[:-1])
+            except EdgeliteError as exc:
+                log.info("%s: no stored prefix used (%s)", job.req.rid[:12], exc)
+        self.reused_tokens += n
+        del job.pending[:n]
+        job.restored, job.reused = n, n > 0
 
     async def _unswap(self, job: Job, exc: BaseException) -> None:
-        """A node could not read the KV it had found for a resumed request after all (its
-        first step failed): the request computes it instead."""
+        """A node could not read the KV it had found for a resumed request, or for a new one's
+        prompt, after all (its first step failed): the request computes it instead."""
         log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
                  job.req.rid[:12], exc)
         await self._end(job)
         job.pending = job.prompt + job.tokens
-        self.swapped_tokens -= job.restored
-        self.recomputed_tokens += job.restored
-        job.restored = 0
+        if job.reused:
+            self.reused_tokens -= job.restored
+        else:
+            self.swapped_tokens -= job.restored
+            self.recomputed_tokens += job.restored
+        job.restored, job.reused = 0, False
 
     async def _end(self, job: Job) -> None:
         """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
@@ -527,6 +545,12 @@ class Gateway:
 
     async def _finish(self, job: Job, error: str | None = None, finish: str = "length") -> None:
         del self.jobs[job.req.rid]
+        if error is None and self.cfg.reuse_prefixes:  # its KV, for the next that shares it
+            fed = job.prompt + (job.tokens if finish == "eos" else job.tokens[:-1])
+            try:
+                await self.backend.save(job.session, fed)
+            except EdgeliteError as exc:
+                log.info("%s: its KV was not stored (%s)", job.req.rid[:12], exc)
         await self._end(job)
         st = self._tier(job)
         t = job.token_times
@@ -567,4 +591,5 @@ class Gateway:
                 "preemptions": sum(st.preemptions for st in self.tiers.values()),
                 "resumed_tokens": {"swapped_in": self.swapped_tokens,
                                    "recomputed": self.recomputed_tokens},
+                "prompt_tokens_reused": self.reused_tokens,
                 "tiers": {str(t): st.to_json() for t, st in sorted(self.tiers.items())}}
