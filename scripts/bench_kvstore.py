@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,23 +158,21 @@ async def gateway_requests(port: int, prompts: list[str], tokens: int) -> tuple[
         await c.close()
 
 
-def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], tokens: int) -> dict[str, Any]:
-    tag = f"{model.name}-{'swap' if swap else 'recompute'}"
-    os.environ["EDGELITE_HOME"] = str(tmp / f"home-gw-{tag}")
-    nodes = [start_node(tmp / f"gw-{tag}-{i}", threads=1, kv_budget_mb=512, extra=("--no-spin",))
+@contextlib.contextmanager
+def gateway(model: Path, tmp: Path, tag: str, args: list[str], **node_kw: Any) -> Iterator[int]:
+    """Two node processes (0-14 / 15-29) and `edgelite serve` over them, with `args`; its port."""
+    os.environ["EDGELITE_HOME"] = str(tmp / f"home-{tag}")
+    nodes = [start_node(tmp / f"{tag}-{i}", threads=1, extra=("--no-spin",), **node_kw)
              for i in range(2)]
     users = tmp / "users.json"
     users.write_text(json.dumps({"users": [{"name": "u", "token": "t-u", "tier": 1}]}))
-    log = (tmp / f"gw-{tag}.log").open("w")
+    log = (tmp / f"{tag}.log").open("w")
     proc = None
     try:
         proc, found = start_serve(
-            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
-             "--split", ",".join(f"{a}-{b}" for a, b in [(0, 14), (15, 29)]), "--users", str(users),
-             "--port", "0", "--threads", "1", "--kv-tokens", "700", "--max-preemptions", "100",
-             "--set", f"swap_preempted={'true' if swap else 'false'}",
-             "--set", "reuse_prefixes=false"], log)  # (the swap alone)
-        outs, stats = asyncio.run(gateway_requests(int(found.group(1)), prompts, tokens))
+            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes), "--split",
+             "0-14,15-29", "--users", str(users), "--port", "0", "--threads", "1", *args], log)
+        yield int(found.group(1))
     finally:
         if proc is not None:
             proc.kill()
@@ -181,6 +181,15 @@ def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], token
             proc.stdout.close()
         log.close()
         stop(nodes)
+
+
+def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], tokens: int) -> dict[str, Any]:
+    tag = f"gw-{model.name}-{'swap' if swap else 'recompute'}"
+    args = ["--kv-tokens", "700", "--max-preemptions", "100",
+            "--set", f"swap_preempted={'true' if swap else 'false'}",
+            "--set", "reuse_prefixes=false"]  # (the swap alone)
+    with gateway(model, tmp, tag, args, kv_budget_mb=512) as port:
+        outs, stats = asyncio.run(gateway_requests(port, prompts, tokens))
     return {"outputs": outs, "preemptions": stats["preemptions"],
             "resumed_tokens": stats["resumed_tokens"]}
 
@@ -188,13 +197,6 @@ def preemption_run(model: Path, tmp: Path, swap: bool, prompts: list[str], token
 def gateway_turns_run(model: Path, tmp: Path, reuse: bool, first: str, tokens: int) -> dict[str, Any]:
     """A conversation's two turns through `edgelite serve`: the second's TTFT (as the gateway
     reports it) with or without `reuse_prefixes`."""
-    tag = f"turns-{'reuse' if reuse else 'compute'}"
-    os.environ["EDGELITE_HOME"] = str(tmp / f"home-{tag}")
-    nodes = [start_node(tmp / f"{tag}-{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
-    users = tmp / "users.json"
-    users.write_text(json.dumps({"users": [{"name": "u", "token": "t-u", "tier": 1}]}))
-    log = (tmp / f"gw-{tag}.log").open("w")
-    proc = None
 
     async def talk(port: int) -> dict[str, Any]:
         c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
@@ -209,20 +211,9 @@ def gateway_turns_run(model: Path, tmp: Path, reuse: bool, first: str, tokens: i
         finally:
             await c.close()
 
-    try:
-        proc, found = start_serve(
-            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes),
-             "--split", "0-14,15-29", "--users", str(users), "--port", "0", "--threads", "1",
-             "--set", f"reuse_prefixes={'true' if reuse else 'false'}"], log)
-        return asyncio.run(talk(int(found.group(1))))
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait(10)
-            assert proc.stdout is not None
-            proc.stdout.close()
-        log.close()
-        stop(nodes)
+    tag = f"turns-{'reuse' if reuse else 'compute'}"
+    with gateway(model, tmp, tag, ["--set", f"reuse_prefixes={'true' if reuse else 'false'}"]) as port:
+        return asyncio.run(talk(port))
 
 
 def main() -> None:
