@@ -37,6 +37,12 @@ def kv_tokens(raw: bytes, what: str) -> np.ndarray:
     return np.frombuffer(raw, "<i4")
 
 
+def export_bytes(layout: Layout, layers: int, positions: int) -> int:
+    """The bytes of `layers` layers' KV of `positions` positions, as an export carries them
+    (float32)."""
+    return 4 * layers * 2 * layout.kv_heads * positions * layout.head_dim
+
+
 # ---- the node that held the layers --------------------------------------------------------
 @dataclass
 class Export:
@@ -79,14 +85,14 @@ class Exports:
         if store is None or len(tokens) < store.block:
             return m.KvExportReady(id=msg.id, length=0, size=0)
         count = msg.last - msg.first + 1
-        most = count * 2 * layout.kv_heads * len(tokens) * layout.head_dim * 4
+        most = export_bytes(layout, count, len(tokens))
         # requests run side by side: what is being read counts against the bounds before the
         # read (at most `most` bytes: all of the tokens), not after it
         self.opening.append(most)
         try:
             used = sum(len(e.data) for e in self.held.values()) + sum(self.opening) - most
             n = await to_end(lambda: store.longest(layout, tokens))
-            size = count * 2 * layout.kv_heads * n * layout.head_dim * 4
+            size = export_bytes(layout, count, n)
             if used + size > c.max_kv_export_bytes:
                 raise ProtocolError(f"kv_export: {size} bytes would exceed the "
                                     f"{c.max_kv_export_bytes} this node holds for other nodes "
@@ -205,7 +211,7 @@ async def plan(store: KVStore | None, stage: Layout, tokens: np.ndarray, sources
                                last=p.layout.first + p.within + p.count - 1),
                     m.KvExportReady, cfg.kv_fetch_timeout_s)
                 p.length, p.handle, p.size = min(ready.length, len(tokens)), ready.handle, ready.size
-                if p.length and p.size != 4 * p.count * 2 * stage.kv_heads * ready.length * stage.head_dim:
+                if p.length and p.size != export_bytes(stage, p.count, ready.length):
                     raise ProtocolError(f"node {p.addr} offers {p.size} bytes for {ready.length} "
                                         f"positions of {p.count} layers")
             if not p.length:

@@ -288,13 +288,9 @@ class Node:
     async def _answer(self, conn: Conn, frame: dict[str, Any], msg: Message, handler: Handler,
                       owner: str, slots: asyncio.Semaphore) -> None:
         """One request's reply, or its error (the connection stays), once it has a slot."""
-        async with slots:
-            await self._reply(conn, frame, msg, handler, owner)
-
-    async def _reply(self, conn: Conn, frame: dict[str, Any], msg: Message, handler: Handler,
-                     owner: str) -> None:
         try:
-            await self._try_send(conn, await handler(msg, owner))
+            async with slots:
+                await self._try_send(conn, await handler(msg, owner))
         except EdgeliteError as exc:
             await self._refused(conn, frame, exc)
         except (TimeoutError, OSError) as exc:
