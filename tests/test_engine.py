@@ -132,3 +132,33 @@ def test_prompt_cut_runs_fewest_padded_tokens() -> None:
     assert [b - a for a, b in chunks_of(35, sizes, 4)] == [16, 16, 1, 1, 1]  # not 3 padded to 16
     assert [b - a for a, b in chunks_of(18, (4, *sizes), 4)] == [16, 2]  # 2 padded to 4
     assert [b - a for a, b in chunks_of(18, sizes, 4)] == [16, 1, 1]  # not 16 + 2 padded to 16
+
+
+def test_a_pipelines_prompt_is_cut_into_the_chunks_that_keep_its_stages_busy() -> None:
+    """Through P stages, chunks taking c_1..c_k each are done after sum(c) + (P - 1) max(c):
+    chunks_of picks the cap size (none below min_cap) whose cut gives the least of that, and
+    one stage cuts as before (the largest size)."""
+    from edgelite.engine.runtime import _pad, chunks_of
+
+    sizes = (4, 16, 64, 256)
+
+    def cut(n: int, stages: int, min_cap: int = 16) -> list[int]:
+        return [b - a for a, b in chunks_of(n, sizes, 4, stages, min_cap)]
+
+    def cost(c: list[int], stages: int) -> int:
+        each = [_pad(k, sizes) + 4 for k in c]
+        return sum(each) + (stages - 1) * max(each)
+
+    def capped(n: int, cap: int) -> list[int]:  # one stage's cut with sizes up to cap
+        return [b - a for a, b in chunks_of(n, sizes[:sizes.index(cap) + 1], 4)]
+
+    for n in range(1, 600):
+        assert cut(n, 1) == cut(n, 1, 0) == capped(n, 256)
+        for stages in (2, 3, 5):
+            got = cut(n, stages)
+            assert sum(got) == n and max(got) <= 256 and got[-1] == min(got)
+            for cap in (16, 64, 256):  # no other allowed cap does better
+                assert cost(got, stages) <= cost(capped(n, cap), stages), (n, stages, cap)
+    assert cut(1015, 1) == [256, 256, 256, 247] and cut(1015, 3) == [64] * 15 + [55]
+    assert cut(300, 3) == [16] * 18 + [12]
+    assert cut(18, 3) == [16, 2] and cut(18, 3, 4) == [4, 4, 4, 4, 2]  # the floor holds

@@ -198,7 +198,8 @@ async def _deploy(manifest: Manifest, plan: Plan, token: str, cfg: ClientConfig,
         assert sockets is not None
         stages = plan.remote
         plane = StepPlane(asyncio.get_running_loop(), part, cluster.plan_id,
-                          stages[0].addr, stages[-1].addr, cfg, cluster.limits)  # type: ignore[arg-type]
+                          stages[0].addr, stages[-1].addr, len(stages), cfg,  # type: ignore[arg-type]
+                          cluster.limits)
         plane.start()
         plane.attach(*sockets)
     except BaseException:

@@ -78,11 +78,15 @@ class Job:
 
 class StepPlane(FrameThread):
     def __init__(self, loop: asyncio.AbstractEventLoop, part: ClientPart, plan_id: PlanId,
-                 first: NodeAddr, last: NodeAddr, cfg: ClientConfig, limits: WireLimits) -> None:
+                 first: NodeAddr, last: NodeAddr, nodes: int, cfg: ClientConfig,
+                 limits: WireLimits) -> None:
         super().__init__("client-steps", limits, cfg.prefill_timeout_s, cfg.request_timeout_s,
                          cfg.shutdown_timeout_s)
         self.loop, self.part, self.plan_id, self.cfg = loop, part, plan_id, cfg
         self.first, self.last = first, last  # the nodes at each end of the data connections
+        # the stages a prompt's chunks pass through (the client's layers, if any, and the
+        # nodes'): how finely a prompt is cut (chunks_of)
+        self.stages = nodes + (part.prefix is not None)
         self.data_in: socket.socket | None = None
         self.sessions: dict[SessionId, SessionState] = {}
         self.in_flight: dict[tuple[SessionId, int], InFlight] = {}
@@ -158,7 +162,9 @@ class StepPlane(FrameThread):
                 f"session {job.session[:12]}: {state.broken or 'a step is in flight already'}"))
             return
         n = int(job.ids.shape[1])
-        bounds = list(chunks_of(n, self.part.cfg.prefill_chunks, self.part.cfg.chunk_overhead_tokens))
+        rt = self.part.cfg
+        bounds = list(chunks_of(n, rt.prefill_chunks, rt.chunk_overhead_tokens, self.stages,
+                                rt.pipeline_min_chunk))
         for k, (a, b) in enumerate(bounds):
             try:
                 hidden = self.part.front(job.session, job.ids[:, a:b])

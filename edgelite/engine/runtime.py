@@ -25,20 +25,35 @@ from edgelite.manifest import FileEntry, Manifest
 from edgelite.paths import home
 
 
-def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0) -> Iterator[tuple[int, int]]:
-    """(start, end) of each chunk of a prompt of n tokens: the largest size while more than it
-    is left, then the cut of the rest that runs the fewest padded tokens (each chunk costs
+def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0, stages: int = 1,
+              min_cap: int = 0) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk of a prompt of n tokens: chunks of a cap size while more than
+    it is left, then the cut of the rest that runs the fewest padded tokens (each chunk costs
     `overhead` tokens more: a call, a hop; a single token is a decode step, a shape every
     session has). E.g. sizes (16, 64, 256): 35 -> 16+16+1+1+1 (not 16+16+3 padded to 16, nor
     one 64); 60 -> 60 (one chunk of 64). The shortest steps go last: a pipeline's stages work on
-    a prompt's chunks in turn, so the last chunk's time after the first stage is the wait."""
+    a prompt's chunks in turn, so the last chunk's time after the first stage is the wait.
+
+    The cap: through a pipeline of `stages` stages of equal speed, chunks taking c_1..c_k each
+    at every stage are done after sum(c) + (stages - 1) * max(c) (the pipeline fills with the
+    first chunks and drains with the last). One stage: the largest size; more: smaller chunks
+    keep the stages busy together. The cap is the size (of those >= `min_cap`, or the
+    smallest) with the least estimated time, the larger on a tie."""
     sizes = tuple(sorted(sizes))
-    big = sizes[-1]
+    best: tuple[int, tuple[int, ...]] | None = None
+    for i, cap in enumerate(sizes):
+        if cap < min_cap and cap != sizes[-1]:
+            continue
+        full, rest = divmod(n, cap)
+        if full and not rest:  # (n a multiple of the cap: the last full chunk is the rest)
+            full, rest = full - 1, cap
+        cut = (cap,) * full + tuple(sorted(_cut(rest, sizes[:i + 1], overhead), reverse=True))
+        costs = [_pad(c, sizes) + overhead for c in cut]
+        cost = sum(costs) + (stages - 1) * max(costs, default=0)
+        if best is None or cost <= best[0]:
+            best = (cost, cut)
     a = 0
-    while n - a > big:
-        yield a, a + big
-        a += big
-    for size in sorted(_cut(n - a, sizes, overhead), reverse=True):  # the shortest step last
+    for size in best[1] if best else ():
         yield a, a + size
         a += size
 
