@@ -15,6 +15,10 @@ class KVStoreConfig:
     dir: str | None = None
     budget_bytes: int = 512 * 1024 * 1024  # disk for entries; least recently used go (0: off)
     block_tokens: int = 16  # prefixes are found in whole blocks of this many tokens
+    # saves are written behind (a finished request does not wait for the disk); at most this
+    # many bytes of KV copies wait for the writer (a save beyond it waits for earlier ones)
+    max_pending_write_bytes: int = 64 * 1024 * 1024
+    writer_nice: int = 10  # the writer thread runs this far below normal priority
 
     @property
     def enabled(self) -> bool:

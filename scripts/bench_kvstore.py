@@ -13,6 +13,9 @@ The client holds layers 0-9, two node processes 10-19 and 20-29 (1 thread each, 
   history on the same plan, and the ids against it and against the same turns on the first plan.
 - preemption: `edgelite serve` with a KV budget that forces preemptions, the same requests with
   swap and without: outputs, swapped-in vs recomputed tokens.
+- gateway: a conversation's second turn with and without prefix reuse (TTFT); and a long
+  reply's gaps between tokens while requests with long prompts come and go, with and without
+  reuse (what storing and looking up KV costs the other streams).
 Rounds interleave; medians. Prints one JSON object.
 
     python scripts/bench_kvstore.py [--rounds 3]
@@ -23,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +221,44 @@ def gateway_turns_run(model: Path, tmp: Path, reuse: bool, first: str, tokens: i
         return asyncio.run(talk(port))
 
 
+def stream_gaps_run(model: Path, tmp: Path, reuse: bool, texts: list[str]) -> dict[str, Any]:
+    """What the KV store costs other streams in `edgelite serve`: a long reply's gaps between
+    tokens while 4 requests with ~800-token prompts come (one after another) and finish."""
+
+    async def run(port: int) -> dict[str, Any]:
+        times: list[float] = []
+
+        async def long() -> None:
+            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
+            try:
+                story = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
+                async for _ in c.generate(story, GenerationConfig(max_tokens=300)):
+                    times.append(time.monotonic())
+            finally:
+                await c.close()
+
+        async def others() -> None:
+            await asyncio.sleep(1.0)
+            for text in texts:
+                c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "u", "t-u")
+                try:
+                    asked = [{"role": "user", "content": text}]
+                    async for _ in c.generate(asked, GenerationConfig(max_tokens=6)):
+                        pass
+                finally:
+                    await c.close()
+                await asyncio.sleep(0.3)
+
+        await asyncio.gather(long(), others())
+        gaps = sorted((b - a) * 1e3 for a, b in itertools.pairwise(times))
+        return {"tokens": len(times), "median_gap_ms": round(statistics.median(gaps), 1),
+                "p99_gap_ms": round(gaps[int(0.99 * (len(gaps) - 1))], 1), "max_gap_ms": round(gaps[-1], 1)}
+
+    tag = f"gaps-{'reuse' if reuse else 'compute'}"
+    with gateway(model, tmp, tag, ["--set", f"reuse_prefixes={'true' if reuse else 'false'}"]) as port:
+        return asyncio.run(run(port))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -296,6 +339,9 @@ def main() -> None:
             "prompt_tokens_reused": turns[True]["reused"],
             "ids_equal": [a["ids"] == b["ids"] for a, b in zip(turns[True]["turns"], turns[False]["turns"],
                                                              strict=True)]}
+        texts = [tok.decode(ids[6000 + 800 * i:6000 + 800 * i + 780]) + "\nSummarise." for i in range(4)]
+        gaps = {reuse: stream_gaps_run(model, tmp, reuse, texts) for reuse in (True, False)}
+        out["gateway_stream_gaps"] = {"reuse": gaps[True], "compute": gaps[False]}
         out["preemption_recomputed_tokens"] = {
             name: {"with_swap": p["swap"]["recomputed"], "without_swap": p["recompute"]["recomputed"]}
             for name, p in out["preemption"].items()}

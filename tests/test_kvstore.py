@@ -135,6 +135,56 @@ def test_an_extended_conversation_replaces_its_older_entry_and_the_budget_holds(
     assert small.stats()["evicted"] == 2
 
 
+
+def test_a_save_written_behind_is_found_by_the_next_lookup_and_its_copies_are_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """put_later returns before the disk write (a finished request does not wait for fsync);
+    a lookup waits for the writes queued before it, so it finds them; a save beyond
+    max_pending_bytes of waiting copies waits; a write that fails is a logged miss."""
+    import threading
+
+    from edgelite.engine import kvstore
+
+    gate = threading.Event()
+    real = kvstore.write_atomic
+
+    def slow(path: Path, parts: list[bytes]) -> None:
+        assert gate.wait(10)
+        real(path, parts)
+
+    monkeypatch.setattr(kvstore, "write_atomic", slow)
+    a, b = toks(100, 1), toks(100, 2)
+    store = KVStore(tmp_path, 1 << 30, BLOCK, max_pending_bytes=kv_for(a).nbytes + 1)
+    t0 = time.monotonic()
+    assert store.put_later(LAYOUT, a, kv_for(a)) == kv_for(a).nbytes
+    assert time.monotonic() - t0 < 1 and store.entries == 0  # queued, not written
+    second = threading.Thread(target=store.put_later, args=(LAYOUT, b, kv_for(b)))
+    found: list[int] = []
+    lookup = threading.Thread(target=lambda: found.append(store.longest(LAYOUT, a)))
+    second.start()
+    lookup.start()
+    second.join(0.3)
+    lookup.join(0.3)
+    assert second.is_alive() and lookup.is_alive()  # over the bound; before the write
+    gate.set()
+    second.join(10)
+    lookup.join(10)
+    assert found == [100] and store.longest(LAYOUT, b) == 100 and store.entries == 2
+    assert np.array_equal(store.get(LAYOUT, b).kv, kv_for(b))
+
+    def full(path: Path, parts: list[bytes]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kvstore, "write_atomic", full)
+    c = toks(100, 3)
+    assert store.put_later(LAYOUT, c, kv_for(c)) > 0
+    assert store.longest(LAYOUT, c) == 0 and store.entries == 2
+    assert "could not be written" in caplog.text
+    store.close()
+    with pytest.raises(ValueError):  # the KV's shape is checked before it is queued
+        KVStore(tmp_path / "other", 1 << 30, BLOCK).put_later(LAYOUT, c, kv_for(c)[:, :1])
+
+
 def test_a_hash_collision_cannot_return_wrong_kv(tmp_path: Path) -> None:
     """Make the index claim another sequence's block hash: the token ids decide."""
     store = KVStore(tmp_path, 1 << 30, BLOCK)

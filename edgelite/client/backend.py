@@ -172,10 +172,10 @@ class ClusterBackend:
         local, remote = await asyncio.gather(mine, nodes)
         return [local, *remote]
 
-    async def save(self, session: str, tokens: list[int]) -> int:
+    async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:
         raw = np.asarray(tokens, "<i4").tobytes()
-        mine = save_part(self.plane.part, session, tokens, self.plane.submit)
-        local, remote = await asyncio.gather(mine, self.cluster.kv_save(SessionId(session), raw))
+        mine = save_part(self.plane.part, session, tokens, self.plane.submit, behind)
+        local, remote = await asyncio.gather(mine, self.cluster.kv_save(SessionId(session), raw, behind))
         if local + remote and (plan := self.cluster.plan) is not None:
             await self.placed.saved(tuple(placements.Span(s.addr, s.first, s.last)
                                           for s in plan.stages))

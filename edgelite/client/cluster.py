@@ -160,9 +160,10 @@ class Cluster:
             lambda s: m.KvRestore(id=0, plan_id=self.plan_id, session=session, tokens=tokens,
                                   exact=exact, sources=sources(s)), m.KvRestored, False)]
 
-    async def kv_save(self, session: SessionId, tokens: bytes) -> int:
-        """Store the session's KV on every stage; the bytes written (best effort)."""
-        req = m.KvSave(id=0, plan_id=self.plan_id, session=session, tokens=tokens)
+    async def kv_save(self, session: SessionId, tokens: bytes, behind: bool = False) -> int:
+        """Store the session's KV on every stage; the bytes stored (best effort; `behind`:
+        KvSave.behind)."""
+        req = m.KvSave(id=0, plan_id=self.plan_id, session=session, tokens=tokens, behind=behind)
         return sum(a.bytes for a in await self._each_stage(lambda _s: req, m.KvSaved, True) if a)
 
     async def ping(self, addr: NodeAddr, timeout_s: float) -> None:

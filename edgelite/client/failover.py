@@ -174,10 +174,10 @@ class FailoverBackend:
             self.s.history[session] = [np.array([tokens[:n]], np.int64)]
         return n
 
-    async def save(self, session: str, tokens: list[int]) -> int:
+    async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:
         if session in self.s.stale:
             return 0
-        return await self.inner.save(session, tokens)
+        return await self.inner.save(session, tokens, behind)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -45,9 +45,12 @@ class Backend(Protocol):
         `tokens` they all hold. Returns its length (0: nothing stored, compute from the start)."""
         ...
 
-    async def save(self, session: str, tokens: list[int]) -> int:
+    async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:
         """Store the session's KV for `tokens` (the ids it consumed, in order) in every part's
-        KV store (best effort). Returns the bytes written."""
+        KV store (best effort). Returns once the entries are on disk, or, `behind`, once the KV
+        is copied (the session may end; the files are written behind and later lookups wait
+        for them: what a server does, whose other requests should not wait for the disk; a
+        process killed meanwhile loses them). Returns the bytes stored."""
         ...
 
     async def close(self) -> None:
@@ -86,8 +89,8 @@ class LocalBackend:
     async def restore(self, session: str, tokens: list[int]) -> int:
         return await restore_part(self.chain.part, session, tokens, self._on_thread)
 
-    async def save(self, session: str, tokens: list[int]) -> int:
-        return await save_part(self.chain.part, session, tokens, self._on_thread)
+    async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:
+        return await save_part(self.chain.part, session, tokens, self._on_thread, behind)
 
     async def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -115,15 +118,17 @@ async def restore_part(part: ClientPart, session: str, tokens: list[int], on_thr
                               lambda: on_thread(lambda: part.abandon(session, slot)))
 
 
-async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread) -> int:
+async def save_part(part: ClientPart, session: str, tokens: list[int], on_thread: OnThread,
+                    behind: bool = False) -> int:
     """The client part's share of `Backend.save`: a copy of its KV taken on its thread, written
-    off it."""
+    off it (`behind`: after returning, KVStore.put_later)."""
     if part.store is None or part.prefix is None or len(tokens) < part.store.block:
         return 0
     store, layout = part.store, part.prefix.layout
     try:
         kv = await on_thread(lambda: part.export_kv(session, len(tokens)))
-        return await asyncio.to_thread(store.put, layout, np.array(tokens, np.int32), kv)
+        put = store.put_later if behind else store.put
+        return await asyncio.to_thread(put, layout, np.array(tokens, np.int32), kv)
     except (EdgeliteError, OSError) as exc:
         log.warning("the session's KV was not stored: %s", exc)
         return 0

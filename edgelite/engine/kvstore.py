@@ -11,7 +11,9 @@ are stored and compared on every hit: a hash collision can never return wrong KV
 Payloads are plain files named by a hash of seed and tokens: a header (magic, version,
 fingerprint, layer range, layout, token count, each section's checksum) with its own sha256,
 then the token ids and the KV. A write goes to a temporary file, is fsynced and renamed into
-place, so a killed writer leaves no file that reads as an entry. A read checks everything
+place, so a killed writer leaves no file that reads as an entry. Saves can be written behind
+(`put_later`: one writer thread, the caller's copy kept until written), so a finished request
+does not wait for the disk; lookups wait for the writes queued before them. A read checks everything
 before anything uses the KV (it goes straight into a new session's slot, which becomes the
 session's only when the whole entry passed); an entry that fails any check is a miss with one
 log line, and is deleted. The index can always be rebuilt from the files (it is, when it is missing
@@ -35,6 +37,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -119,12 +122,22 @@ class Hit:
 
 
 class KVStore:
-    """Entries in `root` within `budget_bytes`; blocks of `block` tokens. Thread-safe."""
+    """Entries in `root` within `budget_bytes`; blocks of `block` tokens. Thread-safe.
 
-    def __init__(self, root: Path, budget_bytes: int, block: int = 16) -> None:
+    Saves can be written behind (`put_later`): one writer thread, `writer_nice` below normal
+    priority (a write yields the CPU to steps), at most `max_pending_bytes` of copies waiting;
+    lookups wait for the writes queued before them."""
+
+    def __init__(self, root: Path, budget_bytes: int, block: int = 16,
+                 max_pending_bytes: int = 64 << 20, writer_nice: int = 10) -> None:
         self.root, self.budget, self.block = Path(root), budget_bytes, block
+        self.max_pending_bytes = max_pending_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, "kv-write", _lower_priority, (writer_nice,))
+        self._writes = threading.Condition()
+        self._queued = self._written = 0  # writes queued, and written (or failed), so far
+        self._pending_bytes = 0
         self.hits = self.misses = self.corrupt = self.saved = self.evicted = 0
         self.db = self._open_index()
         self._reconcile()
@@ -227,6 +240,7 @@ class KVStore:
         """The length of the longest stored prefix of `tokens` (at most `at_most`; 0 when it
         is shorter than a block), from the index alone: what `get` returns unless the entry
         fails its checks when read."""
+        self._written_up_to_now()
         found = self._candidates(layout, np.asarray(tokens, np.int32)[:at_most])
         return found[0][1] if found and found[0][1] >= self.block else 0
 
@@ -236,6 +250,7 @@ class KVStore:
         completely; None when nothing usable is stored. `into`: where it goes (see
         read_entry; at most as many positions as it holds); the hit's KV is a view of it.
         `layers`: only these of the layout's layers (indices within it) are copied out."""
+        self._written_up_to_now()
         tokens = np.asarray(tokens, np.int32)
         if into is not None:
             at_most = min(into.shape[3], at_most if at_most is not None else len(tokens))
@@ -270,9 +285,7 @@ class KVStore:
         (0 when it was not kept: shorter than a block, or larger than the whole budget)."""
         tokens = np.ascontiguousarray(tokens, np.int32)
         n = len(tokens)
-        if kv.shape != layout.shape(n) or kv.dtype != np.dtype(layout.dtype):
-            raise ValueError(f"KV of shape {kv.shape} {kv.dtype} for {n} tokens; expected "
-                             f"{layout.shape(n)} {layout.dtype}")
+        _check_kv(layout, n, kv)
         if n < self.block:
             return 0
         name = hashlib.sha256(layout.seed + tokens.tobytes()).hexdigest()
@@ -292,6 +305,51 @@ class KVStore:
             self._evict(keep=name)
         return size
 
+    def put_later(self, layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> int:
+        """`put` in the store's writer thread: returns once the write is queued, with the KV's
+        bytes (0: fewer tokens than a block). `kv` must be the caller's own copy (it is kept
+        until written). While `max_pending_bytes` of copies wait, this waits for earlier ones
+        to be written. A write that fails is logged and its entry is a miss. A caller that
+        saves a finished conversation does not wait for the disk (fsync) this way."""
+        tokens = np.array(tokens, np.int32)
+        _check_kv(layout, len(tokens), kv)
+        if len(tokens) < self.block:
+            return 0
+        with self._writes:
+            while self._queued > self._written and self._pending_bytes + kv.nbytes > self.max_pending_bytes:
+                self._writes.wait()
+            self._queued += 1
+            self._pending_bytes += kv.nbytes
+        try:
+            self._writer.submit(self._write, layout, tokens, kv)
+        except RuntimeError:  # closed
+            self._wrote(kv.nbytes)
+            raise
+        return kv.nbytes
+
+    def _write(self, layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> None:
+        try:
+            self.put(layout, tokens, kv)
+        except (OSError, sqlite3.Error, ValueError) as exc:
+            log.warning("KV store: an entry of %d tokens could not be written (%s); it will be "
+                        "computed again when needed", len(tokens), exc)
+        finally:
+            self._wrote(kv.nbytes)
+
+    def _wrote(self, nbytes: int) -> None:
+        with self._writes:
+            self._written += 1
+            self._pending_bytes -= nbytes
+            self._writes.notify_all()
+
+    def _written_up_to_now(self) -> None:
+        """Wait for the writes queued so far (writes run in order: a lookup finds what was
+        saved before it)."""
+        with self._writes:
+            target = self._queued
+            while self._written < target:
+                self._writes.wait()
+
     def _evict(self, keep: str) -> None:
         used = self._used()
         for name, nbytes in self.db.execute(
@@ -310,8 +368,25 @@ class KVStore:
                     "evicted": self.evicted}
 
     def close(self) -> None:
+        """After the queued writes (blocks: off an event loop)."""
+        self._writer.shutdown(wait=True)
         with self.lock:
             self.db.close()
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling thread's priority by `nice` (on Linux and Android, per thread)."""
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError) as exc:  # (no setpriority here)
+            log.info("the KV store's writer keeps its priority: %s", exc)
+
+
+def _check_kv(layout: Layout, n: int, kv: np.ndarray) -> None:
+    if kv.shape != layout.shape(n) or kv.dtype != np.dtype(layout.dtype):
+        raise ValueError(f"KV of shape {kv.shape} {kv.dtype} for {n} tokens; expected "
+                         f"{layout.shape(n)} {layout.dtype}")
 
 
 async def to_end(fn: Callable[[], T]) -> T:
@@ -373,9 +448,11 @@ def _digest(data: bytes | memoryview, kind: str) -> str:
 SECTIONS = ("sha256", "crc32")  # the checksum of each section: token ids, KV
 
 
-def encode(layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> tuple[bytes, list[bytes]]:
-    """(header bytes, payload sections) of an entry."""
-    sections = [tokens.astype("<i4").tobytes(), np.ascontiguousarray(kv, "<f4").tobytes()]
+def encode(layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> tuple[bytes, list[bytes | memoryview]]:
+    """(header bytes, payload sections) of an entry (the KV section is a view of `kv` when it
+    is contiguous little-endian float32 already: no copy)."""
+    sections: list[bytes | memoryview] = [tokens.astype("<i4").tobytes(),
+                                          memoryview(np.ascontiguousarray(kv, "<f4")).cast("B")]
     meta = {"layout": layout.to_json(), "tokens": len(tokens),
             "sections": [[len(s), _digest(s, kind)] for s, kind in zip(sections, SECTIONS, strict=True)]}
     body = json.dumps(meta, sort_keys=True).encode()
@@ -483,7 +560,7 @@ def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
     return into[:, :, :, :k]
 
 
-def write_atomic(path: Path, parts: list[bytes]) -> None:
+def write_atomic(path: Path, parts: list[bytes | memoryview]) -> None:
     """Write `parts` to `path` so that it either appears whole or not at all."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -509,7 +586,8 @@ def open_store(cfg: KVStoreConfig, default_dir: Path) -> KVStore | None:
         return None
     root = Path(cfg.dir) if cfg.dir else default_dir
     try:
-        return KVStore(root, cfg.budget_bytes, cfg.block_tokens)
+        return KVStore(root, cfg.budget_bytes, cfg.block_tokens, cfg.max_pending_write_bytes,
+                       cfg.writer_nice)
     except (OSError, sqlite3.Error) as exc:
         log.warning("KV store in %s cannot be opened (%s); conversations will be recomputed",
                     root, exc)

@@ -184,12 +184,15 @@ MAX_KV_TOKENS = 1 << 20  # token ids in one KV store request (4 bytes each)
 
 @message("kv_save")
 class KvSave(Message):
-    """Store the session's KV for these token ids (int32 little-endian): the ids it consumed."""
+    """Store the session's KV for these token ids (int32 little-endian): the ids it consumed.
+    The answer comes once the entry is on disk, or, `behind`, once the KV is copied (it is
+    written behind; a later restore or export on the node waits for the write)."""
 
     id: int = bounds(-RID, RID)
     plan_id: str = bounds(max_len=ID)
     session: str = bounds(max_len=ID)
     tokens: bytes = bounds(max_len=4 * MAX_KV_TOKENS)
+    behind: bool = False
 
 
 @message("kv_saved")

@@ -184,7 +184,7 @@ class Node:
         await asyncio.gather(*restores, return_exceptions=True)  # each frees its slot first
         await self.data.stop()
         if self.kv is not None:
-            self.kv.close()
+            await asyncio.to_thread(self.kv.close)  # (after its queued writes)
 
     # ---- connections -------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -449,7 +449,8 @@ class Node:
 
     async def _kv_save(self, msg: m.KvSave, owner: str) -> m.KvSaved:
         """Store a session's KV (copied on the data plane's thread, after the steps before
-        this request; written off it)."""
+        this request; written off it, and with `behind` after the answer: a later restore or
+        export waits for the write)."""
         stage = self._own_stage(msg.plan_id, owner, "kv_save")
         tokens = kv_tokens(msg.tokens, "kv_save")
         if self.kv is None or len(tokens) < self.kv.block:
@@ -458,7 +459,8 @@ class Node:
         await self._restore_done(plan_id, session)
         kv = await self.data.submit(lambda: self.store.export_kv(plan_id, session, len(tokens)))
         try:
-            size = await asyncio.to_thread(self.kv.put, stage.layers.layout, tokens, kv)
+            put = self.kv.put_later if msg.behind else self.kv.put
+            size = await asyncio.to_thread(put, stage.layers.layout, tokens, kv)
         except OSError as exc:
             raise EdgeliteError(f"kv_save: the KV store cannot write: {exc}") from exc
         return m.KvSaved(id=msg.id, bytes=size)

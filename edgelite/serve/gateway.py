@@ -34,6 +34,7 @@ import secrets
 import statistics
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -197,6 +198,9 @@ class Gateway:
         self.reconnect_failures = 0
         self.tokens_total = 0  # tokens streamed to every client since the start
         self.token_times: deque[float] = deque(maxlen=self.cfg.latency_window)  # the latest
+        # finished requests' KV being stored, then freed (reuse_prefixes): tasks that run
+        # beside the steps, not in the way of the other requests' tokens
+        self.finishing: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -211,6 +215,9 @@ class Gateway:
         try:
             await self._loop()
         finally:
+            for t in self.finishing:
+                t.cancel()
+            await asyncio.gather(*self.finishing, return_exceptions=True)
             if self.server is not None:
                 self.server.close()
 
@@ -380,12 +387,24 @@ class Gateway:
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
                 (back if job.tokens or job.swapped else new).append(job)
-            await asyncio.gather(*(self._swap_in(job) for job in back),
-                                 *(self._reuse(job) for job in new))
-            work = [(r, self._next_ids(self.jobs[r.rid])) for r in self._this_step(d)]
-            results = (await asyncio.gather(
-                *ends, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
-                         for r, (ids, _) in work), return_exceptions=True))[len(ends):]
+            looking: list[Coroutine[Any, Any, None]] = []
+            if new and self.cfg.reuse_prefixes:
+                if self.finishing:  # a new prompt may extend one being stored now: stored first
+                    await asyncio.wait(set(self.finishing))
+                # new requests look for a stored prefix alongside this step (the others'
+                # tokens do not wait for the lookup); they join the steps from the next one
+                looking = [self._reuse(job) for job in new]
+            await asyncio.gather(*(self._swap_in(job) for job in back))
+            skip = {job.req.rid for job in new} if looking else set()
+            work = [(r, self._next_ids(self.jobs[r.rid])) for r in self._this_step(d)
+                    if r.rid not in skip]
+            results = await asyncio.gather(
+                *ends, *looking, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
+                                   for r, (ids, _) in work), return_exceptions=True)
+            for x in results[len(ends):len(ends) + len(looking)]:
+                if isinstance(x, BaseException):
+                    raise x  # (_reuse handles what a lookup may meet: this is a bug)
+            results = results[len(ends) + len(looking):]
             lost = not self.backend.healthy
             for (r, (_, last)), logits in zip(work, results, strict=True):
                 if lost and isinstance(logits, BaseException):
@@ -436,7 +455,7 @@ class Gateway:
             full = job.prompt + job.tokens
             held = full[:len(full) - (len(job.pending) if job.pending else 1)]
             try:
-                if await self.backend.save(job.session, held):
+                if await self.backend.save(job.session, held, behind=True):
                     job.swapped = len(held)
             except EdgeliteError as exc:
                 log.info("%s: its KV was not stored (%s); it will be recomputed", job.req.rid[:12], exc)
@@ -547,11 +566,11 @@ class Gateway:
         del self.jobs[job.req.rid]
         if error is None and self.cfg.reuse_prefixes:  # its KV, for the next that shares it
             fed = job.prompt + (job.tokens if finish == "eos" else job.tokens[:-1])
-            try:
-                await self.backend.save(job.session, fed)
-            except EdgeliteError as exc:
-                log.info("%s: its KV was not stored (%s)", job.req.rid[:12], exc)
-        await self._end(job)
+            task = asyncio.create_task(self._store_and_end(job, fed), name=f"store {job.req.rid[:12]}")
+            self.finishing.add(task)
+            task.add_done_callback(self._stored)
+        else:
+            await self._end(job)
         st = self._tier(job)
         t = job.token_times
         if t:
@@ -566,6 +585,19 @@ class Gateway:
             ttft_ms=round((t[0] - job.req.arrival) * 1e3, 2) if t else None,
             preemptions=job.req.preemptions,
             decode_tok_s=round((len(t) - 1) / (t[-1] - t[0]), 2) if len(t) > 1 and t[-1] > t[0] else 0.0))
+
+    async def _store_and_end(self, job: Job, fed: list[int]) -> None:
+        """A finished request's KV into the stores (copied, written behind), then freed."""
+        try:
+            await self.backend.save(job.session, fed, behind=True)
+        except EdgeliteError as exc:
+            log.info("%s: its KV was not stored (%s)", job.req.rid[:12], exc)
+        await self._end(job)
+
+    def _stored(self, task: asyncio.Task[None]) -> None:
+        self.finishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("storing a finished request's KV failed: %r", task.exception())
 
     def _tier(self, job: Job) -> TierStats:
         return self.tiers.setdefault(job.client.user.tier, TierStats(self.cfg.latency_window))
