@@ -7,6 +7,8 @@ other's block of the same tokens at the same context length, run a second apart.
 the same tokens (greedy), so they reach EOS together and start over together.
 Per-hop overhead comes from the steps' own timings: the client's round trip minus the time each
 stage held the step. Concurrency (4 sessions vs 1 on 2 nodes) runs in alternating rounds.
+Prefill: prompts of 60, 300 and 1,000 tokens through the 3 nodes, cut for the pipeline (the
+client's default) vs cut as for one stage (chunks of the largest size), taking turns.
 Prints one JSON object. Usage: python scripts/bench_pipeline.py [--tokens 384] [--block 8]
 [--export int4-fast|fp32] (the int4 export the demo runs, or the fp32 one of the earlier runs)
 """
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from bench_local import edgelite_export
 
 from edgelite import manifest as mf
@@ -36,6 +39,7 @@ from edgelite.net.steptrace import StepTrace, hop_summary
 from edgelite.planner.solve import split_plan
 
 PROMPT = "Write a short story about a robot who learns to paint."
+PREFILL_LENGTHS = (60, 300, 1000)  # prompt tokens (the chat prompt repeated)
 
 
 async def paired_blocks(backends: list, prompt: list[int], tokens: int, block: int,
@@ -112,11 +116,28 @@ def time_layers(local: LocalBackend) -> list[float]:
     return seconds
 
 
-async def cluster(m: mf.Manifest, ports: list[int], split: list[tuple[int, int]]) -> ClusterBackend:
+async def cluster(m: mf.Manifest, ports: list[int], split: list[tuple[int, int]],
+                  runtime: RuntimeConfig | None = None) -> ClusterBackend:
     plan = split_plan(split, [NodeAddr("127.0.0.1", p) for p in ports], m.num_layers)
-    backend = await open_backend(m, plan, TOKEN, runtime=RuntimeConfig(threads=1))
+    backend = await open_backend(m, plan, TOKEN, runtime=runtime or RuntimeConfig(threads=1))
     assert isinstance(backend, ClusterBackend)
     return backend
+
+
+async def prefill_ms(backends: dict[str, ClusterBackend], prompt: list[int], lengths: tuple[int, ...],
+                     rounds: int) -> dict[str, dict[int, list[float]]]:
+    """A prompt's prefill (its first token's logits) through each backend, taking turns (who
+    goes first alternates), for prompts of each length: ms."""
+    out: dict[str, dict[int, list[float]]] = {k: {n: [] for n in lengths} for k in backends}
+    for r in range(rounds):
+        for n in lengths:
+            ids = np.array([(prompt * (n // len(prompt) + 1))[:n]], np.int64)
+            for name in (list(backends) if r % 2 == 0 else list(backends)[::-1]):
+                t0 = time.perf_counter()
+                await backends[name].step(f"prefill-{r}-{n}", ids)
+                out[name][n].append((time.perf_counter() - t0) * 1e3)
+                await backends[name].end(f"prefill-{r}-{n}")
+    return out
 
 
 async def ping_us(be: ClusterBackend, n: int = 200) -> float:
@@ -158,6 +179,13 @@ async def main_async(args: argparse.Namespace) -> dict:
             for key, ps in order if r % 2 == 0 else order[::-1]:
                 res[key].append(await aggregate_tok_s(two, ps, args.session_tokens))
         rtt = await ping_us(three)
+        # prompts cut for the pipeline (chunks_of with its stages) vs cut as for one stage (the
+        # largest chunk size only: pipeline_min_chunk at the largest size), on the same nodes
+        one_cut = await cluster(m, [n.port for n in nodes[:3]], [(0, 9), (10, 19), (20, 29)],
+                                RuntimeConfig(threads=1, pipeline_min_chunk=256))
+        pre = await prefill_ms({"pipeline_cut": three, "one_stage_cut": one_cut}, prompt,
+                               PREFILL_LENGTHS, args.prefill_rounds)
+        await one_cut.close()
         await three.close()
         await two.close()
     finally:
@@ -200,6 +228,12 @@ async def main_async(args: argparse.Namespace) -> dict:
         "four_vs_one_session_ratio_paired_median": round(statistics.median(conc), 3),
         "concurrency_rounds": args.rounds,
         "raw": {k: [round(x, 3) for x in v] for k, v in res.items()},
+        # 3 nodes: a prompt's prefill (ms, medians), cut for the pipeline vs as for one stage
+        "prefill_3_nodes_ms": {str(n): {k: round(statistics.median(v[n]), 1) for k, v in pre.items()}
+                               for n in PREFILL_LENGTHS},
+        "prefill_3_nodes_pipeline_vs_one_stage_cut": {
+            str(n): round(statistics.median(pre["pipeline_cut"][n])
+                          / statistics.median(pre["one_stage_cut"][n]), 3) for n in PREFILL_LENGTHS},
     }
 
 
@@ -212,6 +246,7 @@ def main() -> None:
                     help="decode tokens per session (pairs restart their sessions after this many)")
     ap.add_argument("--models", type=Path, default=Path("models/bench"))
     ap.add_argument("--export", choices=["int4-fast", "fp32"], default="int4-fast")
+    ap.add_argument("--prefill-rounds", type=int, default=3, help="rounds of each prompt length")
     install_uvloop()  # the same event loop as `edgelite generate` and the nodes
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=1))
 
