@@ -167,3 +167,81 @@ def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node
         return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=12), reuse=False)]
 
     assert ids == asyncio.run(computed())
+
+
+def test_a_stored_prefix_that_fails_its_checks_when_read_is_computed(exported, node_factory,
+                                                                     tmp_path: Path) -> None:
+    """The nodes' index finds a conversation's stored KV, but the files were damaged since:
+    the next turn's first step fails on it (the nodes read the entries after answering), the
+    gateway computes the request instead (its ids are those of computing it), the damaged
+    entries are gone, and the gateway goes on serving."""
+    import time
+
+    from edgelite import manifest as mf
+    from edgelite.engine.generate import LocalBackend, generate
+    from edgelite.engine.tokenizer import Tokenizer
+
+    model = exported["llama"]
+    nodes = [node_factory() for _ in range(2)]
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    first = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
+
+    def entries() -> list[Path]:
+        return [p for n in nodes for p in (n.data_dir / "kv").glob("*.kv")]
+
+    def written(n: int) -> list[Path]:
+        deadline = time.monotonic() + 20
+        while len(entries()) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return entries()
+
+    damaged: list[Path] = []
+
+    with (tmp_path / "gateway.log").open("w") as log_file:
+        proc, port = _start_gateway(model, nodes, users, log_file)
+    try:
+        async def ask(c: GatewayClient, messages: list[dict]) -> tuple[str, list[int], int]:
+            text = "".join([p async for p in c.generate(messages, GenerationConfig(max_tokens=12))])
+            assert c.last is not None
+            return text, c.last.token_ids, (await c.stats())["prompt_tokens_reused"]
+
+        async def main() -> list[tuple[str, list[int], int]]:
+            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
+            try:
+                one = await ask(c, first)
+                assert len(await asyncio.to_thread(written, 2)) == 2  # (the nodes write behind)
+                for path in entries():  # bytes in the KV section flipped: the index still finds it
+                    data = bytearray(path.read_bytes())
+                    data[-64:-48] = bytes(b ^ 0xFF for b in data[-64:-48])
+                    path.write_bytes(bytes(data))
+                    damaged.append(path)
+                two = await ask(c, [*first, {"role": "assistant", "content": one[0]},
+                                    {"role": "user", "content": "and then?"}])
+                three = await ask(c, [{"role": "user", "content": "something else"}])
+                return [one, two, three]
+            finally:
+                await c.close()
+
+        (text1, _, reused0), (_, ids, reused1), (_, ids3, reused2) = asyncio.run(
+            asyncio.wait_for(main(), 120))
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert reused0 == reused1 == reused2 == 0  # the reuse that failed is not counted
+    m = mf.load(model)
+    tok = Tokenizer(m)
+
+    async def computed(prompt: list[int]) -> list[int]:
+        backend = LocalBackend(m)
+        try:
+            return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=12), reuse=False)]
+        finally:
+            await backend.close()
+
+    prompt2 = tok.chat_prompt([*first, {"role": "assistant", "content": text1},
+                               {"role": "user", "content": "and then?"}])
+    assert ids == asyncio.run(computed(prompt2)) and ids3
+    assert damaged and not any(p.exists() for p in damaged)  # read, failed, deleted
