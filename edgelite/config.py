@@ -191,6 +191,9 @@ class GatewayConfig:
     # KV is stored for the next; across users, as vLLM's prefix caching (timing can tell a
     # user that some request began with a prefix: turn it off where that matters)
     reuse_prefixes: bool = True
+    # new requests' lookups wait at most this long for finished requests' KV still being
+    # stored (a prompt extending one finds it); past it they look up without it
+    store_wait_s: float = 2.0
     reconnect_interval_s: float = 2.0  # after a lost node, how often the plan is deployed again
 
 

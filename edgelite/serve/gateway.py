@@ -390,7 +390,7 @@ class Gateway:
             looking: list[Coroutine[Any, Any, None]] = []
             if new and self.cfg.reuse_prefixes:
                 if self.finishing:  # a new prompt may extend one being stored now: stored first
-                    await asyncio.wait(set(self.finishing))
+                    await asyncio.wait(set(self.finishing), timeout=self.cfg.store_wait_s)
                 # new requests look for a stored prefix alongside this step (the others'
                 # tokens do not wait for the lookup); they join the steps from the next one
                 looking = [self._reuse(job) for job in new]
