@@ -169,3 +169,22 @@ def test_one_user_cannot_hold_every_slot_while_others_wait() -> None:
     assert [r.rid for r in d.admit] == ["n2"]
     assert sum(r.user == "hog" for r in s.running) == 2
     assert all(r.user == "hog" for r in s.waiting())
+
+
+def test_a_finished_requests_kv_stays_counted_until_it_is_released() -> None:
+    """While a finished request's KV is being stored (the gateway's `finishing`), the nodes
+    still hold it: with `keep_kv` nothing is admitted into it until `release`."""
+    s = Scheduler(SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4,
+                                  max_step_tokens=600, kv_tokens=300, max_preemptions=2))
+    a = Request("a", 0, 200, 1, 0.0)
+    s.submit(a)
+    assert s.step(0.0).admit == [a]
+    s.advance(a, done=True, keep_kv=True)
+    assert a.queue == "finished" and s.kv_used == a.held > 0
+    b = Request("b", 0, 200, 1, 0.1)
+    s.submit(b)
+    assert s.step(0.1).admit == []  # b's 200 tokens do not fit beside a's
+    s.release(a)
+    assert s.kv_used == 0 and s.step(0.2).admit == [b]
+    s.release(b)  # (not finished: nothing to release)
+    assert s.kv_used == b.held > 0

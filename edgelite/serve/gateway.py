@@ -558,7 +558,7 @@ class Gateway:
             self.tokens_total += 1
             self.token_times.append(job.token_times[-1])
             job.client.post(m.TokenPiece(id=job.rid, text=job.decoder.push(tok), token_id=tok))
-        self.sched.advance(r, done=eos)
+        self.sched.advance(r, done=eos, keep_kv=self.cfg.reuse_prefixes)  # (until stored: _finish)
         if r.queue == "finished":
             await self._finish(job, finish="eos" if eos else "length")
 
@@ -587,12 +587,18 @@ class Gateway:
             decode_tok_s=round((len(t) - 1) / (t[-1] - t[0]), 2) if len(t) > 1 and t[-1] > t[0] else 0.0))
 
     async def _store_and_end(self, job: Job, fed: list[int]) -> None:
-        """A finished request's KV into the stores (copied, written behind), then freed."""
+        """A finished request's KV into the stores (copied, written behind), then freed: on
+        the nodes, and in the scheduler's count (which held it meanwhile: no admission takes
+        KV the nodes still hold)."""
         try:
             await self.backend.save(job.session, fed, behind=True)
         except EdgeliteError as exc:
             log.info("%s: its KV was not stored (%s)", job.req.rid[:12], exc)
-        await self._end(job)
+        finally:
+            try:
+                await self._end(job)
+            finally:
+                self.sched.release(job.req)
 
     def _stored(self, task: asyncio.Task[None]) -> None:
         self.finishing.discard(task)

@@ -332,9 +332,10 @@ class Scheduler:
             d.resume.append(r)
 
     # ---- results -------------------------------------------------------------------------
-    def advance(self, r: Request, done: bool = False) -> None:
+    def advance(self, r: Request, done: bool = False, keep_kv: bool = False) -> None:
         """One token was produced for r (by its prefill, resume or decode); `done` when it ended
-        early (EOS). A finished request frees its KV at once."""
+        early (EOS). A finished request frees its KV at once, or, `keep_kv`, when `release`d
+        (its KV is still held on the nodes while it is being stored)."""
         if r.queue != "running":
             raise ValueError(f"request {r.rid} is {r.queue}, not running")
         r.generated += 1
@@ -347,10 +348,18 @@ class Scheduler:
             r.held = grown
         if done or r.remaining <= 0:
             self.running.remove(r)
-            self.kv_used -= r.held
-            r.kv, r.held, r.queue = 0, 0, "finished"
+            if not keep_kv:
+                self.kv_used -= r.held
+                r.held = 0
+            r.kv, r.queue = 0, "finished"
             self.finished.append(r)
             self.finished_count += 1
+
+    def release(self, r: Request) -> None:
+        """A finished request's KV that `advance(keep_kv=True)` kept counted is free now."""
+        if r.queue == "finished":
+            self.kv_used -= r.held
+            r.held = 0
 
     def cancel(self, r: Request) -> None:
         """Drop a request wherever it is (its client went away); its KV is freed at once."""
