@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,20 +109,16 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
     assert '"tiers"' in chat.stdout
 
 
-def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node_factory,
-                                                                   tmp_path: Path) -> None:
-    """A conversation's next turn through the gateway imports the KV of the turn before (stored
-    when that request finished) instead of computing it (reuse_prefixes), with the ids of
-    computing it all; a request that shares nothing reuses nothing."""
-    from edgelite import manifest as mf
-    from edgelite.engine.generate import LocalBackend, generate
-    from edgelite.engine.tokenizer import Tokenizer
+FIRST_TURN = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
 
-    model = exported["llama"]
-    nodes = [node_factory() for _ in range(2)]
+
+def _three_turns(model: Path, nodes: list, tmp_path: Path,
+                 between: Callable[[], None] | None = None) -> list[tuple[str, list[int], int]]:
+    """Through a gateway on `nodes`: a conversation's first turn, its next turn, and a request
+    that shares nothing with them; (text, ids, prompt_tokens_reused so far) of each.
+    `between`: run (in a thread) after the first turn."""
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"users": USERS}))
-    first = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
     with (tmp_path / "gateway.log").open("w") as log_file:
         proc, port = _start_gateway(model, nodes, users, log_file)
     try:
@@ -133,40 +130,62 @@ def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node
         async def main() -> list[tuple[str, list[int], int]]:
             c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
             try:
-                one = await ask(c, first)
-                two = await ask(c, [*first, {"role": "assistant", "content": one[0]},
-                                    {"role": "user", "content": "and then?"}])
+                one = await ask(c, FIRST_TURN)
+                if between is not None:
+                    await asyncio.to_thread(between)
+                two = await ask(c, _next_turn(one[0]))
                 three = await ask(c, [{"role": "user", "content": "something else"}])
                 return [one, two, three]
             finally:
                 await c.close()
 
-        (_, _, reused0), (_, ids, reused1), (_, _, reused2) = asyncio.run(asyncio.wait_for(main(), 120))
+        return asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         proc.kill()
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
-    m = mf.load(model)
-    tok = Tokenizer(m)
-    prompt1 = tok.chat_prompt(first)
-    assert reused0 == 0 and reused1 - reused0 >= len(prompt1) // 16 * 16 - 16 > 0, (reused0, reused1)
-    assert reused2 == reused1  # (its prompt shares less than a block with the others)
 
-    async def computed() -> list[int]:
+
+def _next_turn(reply: str) -> list[dict]:
+    return [*FIRST_TURN, {"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+
+
+def _computed(model: Path, messages: list[dict]) -> list[int]:
+    """The reply's ids, computed by the local engine from nothing."""
+    from edgelite import manifest as mf
+    from edgelite.engine.generate import LocalBackend, generate
+    from edgelite.engine.tokenizer import Tokenizer
+
+    m = mf.load(model)
+
+    async def run() -> list[int]:
         backend = LocalBackend(m)
         try:
-            reply = await backend_reply(backend, prompt1)
-            prompt2 = tok.chat_prompt([*first, {"role": "assistant", "content": tok.decode(reply)},
-                                       {"role": "user", "content": "and then?"}])
-            return await backend_reply(backend, prompt2)
+            return [t async for t in generate(backend, Tokenizer(m).chat_prompt(messages),
+                                              GenerationConfig(max_tokens=12), reuse=False)]
         finally:
             await backend.close()
 
-    async def backend_reply(backend, prompt: list[int]) -> list[int]:
-        return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=12), reuse=False)]
+    return asyncio.run(run())
 
-    assert ids == asyncio.run(computed())
+
+def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node_factory,
+                                                                   tmp_path: Path) -> None:
+    """A conversation's next turn through the gateway imports the KV of the turn before (stored
+    when that request finished) instead of computing it (reuse_prefixes), with the ids of
+    computing it all; a request that shares nothing reuses nothing."""
+    from edgelite import manifest as mf
+    from edgelite.engine.tokenizer import Tokenizer
+
+    model = exported["llama"]
+    (_, _, reused0), (_, ids, reused1), (_, _, reused2) = _three_turns(
+        model, [node_factory() for _ in range(2)], tmp_path)
+    prompt1 = Tokenizer(mf.load(model)).chat_prompt(FIRST_TURN)
+    assert reused0 == 0 and reused1 - reused0 >= len(prompt1) // 16 * 16 - 16 > 0, (reused0, reused1)
+    assert reused2 == reused1  # (its prompt shares less than a block with the others)
+    reply = Tokenizer(mf.load(model)).decode(_computed(model, FIRST_TURN))
+    assert ids == _computed(model, _next_turn(reply))
 
 
 def test_a_stored_prefix_that_fails_its_checks_when_read_is_computed(exported, node_factory,
@@ -177,71 +196,26 @@ def test_a_stored_prefix_that_fails_its_checks_when_read_is_computed(exported, n
     entries are gone, and the gateway goes on serving."""
     import time
 
-    from edgelite import manifest as mf
-    from edgelite.engine.generate import LocalBackend, generate
-    from edgelite.engine.tokenizer import Tokenizer
-
-    model = exported["llama"]
     nodes = [node_factory() for _ in range(2)]
-    users = tmp_path / "users.json"
-    users.write_text(json.dumps({"users": USERS}))
-    first = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
+    damaged: list[Path] = []
 
     def entries() -> list[Path]:
         return [p for n in nodes for p in (n.data_dir / "kv").glob("*.kv")]
 
-    def written(n: int) -> list[Path]:
-        deadline = time.monotonic() + 20
-        while len(entries()) < n and time.monotonic() < deadline:
+    def damage() -> None:
+        deadline = time.monotonic() + 20  # (the nodes write the first turn's KV behind)
+        while len(entries()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        return entries()
+        assert len(entries()) == 2
+        for path in entries():  # bytes in the KV section flipped: the index still finds it
+            data = bytearray(path.read_bytes())
+            data[-64:-48] = bytes(b ^ 0xFF for b in data[-64:-48])
+            path.write_bytes(bytes(data))
+            damaged.append(path)
 
-    damaged: list[Path] = []
-
-    with (tmp_path / "gateway.log").open("w") as log_file:
-        proc, port = _start_gateway(model, nodes, users, log_file)
-    try:
-        async def ask(c: GatewayClient, messages: list[dict]) -> tuple[str, list[int], int]:
-            text = "".join([p async for p in c.generate(messages, GenerationConfig(max_tokens=12))])
-            assert c.last is not None
-            return text, c.last.token_ids, (await c.stats())["prompt_tokens_reused"]
-
-        async def main() -> list[tuple[str, list[int], int]]:
-            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "pro", "t-pro")
-            try:
-                one = await ask(c, first)
-                assert len(await asyncio.to_thread(written, 2)) == 2  # (the nodes write behind)
-                for path in entries():  # bytes in the KV section flipped: the index still finds it
-                    data = bytearray(path.read_bytes())
-                    data[-64:-48] = bytes(b ^ 0xFF for b in data[-64:-48])
-                    path.write_bytes(bytes(data))
-                    damaged.append(path)
-                two = await ask(c, [*first, {"role": "assistant", "content": one[0]},
-                                    {"role": "user", "content": "and then?"}])
-                three = await ask(c, [{"role": "user", "content": "something else"}])
-                return [one, two, three]
-            finally:
-                await c.close()
-
-        (text1, _, reused0), (_, ids, reused1), (_, ids3, reused2) = asyncio.run(
-            asyncio.wait_for(main(), 120))
-    finally:
-        proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+    model = exported["llama"]
+    (text1, _, reused0), (_, ids, reused1), (_, ids3, reused2) = _three_turns(
+        model, nodes, tmp_path, damage)
     assert reused0 == reused1 == reused2 == 0  # the reuse that failed is not counted
-    m = mf.load(model)
-    tok = Tokenizer(m)
-
-    async def computed(prompt: list[int]) -> list[int]:
-        backend = LocalBackend(m)
-        try:
-            return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=12), reuse=False)]
-        finally:
-            await backend.close()
-
-    prompt2 = tok.chat_prompt([*first, {"role": "assistant", "content": text1},
-                               {"role": "user", "content": "and then?"}])
-    assert ids == asyncio.run(computed(prompt2)) and ids3
+    assert ids == _computed(model, _next_turn(text1)) and ids3
     assert damaged and not any(p.exists() for p in damaged)  # read, failed, deleted
