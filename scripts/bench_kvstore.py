@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -274,6 +276,7 @@ def main() -> None:
     new_turn = tok.encode(NEW_TURN)
     os.environ["EDGELITE_TOKEN"] = TOKEN  # (edgelite serve reads it)
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-kv-"))
+    atexit.register(shutil.rmtree, tmp, True)  # (the nodes' KV stores: GBs after a run)
     resume, shared, move = [], [], []
     shared_nodes = None
     try:

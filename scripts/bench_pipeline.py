@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -159,6 +161,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     m = mf.load(model)
     prompt = Tokenizer(m).chat_prompt([{"role": "user", "content": PROMPT}])
     tmp = Path(tempfile.mkdtemp(prefix="edgelite-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)  # (the nodes' KV stores: GBs after a run)
     # the client's KV store starts empty like the nodes' (in fast mode a prefix taken from a
     # store and a prefix computed in other chunks can differ in the last bits)
     os.environ["EDGELITE_HOME"] = str(tmp / "client")
