@@ -52,6 +52,8 @@ def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0, stages: int = 1
         cost = sum(costs) + (stages - 1) * max(costs, default=0)
         if best is None or cost <= best[0]:
             best = (cost, cut)
+        if n <= cap:  # larger caps cut it the same way (a decode step stops at the first)
+            break
     a = 0
     for size in best[1] if best else ():
         yield a, a + size
