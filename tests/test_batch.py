@@ -110,3 +110,66 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
             await be.close()
 
     asyncio.run(main())
+
+
+def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, node_factory) -> None:
+    """A decode step that is the only input of a wait runs from its frame's bytes (the node's
+    decode lane): the same output and trace as the general path, on a real node; a lone step
+    the general path would refuse, or treat specially, is left to it and gets its answer."""
+    model = exported["llama"]
+    m = mf.load(model)
+    node = node_factory()
+    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
+    rng = np.random.default_rng(4)
+    prompt = rng.standard_normal((1, 5, m.hidden_size)).astype(np.float32)
+    steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in range(4)]
+    slot = layers.pool.acquire()
+    layers.step(slot, prompt)
+    want = [layers.step(slot, s) for s in steps]
+
+    async def main() -> None:
+        be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
+        plan = be.cluster.plan_id
+        addr = be.plan.stages[0].addr
+        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
+        try:
+            sink = await _authed(node.port)
+            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
+            assert isinstance(await sink.recv(), msgs.DataReady)
+            steps_in = await _data(node.port, plan, cap)
+
+            async def one(frame: bytes) -> msgs.Result:
+                steps_in.writer.write(frame)
+                await steps_in.writer.drain()
+                return await asyncio.wait_for(sink.recv(), 10)
+
+            assert (await one(_frame(plan, "s", 0, 0, prompt))).error is None  # a new session
+            lane0 = (await be.cluster.stats())[addr]["lane_steps"]
+            for i, s in enumerate(steps[:2]):
+                got = await one(pack(msgs.Forward(plan_id=plan, session="s", step=1 + i, start=5 + i,
+                                                  hidden=s, trace=[(7, 9)])))
+                assert got.error is None and got.step == 1 + i and got.start == 5 + i
+                np.testing.assert_allclose(got.hidden, want[i], atol=1e-5, rtol=0)
+                assert len(got.trace) == 2 and got.trace[0] == (7, 9)
+                assert 0 < got.trace[1][0] <= got.trace[1][1]  # compute within held, in us
+            assert (await be.cluster.stats())[addr]["lane_steps"] == lane0 + 2
+            # refused by the general path, each with its reason: a wrong start, a session this
+            # node does not hold, a wrong width (on the sender's connection: the step does not
+            # fit the stage); the session goes on after them
+            assert "starts at 99" in (await one(_frame(plan, "s", 3, 99, steps[2]))).error
+            wide = rng.standard_normal((1, 1, m.hidden_size + 4)).astype(np.float32)
+            steps_in.writer.write(_frame(plan, "s", 3, 7, wide))
+            assert "expected float32" in (await asyncio.wait_for(steps_in.recv(), 10)).error
+            assert "holds KV for 0 tokens" in (await one(_frame(plan, "x", 3, 7, steps[2]))).error
+            assert (await be.cluster.stats())[addr]["lane_steps"] == lane0 + 2
+            for i, s in enumerate(steps[2:], start=2):
+                got = await one(_frame(plan, "s", 1 + i, 5 + i, s))
+                assert got.error is None
+                np.testing.assert_allclose(got.hidden, want[i], atol=1e-5, rtol=0)
+            assert (await be.cluster.stats())[addr]["lane_steps"] == lane0 + 4
+            await sink.close()
+            await steps_in.close()
+        finally:
+            await be.close()
+
+    asyncio.run(main())

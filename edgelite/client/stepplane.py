@@ -35,8 +35,10 @@ from edgelite.engine.runtime import ClientPart, chunks_of
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable, ProtocolError
 from edgelite.ids import NodeAddr, PlanId, SessionId
 from edgelite.net import messages as m
+from edgelite.net import stepframe
 from edgelite.net.framethread import FrameThread
 from edgelite.net.schema import Message
+from edgelite.net.stepframe import LEN
 from edgelite.net.steptrace import StepTrace
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class StepPlane(FrameThread):
         self.gone: NodeUnavailable | None = None
         self.traces: deque[StepTrace] = deque(maxlen=cfg.trace_window)
         self.done: list[tuple[InFlight, np.ndarray]] = []  # results read, waiting for the head
+        self.asked: list[Job] = []  # steps asked for on the event loop, not handed over yet
         self.head_runs = 0  # runs of the head, and the results they served
         self.head_rows = 0
 
@@ -109,8 +112,17 @@ class StepPlane(FrameThread):
         if not self.thread.is_alive():
             raise self.gone or EdgeliteError("this plan's step thread is not running (closed)")
         job = Job(session, ids, self.loop.create_future())
-        self.call(lambda: self._begin(job))
+        self.asked.append(job)
+        if len(self.asked) == 1:  # the steps asked for in this turn of the loop go together
+            self.loop.call_soon(self._hand_over)
         return await job.fut
+
+    def _hand_over(self) -> None:
+        """The steps asked for since the last hand-over, to the thread as one piece of work:
+        sessions whose results came together (one head run) send their next steps in one
+        write, and the stages run them as one batch."""
+        jobs, self.asked = self.asked, []
+        self.call(lambda: self._begin_all(jobs))
 
     async def start_at(self, session: SessionId, position: int) -> None:
         """A new session whose first `position` tokens every stage holds already (their KV
@@ -138,17 +150,28 @@ class StepPlane(FrameThread):
 
     def _settle(self, fut: asyncio.Future[np.ndarray], result: np.ndarray | None = None,
                 exc: BaseException | None = None) -> None:
+        self._settle_all([(fut, result, exc)])
+
+    def _settle_all(self, outcomes: list[tuple[asyncio.Future[np.ndarray], np.ndarray | None,
+                                               BaseException | None]]) -> None:
+        """Hand steps' outcomes to the event loop in one call: the sessions they wake ask for
+        their next steps in the same turn of the loop (see _hand_over)."""
         def settle() -> None:
-            if not fut.done():
-                if exc is None:
-                    fut.set_result(result)  # type: ignore[arg-type]
-                else:
-                    fut.set_exception(exc)
+            for fut, result, exc in outcomes:
+                if not fut.done():
+                    if exc is None:
+                        fut.set_result(result)  # type: ignore[arg-type]
+                    else:
+                        fut.set_exception(exc)
 
         try:
             self.loop.call_soon_threadsafe(settle)
         except RuntimeError:
             log.debug("event loop closed; a step's outcome is dropped")
+
+    def _begin_all(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._guarded(lambda job=job: self._begin(job), "a step")  # type: ignore[misc]
 
     def _begin(self, job: Job) -> None:
         if job.fut.done():
@@ -179,10 +202,9 @@ class StepPlane(FrameThread):
             self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
                                                          b == n, time.perf_counter(), timeout,
                                                          time.monotonic() + timeout)
-            frame = m.Forward(plan_id=self.plan_id, session=job.session, step=step, start=state.sent,
-                              hidden=hidden)
+            body = stepframe.encode_fields(1, self.plan_id, job.session, step, state.sent, hidden)
             state.sent += b - a
-            if not self.send(self.data_in, frame):
+            if not self.send_frames(self.data_in, LEN.pack(len(body)) + body, "forward"):
                 self.close_conn(self.data_in, "broken while sending")
                 return
 
@@ -227,8 +249,7 @@ class StepPlane(FrameThread):
                 continue
             self.head_runs += 1
             self.head_rows += len(members)
-            for (w, _), row in zip(members, logits, strict=True):
-                self._settle(w.fut, row)
+            self._settle_all([(w.fut, row, None) for (w, _), row in zip(members, logits, strict=True)])
 
     def _fail_session(self, session: SessionId, exc: BaseException) -> None:
         """Fail the session's other chunks still in flight."""

@@ -64,6 +64,14 @@ class Binding:
     total: np.ndarray  # () int32
     out: np.ndarray  # (rows, chunk, hidden)
 
+    def __post_init__(self) -> None:
+        # the same buffers as flat memoryviews: a decode step (decode_bytes) writes its input
+        # and reads its output through these, in single C calls
+        self.hidden_bytes = memoryview(self.hidden).cast("B")
+        self.out_bytes = memoryview(self.out).cast("B")
+        self.seqlens_mv = memoryview(self.seqlens)
+        self.total_mv = memoryview(self.total.reshape(1))
+
 
 @dataclass
 class LayerRange:
@@ -173,6 +181,24 @@ class LayerRange:
         self.session.run_with_iobinding(b.io)
         slot.length = start + n
         return b.out[:, :n].copy()
+
+    def decode_bytes(self, slot: Slot, hidden: memoryview) -> memoryview | None:
+        """A decode step from and to raw bytes (float32, hidden_size of them): the output,
+        a view of the binding's buffer valid until this range's next run. None, with nothing
+        run, when the slot's session is full (`step` says why). The node's decode lane: the
+        same run as step(slot, one token), with the fewest Python calls."""
+        start = slot.length
+        if start >= self.pool.max_length:
+            return None
+        b = self.bindings.get((id(slot.slab), slot.index, slot.index + 1, 1))
+        if b is None:
+            b = self._binding(slot.slab, slot.index, slot.index + 1, 1)
+        b.hidden_bytes[:] = hidden
+        b.seqlens_mv[0] = start
+        b.total_mv[0] = start + 1
+        self.session.run_with_iobinding(b.io)
+        slot.length = start + 1
+        return b.out_bytes
 
     def step_batch(self, slots: list[Slot], hidden: np.ndarray) -> np.ndarray:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)

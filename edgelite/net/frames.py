@@ -13,7 +13,6 @@ import asyncio
 import errno
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +22,7 @@ from edgelite.config import WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError, StreamError
 from edgelite.net import stepframe
 from edgelite.net.schema import Message, parse
-
-LEN = struct.Struct(">I")  # the frame length prefix
+from edgelite.net.stepframe import LEN  # the frame length prefix (re-exported)
 
 
 def pack(msg: Message) -> bytes:

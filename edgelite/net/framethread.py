@@ -29,6 +29,7 @@ from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
 from edgelite.net.frames import LEN, decode, pack
 from edgelite.net.schema import Message
+from edgelite.net.stepframe import MAGIC
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,6 +37,7 @@ T = TypeVar("T")
 
 class FrameThread:
     RECV_BYTES = 64 * 1024  # per read; below malloc's mmap threshold
+    LONE_STEPS = False  # whether on_lone_step may take steps (subclasses that handle them)
 
     def __init__(self, name: str, limits: WireLimits, send_timeout_s: float,
                  queued_call_timeout_s: float, shutdown_timeout_s: float) -> None:
@@ -48,6 +50,7 @@ class FrameThread:
         self._wake_r.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._todo: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.roles: dict[socket.socket, str] = {}  # open connections (a plain dict: hot path)
         self.buffers: dict[socket.socket, bytearray] = {}  # bytes of frames not complete yet
         # frames not yet taken by the kernel, and when each such connection must have moved on
         self.outq: dict[socket.socket, deque[memoryview]] = {}
@@ -59,11 +62,20 @@ class FrameThread:
         self.bad_frames = 0
         self.failures = 0  # frames or idle work whose handler raised (a bug; the thread went on)
         self._stop = False
+        self._rbuf = bytearray(self.RECV_BYTES)  # each read lands here, then is taken at once
+        self._rview = memoryview(self._rbuf)
+        self._lone = False  # the current wait brought input on one connection only
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- for subclasses ------------------------------------------------------------------
     def on_frame(self, sock: socket.socket, msg: Message, t_in: float) -> None:
         raise NotImplementedError
+
+    def on_lone_step(self, sock: socket.socket, body: memoryview, t_in: float) -> bool:
+        """A binary step frame that is the only input of this wait (one frame, on one
+        connection): the subclass may handle it from its raw bytes and return True; False
+        (the default) handles it as any frame."""
+        return False
 
     def on_bad_frame(self, sock: socket.socket, exc: ProtocolError, fatal: bool) -> None:
         """A frame that is not a valid message: the sender gets an error naming what was wrong.
@@ -128,12 +140,11 @@ class FrameThread:
     def add(self, sock: socket.socket, role: str) -> None:
         sock.setblocking(False)  # reads never wait; `send` waits only for a frame's tail
         self.sel.register(sock, selectors.EVENT_READ, role)
+        self.roles[sock] = role
 
     def role(self, sock: socket.socket) -> str | None:
-        try:
-            return self.sel.get_key(sock).data
-        except (KeyError, ValueError):
-            return None
+        """What the connection is to the subclass (None: not open on this thread)."""
+        return self.roles.get(sock)
 
     def send(self, sock: socket.socket, *msgs: Message) -> bool:
         """Queue frames, in one write (steps in their binary layout: stepframe.py); a step's
@@ -141,10 +152,14 @@ class FrameThread:
         peer reads, without holding up other connections; a peer that takes nothing for the
         send timeout loses its connection. False: broken already."""
         data = pack(msgs[0]) if len(msgs) == 1 else b"".join(pack(x) for x in msgs)
+        return self.send_frames(sock, data, msgs[0].TYPE)
+
+    def send_frames(self, sock: socket.socket, data: bytes, what: str) -> bool:
+        """`send` of frames already packed (`what` names them in a log line)."""
         if self._corked is not None:  # queued work is running: its frames go out together
             self._corked.setdefault(sock, []).append(data)
             return True
-        return self._write(sock, data, msgs[0].TYPE)
+        return self._write(sock, data, what)
 
     def _write(self, sock: socket.socket, frames: bytes, what: str) -> bool:
         data = memoryview(frames)
@@ -206,10 +221,9 @@ class FrameThread:
         frames = self._corked.pop(sock, None) if self._corked is not None else None
         if frames and self.role(sock) is not None:  # what was sent before the close goes first
             self._write(sock, b"".join(frames), "frame")
-        try:
-            self.sel.unregister(sock)
-        except (KeyError, ValueError):
+        if self.roles.pop(sock, None) is None:
             return  # closed already
+        self.sel.unregister(sock)
         self.buffers.pop(sock, None)
         self.partial_since.pop(sock, None)
         self.outq.pop(sock, None)
@@ -220,14 +234,16 @@ class FrameThread:
     def _run(self) -> None:
         try:
             while not self._stop:
-                for key, events in self.sel.select(timeout=self._wait_s()):
+                ready = self.sel.select(timeout=self._wait_s())
+                self._lone = len(ready) == 1
+                for key, events in ready:
                     sock = key.fileobj
                     if sock is self._wake_r:
                         self._drain_todo()
                         continue
                     if events & selectors.EVENT_WRITE and sock in self.outq:
                         self._flush(sock)  # type: ignore[arg-type]
-                    if events & selectors.EVENT_READ and self.role(sock) is not None:  # still open
+                    if events & selectors.EVENT_READ and sock in self.roles:  # still open
                         self._read(sock)  # type: ignore[arg-type]
                 if self.out_deadline or self.partial_since:
                     self._expire()
@@ -236,9 +252,8 @@ class FrameThread:
             log.exception("%s failed", self.thread.name)
             raise
         finally:
-            for key in list(self.sel.get_map().values()):
-                if key.fileobj is not self._wake_r:
-                    self.close_conn(key.fileobj, "shutting down")  # type: ignore[arg-type]
+            for sock in list(self.roles):
+                self.close_conn(sock, "shutting down")
             self.cleanup()
             self.sel.close()
             self._wake_r.close()
@@ -295,19 +310,29 @@ class FrameThread:
         """Take what has arrived and handle each complete frame."""
         buf = self.buffers.setdefault(sock, bytearray())
         try:
-            chunk = sock.recv(self.RECV_BYTES)
+            got = sock.recv_into(self._rbuf)
         except BlockingIOError:
             return
         except OSError as exc:
             self.close_conn(sock, f"connection broken: {exc!r}")
             return
-        if not chunk:
+        t_in = time.perf_counter()  # what this read completes is here: time spent on it starts
+        if (self.LONE_STEPS and self._lone and not buf and got > 4 and self._rbuf[4] == MAGIC
+                and got == 4 + LEN.unpack_from(self._rbuf)[0]):  # exactly one step frame
+            with self._rview[4:got] as body:
+                try:
+                    if self.on_lone_step(sock, body, t_in):
+                        return
+                except Exception as exc:  # noqa: BLE001 - see _guarded
+                    self._failed("a step frame", exc)
+                    return
+        if not got:
             if buf:
                 self.bad_frames += 1
                 log.warning("data connection closed mid-frame (%d bytes held)", len(buf))
             self.close_conn(sock, "connection closed" + (" mid-frame" if buf else ""))
             return
-        buf += chunk
+        buf += self._rview[:got]
         while self.buffers.get(sock) is buf and len(buf) >= 4:
             (n,) = LEN.unpack_from(buf)
             if n > self.limits.max_frame_bytes:
@@ -318,7 +343,6 @@ class FrameThread:
                 self.partial_since.setdefault(sock, time.monotonic())
                 return
             self.partial_since.pop(sock, None)
-            t_in = time.perf_counter()  # the frame is here: time spent on it starts
             msg, bad = self._parse(buf, n)
             del buf[:4 + n]
             if bad is not None:  # a whole frame that is wrong: refuse it, read on

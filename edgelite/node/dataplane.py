@@ -27,6 +27,7 @@ from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kv import Slot
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
+from edgelite.net import stepframe as sf
 from edgelite.net.framethread import FrameThread
 from edgelite.net.schema import Message
 from edgelite.node.stages import Session, Stage, StageStore
@@ -72,6 +73,8 @@ class Ready:
 
 
 class DataPlane(FrameThread):
+    LONE_STEPS = True  # decode steps may take the lane (on_lone_step)
+
     def __init__(self, name: str, store: StageStore, cfg: NodeConfig, limits: WireLimits) -> None:
         super().__init__("dataplane", limits, cfg.forward_timeout_s, cfg.queued_call_timeout_s,
                          cfg.shutdown_timeout_s)
@@ -85,6 +88,10 @@ class DataPlane(FrameThread):
         self.waiting: dict[tuple[str, str], list[Ready]] = {}
         # sessions whose restore failed before any step came: the next step is told why
         self.unrestored: dict[tuple[str, str], str] = {}
+        # `in` connections whose steps passed check_forward: the stage and the plan id and
+        # decode dims as bytes, for the decode lane (on_lone_step)
+        self.lanes: dict[socket.socket, tuple[Stage, bytes, bytes]] = {}
+        self.lane_steps = 0  # decode steps run by the lane
         self.batches = 0  # batched runs, and the steps in them
         self.batched_steps = 0
 
@@ -140,6 +147,7 @@ class DataPlane(FrameThread):
     def on_closed(self, sock: socket.socket, reason: str) -> None:
         log.debug("data connection ended: %s", reason)
         self.inbound.pop(sock, None)
+        self.lanes.pop(sock, None)
         for table in (self.outbound, self.sinks):
             for k in [k for k, v in table.items() if v is sock]:
                 del table[k]
@@ -156,6 +164,60 @@ class DataPlane(FrameThread):
         else:
             self._step(sock, msg, t_in)
 
+    def on_lone_step(self, sock: socket.socket, body: memoryview, t_in: float) -> bool:
+        """The decode lane: a step of one token of a live session, alone in this wait, runs
+        from the frame's bytes into the next stage's frame, with no message objects. It takes
+        only what the general path (`_step`) would accept and run as it is, checked in the
+        same terms (see stepframe.py for the layout); anything else, or anything unusual (a
+        new session, a KV bucket to grow into, a restore under way, a step already queued),
+        returns False and goes the general way."""
+        lane = self.lanes.get(sock)
+        if lane is None or self.ready or self.waiting or self.unrestored or self.store.restoring:
+            return False
+        stage, plan, fixed = lane
+        (_, kind, flags, n_trace, step, start, n_plan, n_session, n_error, code, rank) = \
+            sf.HEAD.unpack_from(body)
+        ids_end = sf.HEAD.size + n_plan + n_session
+        ints_end = ids_end + 4 * (3 + 2 * n_trace)
+        pos = ints_end + -ints_end % 4
+        hidden = stage.manifest.hidden_size
+        if (kind != 1 or flags != sf.HIDDEN or code != sf.F32 or rank != 3 or n_error
+                or n_trace >= m.MAX_STAGES - 1 or step > m.RID or start > m.MAX_START
+                or len(body) != pos + 4 * hidden or body[sf.HEAD.size:ids_end - n_session] != plan
+                or body[ids_end:ids_end + 12] != fixed or self.store.stages.get(stage.plan_id) is not stage):
+            return False
+        try:
+            session = bytes(body[ids_end - n_session:ids_end]).decode()
+        except UnicodeDecodeError:
+            return False
+        sess = self.store.sessions.get((stage.plan_id, session))
+        dest = (self.outbound if stage.next_addr else self.sinks).get(stage.plan_id)
+        if (sess is None or sess.stage is not stage or sess.slot.length != start or start < 1
+                or dest is None or stage.layers.pool.bucket(start) <= start):
+            return False  # (no KV growth beyond its bucket: no budget to check)
+        t0 = time.perf_counter()
+        try:
+            out = stage.layers.decode_bytes(sess.slot, body[pos:])
+        except (EdgeliteError, RuntimeError, ValueError) as exc:  # as `_forward` answers it
+            log.info("plan %s session %s: %s", stage.plan_id, session[:12], exc)
+            msg = sf.parse(body, self.limits)
+            assert isinstance(msg, m.Forward)  # (checked above)
+            self._pass_on(stage, msg, None, f"{self.name}: {exc}", 0.0, t_in)
+            return True
+        if out is None:
+            return False
+        ms = self.store.ran(t0, sess)  # (counted before the send: whoever gets the result
+        self.lane_steps += 1  # and then asks for the node's stats sees them)
+        head = sf.HEAD.pack(sf.MAGIC, 1 if stage.next_addr else 2, flags, n_trace + 1, step, start,
+                            n_plan, n_session, 0, code, 3)
+        size = pos + 8 + 4 * hidden
+        frame = b"".join((sf.LEN.pack(size), head, body[sf.HEAD.size:ints_end],
+                          sf.PAIR.pack(round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)),
+                          body[ints_end:pos], out))
+        if not self._write(dest, frame, "step"):
+            self.close_conn(dest, "broken while sending")
+        return True
+
     def _step(self, sock: socket.socket, msg: m.Forward, t_in: float) -> None:
         try:
             stage = check_forward(self.store, msg, *self.inbound[sock])
@@ -165,6 +227,9 @@ class DataPlane(FrameThread):
             self.send(sock, m.Result(plan_id=msg.plan_id, session=msg.session, step=msg.step,
                                      start=msg.start, error=f"{self.name}: {exc}"))
             return
+        if sock not in self.lanes:  # its later decode steps may take the lane
+            self.lanes[sock] = (stage, msg.plan_id.encode(),
+                                sf.DIMS.pack(1, 1, stage.manifest.hidden_size))
         key = (msg.plan_id, msg.session)
         why = self.unrestored.pop(key, None)
         if why is None and (key in self.store.restoring or key in self.waiting):  # still read

@@ -379,7 +379,7 @@ class Node:
         d = self.data
         return m.StatsReply(id=msg.id, stats={
             "node": self.name, "bad_frames": self.bad_frames + d.bad_frames,
-            "batches": d.batches, "batched_steps": d.batched_steps,
+            "batches": d.batches, "batched_steps": d.batched_steps, "lane_steps": d.lane_steps,
             "restores": len(self.restores), "steps_waiting_for_restores": d.steps_waiting,
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
                            "restarts": self.restarts},
@@ -587,6 +587,7 @@ class Node:
         self.data = DataPlane(self.name, self.store, self.cfg, self.limits)
         self.data.bad_frames, self.data.failures = old.bad_frames, old.failures
         self.data.batches, self.data.batched_steps = old.batches, old.batched_steps
+        self.data.lane_steps = old.lane_steps
         self.data.start()
         for stage in list(self.store.stages.values()):
             if stage.next_addr is not None:
