@@ -109,6 +109,10 @@ class NodeConfig:
     part_ttl_s: float = 3600.0  # a partial upload untouched this long is deleted
     # decode steps of several sessions that arrive together run as one batch (weights read once)
     batch_max_steps: int = 8  # 1: never batch
+    # a batch of at least this many decode steps runs as two halves, the first passed on
+    # before the second runs: two waves of sessions keep two stages busy at once, where one
+    # batch would leave each stage idle while the others work (0: never split)
+    wave_split_min: int = 4
     # steps of a session whose KV is being read from the KV store wait for it (on the data plane)
     max_waiting_steps: int = 64  # per session; more are refused
     max_unrestored_kept: int = 256  # failed restores remembered to tell the session's next step

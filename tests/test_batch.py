@@ -73,9 +73,11 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
                                               hidden=p))
                 assert (await asyncio.wait_for(sink.recv(), 10)).error is None
             # all decode steps in one write, so they are read in one go; plus one with a
-            # wrong start, which is refused on its own while the others run as a batch
-            burst = b"".join(_frame(plan, f"s{i}", 1, n, s)
-                             for i, (n, s) in enumerate(zip(lengths, steps, strict=True)))
+            # wrong start, which is refused on its own while the others run batched: 4 steps
+            # (wave_split_min) as two halves of neighbouring KV slots (s0 s1, then s2 s3,
+            # whatever order they came in), the first half passed on before the second runs
+            order = [2, 0, 3, 1]
+            burst = b"".join(_frame(plan, f"s{i}", 1, lengths[i], steps[i]) for i in order)
             steps_in.writer.write(burst + _frame(plan, "s0", 1, 99, steps[0]))
             await steps_in.writer.drain()
             got = {}
@@ -84,11 +86,13 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
                 got[(msg.session, msg.start)] = msg
             refused = [msg for msg in got.values() if msg.error is not None]
             assert len(refused) == 1 and "starts at 99" in refused[0].error
+            done = [key[0] for key, msg in got.items() if msg.error is None]  # in arrival order
+            assert {*done[:2]} == {"s0", "s1"} and {*done[2:]} == {"s2", "s3"}, list(got)
             for i, (p, s) in enumerate(zip(prompts, steps, strict=True)):
                 out = got[(f"s{i}", lengths[i])].hidden
                 np.testing.assert_allclose(out, _solo(layers, p, s), atol=1e-5, rtol=0)
             stats = (await be.cluster.stats())[be.plan.stages[0].addr]
-            assert stats["batches"] == 1 and stats["batched_steps"] == len(lengths), stats
+            assert stats["batches"] == 2 and stats["batched_steps"] == len(lengths), stats
             # a prompt's chunk and its one-token last chunk arrive between two sessions'
             # decode steps: the one-token step waits for its prompt, it does not join the batch
             prompt_p = rng.standard_normal((1, 3, m.hidden_size)).astype(np.float32)

@@ -291,7 +291,8 @@ class DataPlane(FrameThread):
 
     def on_idle(self) -> None:
         """Run the steps read this round: decode steps of one stage together (up to the batch
-        size), everything else one by one, in arrival order otherwise. A step never joins a
+        size; from wave_split_min steps on, as two halves: `_halves`), everything else one by
+        one, in arrival order otherwise. A step never joins a
         batch ahead of an earlier step of its own session (a prompt's last chunk may be one
         token: it must not run before the chunks it follows)."""
         while self.ready:
@@ -308,10 +309,25 @@ class DataPlane(FrameThread):
                     rest.append(r)
                     waiting.add(r.msg.session)
             self.ready = rest
+            if len(group) >= self.cfg.wave_split_min > 0:
+                group, back = self._halves(first.stage, group)
+                self.ready = back + rest
             if len(group) == 1:
                 self._forward(first.stage, first.msg, first.t_in)
             else:
                 self._forward_batch(group)
+
+    def _halves(self, stage: Stage, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
+        """A batch's two waves (wave_split_min), each of sessions with neighbouring KV slots:
+        a batch runs over the span of its slots, and a wave once formed stays one (its
+        results reach the client together, and its next steps leave together)."""
+        def place(r: Ready) -> tuple[int, int]:
+            sess = self.store.sessions.get((stage.plan_id, r.msg.session))
+            return (0, -1) if sess is None else (id(sess.slot.slab), sess.slot.index)
+
+        group = sorted(group, key=place)
+        half = (len(group) + 1) // 2
+        return group[:half], group[half:]
 
     def _forward_batch(self, group: list[Ready]) -> None:
         """Run and pass on decode steps of several sessions: those whose KV slots share a slab
