@@ -277,8 +277,8 @@ class FrameThread:
         log.debug("%s: handling %s failed", self.thread.name, what, exc_info=exc)
 
     def _drain_todo(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
+        try:  # (a wake-up has at least one byte to read: no exception raised in the usual case)
+            while len(self._wake_r.recv(4096)) == 4096:
                 pass
         except BlockingIOError:
             pass
@@ -308,7 +308,9 @@ class FrameThread:
 
     def _read(self, sock: socket.socket) -> None:
         """Take what has arrived and handle each complete frame."""
-        buf = self.buffers.setdefault(sock, bytearray())
+        buf = self.buffers.get(sock)
+        if buf is None:
+            buf = self.buffers[sock] = bytearray()
         try:
             got = sock.recv_into(self._rbuf)
         except BlockingIOError:
