@@ -33,6 +33,7 @@ from edgelite.net.stepframe import MAGIC
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux (and Android) only
 
 
 class FrameThread:
@@ -65,6 +66,7 @@ class FrameThread:
         self._rbuf = bytearray(self.RECV_BYTES)  # each read lands here, then is taken at once
         self._rview = memoryview(self._rbuf)
         self._lone = False  # the current wait brought input on one connection only
+        self.acks_due: list[socket.socket] = []  # read this round (see _delay_acks)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- for subclasses ------------------------------------------------------------------
@@ -248,6 +250,8 @@ class FrameThread:
                 if self.out_deadline or self.partial_since:
                     self._expire()
                 self._guarded(self.on_idle, "idle work")
+                if self.acks_due:
+                    self._delay_acks()
         except Exception:
             log.exception("%s failed", self.thread.name)
             raise
@@ -258,6 +262,20 @@ class FrameThread:
             self.sel.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _delay_acks(self) -> None:
+        """After the round's work (its sends are out): the connections read this round ack
+        their next data late, with the peer's next ack or the kernel's delayed-ack timer,
+        instead of at once. Steps flow one way on a data connection, so each step would
+        otherwise cost a bare ack packet, handled inside the receiver's read on the hop's
+        path (the mode does not last: it is set again after every read)."""
+        for sock in self.acks_due:
+            if sock in self.roles:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 0)  # type: ignore[arg-type]
+                except OSError:  # not TCP (a socketpair in tests), or closing
+                    pass
+        self.acks_due.clear()
 
     @property
     def stopping(self) -> bool:
@@ -319,6 +337,8 @@ class FrameThread:
             self.close_conn(sock, f"connection broken: {exc!r}")
             return
         t_in = time.perf_counter()  # what this read completes is here: time spent on it starts
+        if QUICKACK is not None:
+            self.acks_due.append(sock)
         if (self.LONE_STEPS and self._lone and not buf and got > 4 and self._rbuf[4] == MAGIC
                 and got == 4 + LEN.unpack_from(self._rbuf)[0]):  # exactly one step frame
             with self._rview[4:got] as body:
