@@ -8,6 +8,10 @@ the result straight into the next stage's `in` connection (or the sink). The eve
 answering control requests (pings, stats, deploys, probes) meanwhile; work that must be ordered
 with steps (ending a session) is queued on the thread.
 
+A decode step that is the only input of its wait, of a session this node holds, takes the
+decode lane (`on_lone_step`): it runs from the frame's bytes into the next stage's frame, with
+no message objects; everything else goes the general way (`on_frame`, `on_idle`).
+
 A frame that is not a valid message gets an error reply (the connection stays, unless the
 stream cannot be followed); a bad step gets an error result, on the sender's connection when the
 step itself does not fit the stage, else passed down the chain to the client.
