@@ -122,6 +122,11 @@ class StepPlane(FrameThread):
         sessions whose results came together (one head run) send their next steps in one
         write, and the stages run them as one batch."""
         jobs, self.asked = self.asked, []
+        if not self.thread.is_alive():  # closed since they were asked for
+            for job in jobs:
+                if not job.fut.done():
+                    job.fut.set_exception(self.gone or EdgeliteError("the plan was closed"))
+            return
         self.call(lambda: self._begin_all(jobs))
 
     async def start_at(self, session: SessionId, position: int) -> None:
@@ -171,7 +176,11 @@ class StepPlane(FrameThread):
 
     def _begin_all(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self._guarded(lambda job=job: self._begin(job), "a step")  # type: ignore[misc]
+            try:
+                self._begin(job)
+            except Exception as exc:  # noqa: BLE001 - a bug: its caller gets it, the others go on
+                self._failed("a step", exc)
+                self._settle(job.fut, exc=exc)
 
     def _begin(self, job: Job) -> None:
         if job.fut.done():
