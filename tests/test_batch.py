@@ -177,3 +177,65 @@ def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, n
             await be.close()
 
     asyncio.run(main())
+
+
+def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, node_factory) -> None:
+    """A batch runs over the span of its sessions' KV slots: a node moves the sessions of a
+    batch with a gap between them next to each other once (the session in the way takes the
+    place left), and every session's outputs stay those of running alone."""
+    model = exported["llama"]
+    m = mf.load(model)
+    node = node_factory()
+    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
+    rng = np.random.default_rng(6)
+    lengths = [3, 5, 2, 4]
+    prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
+    mine = [layers.pool.acquire() for _ in lengths]  # the same steps run alone, here
+    for slot, p in zip(mine, prompts, strict=True):
+        layers.step(slot, p)
+
+    async def main() -> None:
+        be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
+        plan = be.cluster.plan_id
+        addr = be.plan.stages[0].addr
+        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
+        try:
+            sink = await _authed(node.port)
+            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
+            assert isinstance(await sink.recv(), msgs.DataReady)
+            steps_in = await _data(node.port, plan, cap)
+            for i, p in enumerate(prompts):  # slots 0-3, in this order
+                await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0,
+                                                 hidden=p))
+                assert (await asyncio.wait_for(sink.recv(), 10)).error is None
+            position = list(lengths)
+
+            async def burst(sessions: list[int]) -> None:
+                steps = {i: rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
+                         for i in sessions}
+                steps_in.writer.write(b"".join(_frame(plan, f"s{i}", 1 + position[i] - lengths[i],
+                                                      position[i], s) for i, s in steps.items()))
+                await steps_in.writer.drain()
+                for _ in sessions:
+                    got = await asyncio.wait_for(sink.recv(), 10)
+                    i = int(got.session[1:])
+                    assert got.error is None and got.start == position[i], got.error
+                    np.testing.assert_allclose(got.hidden, layers.step(mine[i], steps[i]),
+                                               atol=1e-5, rtol=0)
+                for i in sessions:
+                    position[i] += 1
+
+            stats = (await be.cluster.stats())[addr]
+            assert stats["slot_moves"] == 0 and stats["batches"] == 0
+            await burst([0, 2])  # slots 0 and 2: s2 moves to slot 1, s1 to slot 2
+            await burst([1, 3])  # now slots 2 and 3: together already
+            await burst([2, 0])
+            await burst([3, 1])
+            stats = (await be.cluster.stats())[addr]
+            assert stats["slot_moves"] == 1 and stats["batches"] == 4, stats
+            await sink.close()
+            await steps_in.close()
+        finally:
+            await be.close()
+
+    asyncio.run(main())

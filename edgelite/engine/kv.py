@@ -92,6 +92,22 @@ class KVPool:
             slab.buffer.madvise(mmap.MADV_DONTNEED, start, self.slot_bytes)
         slot.length = 0
 
+    def swap(self, slot: Slot, index: int) -> None:
+        """Move a session's KV to position `index` of its slab, and what held that position
+        (another session's slot, or nothing) to its place: both keep their contents and
+        lengths under each other's index (bindings, cached per position, stay valid)."""
+        slab, i = slot.slab, slot.index
+        other = slab.slots[index]
+        n = max(slot.length, 0 if other is None else other.length)
+        if n:
+            mine = slab.array[:, :, i, :, :n].copy()
+            slab.array[:, :, i, :, :n] = slab.array[:, :, index, :, :n]
+            slab.array[:, :, index, :, :n] = mine
+        slab.slots[i], slab.slots[index] = other, slot
+        slot.index = index
+        if other is not None:
+            other.index = i
+
     def read(self, slot: Slot, n: int) -> np.ndarray:
         """A copy of the slot's first n positions: (layers, 2, kv_heads, n, head_dim)."""
         if not 0 < n <= slot.length:

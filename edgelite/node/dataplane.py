@@ -353,6 +353,7 @@ class DataPlane(FrameThread):
                 self._forward(stage, members[0][0].msg, members[0][0].t_in)
                 continue
             hidden = np.concatenate([r.msg.hidden for r, _ in members])  # type: ignore[misc]
+            self.store.gather([s for _, s in members])  # (once per wave: it stays together)
             try:
                 outs, ms = self.store.compute_batch([s for _, s in members], hidden)
             except (EdgeliteError, RuntimeError, ValueError) as exc:

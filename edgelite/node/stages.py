@@ -71,6 +71,7 @@ class StageStore:
     restoring: dict[tuple[str, str], Restoring] = field(default_factory=dict)
     runs: int = 0
     run_ms_total: float = 0.0
+    slot_moves: int = 0  # sessions' KV moved to bring a batch's slots together (gather)
     # layer ranges open here, and how many loaded (or loading) stages use each
     ranges: dict[tuple[str, int, int], LayerRange] = field(default_factory=dict)
     users: dict[tuple[str, int, int], int] = field(default_factory=dict)
@@ -252,6 +253,28 @@ class StageStore:
                 del self.restoring[key]
         stage.layers.pool.release(slot)
 
+    def gather(self, sessions: list[Session]) -> int:
+        """Move these sessions' KV (in one slab) into neighbouring slots, from the lowest of
+        theirs on: a batch runs over the span of its slots, and each slot between them would
+        cost a row of compute. The sessions in the way take the places left. Nothing moves
+        when a place is a slot being filled from the KV store. Returns the moves made."""
+        slots = sorted((s.slot for s in sessions), key=lambda slot: slot.index)
+        lo, k = slots[0].index, len(slots)
+        if slots[-1].index - lo + 1 == k:
+            return 0
+        slab = slots[0].slab
+        taken = {slot.index for slot in slots}
+        holes = [j for j in range(lo, lo + k) if j not in taken]
+        filling = {id(r.slot) for r in self.restoring.values()}
+        if any(id(slab.slots[j]) in filling for j in holes):
+            return 0
+        movers = [slot for slot in slots if slot.index >= lo + k]
+        pool = sessions[0].stage.layers.pool
+        for slot, j in zip(movers, holes, strict=True):
+            pool.swap(slot, j)
+        self.slot_moves += len(movers)
+        return len(movers)
+
     def compute(self, sess: Session, hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """hidden (1, n, hidden) through the stage's layers: (its output, ms)."""
         t0 = time.perf_counter()
@@ -319,6 +342,6 @@ class StageStore:
                 "kv_bytes": kv_bytes,
                 "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
-                "runs": runs,
+                "runs": runs, "slot_moves": self.slot_moves,
                 "ms_per_run": ms / runs if runs else 0.0,
                 "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last]} for s in mine]}
