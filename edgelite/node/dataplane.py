@@ -199,6 +199,12 @@ class DataPlane(FrameThread):
         if (sess is None or sess.stage is not stage or sess.slot.length != start or start < 1
                 or dest is None or stage.layers.pool.bucket(start) <= start):
             return False  # (no KV growth beyond its bucket: no budget to check)
+        # all of the next frame that does not depend on the output, while what it is made of
+        # is still in the caches (after the layers, every object touched is cold again)
+        prefix = b"".join((sf.LEN.pack(pos + 8 + 4 * hidden),
+                           sf.HEAD.pack(sf.MAGIC, 1 if stage.next_addr else 2, flags, n_trace + 1,
+                                        step, start, n_plan, n_session, 0, code, 3),
+                           body[sf.HEAD.size:ints_end]))
         t0 = time.perf_counter()
         try:
             out = stage.layers.decode_bytes(sess.slot, body[pos:])
@@ -211,17 +217,12 @@ class DataPlane(FrameThread):
         if out is None:
             return False
         ms = (time.perf_counter() - t0) * 1e3
-        self.store.count_run()  # (counted before the send; the rest after it)
         self.lane_steps += 1
-        head = sf.HEAD.pack(sf.MAGIC, 1 if stage.next_addr else 2, flags, n_trace + 1, step, start,
-                            n_plan, n_session, 0, code, 3)
-        size = pos + 8 + 4 * hidden
-        frame = b"".join((sf.LEN.pack(size), head, body[sf.HEAD.size:ints_end],
-                          sf.PAIR.pack(round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)),
+        frame = b"".join((prefix, sf.PAIR.pack(round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)),
                           body[ints_end:pos], out))
         if not self._write(dest, frame, "step"):
             self.close_conn(dest, "broken while sending")
-        self.store.time_run(ms, sess)
+        self.store.add_run(ms, sess)  # (the bookkeeping after the send)
         return True
 
     def _step(self, sock: socket.socket, msg: m.Forward, t_in: float) -> None:

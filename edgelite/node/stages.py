@@ -290,23 +290,17 @@ class StageStore:
     def ran(self, t0: float, *sessions: Session) -> float:
         """Count a run that started at t0 (perf_counter) and ends now; returns its ms."""
         ms = (time.perf_counter() - t0) * 1e3
-        self.count_run()
-        self.time_run(ms, *sessions)
+        self.add_run(ms, *sessions)
         return ms
 
-    def count_run(self) -> None:
-        """A run's count (before its result leaves: whoever gets it and then asks for the
-        stats sees the run counted)."""
-        with self.lock:
-            self.runs += 1
-
-    def time_run(self, ms: float, *sessions: Session) -> None:
-        """A counted run's time, and its sessions' last use (may come after the result has
-        left: the decode lane does this after the send)."""
+    def add_run(self, ms: float, *sessions: Session) -> None:
+        """Count a run of `ms` and its sessions' last use (the decode lane does this after
+        its send)."""
         now = time.monotonic()
         for s in sessions:
             s.last_used = now
         with self.lock:
+            self.runs += 1
             self.run_ms_total += ms
 
     def end(self, plan_id: str, session: str) -> int:
