@@ -4,11 +4,17 @@ place in one slab), on a real node process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from edgelite import manifest as mf
+from edgelite.cli.localnodes import NodeProc
+from edgelite.client.backend import ClusterBackend
 from edgelite.config import RuntimeConfig
 from edgelite.engine.layers import LayerRange, export_files
 from edgelite.engine.runtime import ClientPart
@@ -19,6 +25,35 @@ from test_distributed import _cluster
 from test_node_bad_input import _authed, _data
 
 pytestmark = pytest.mark.e2e
+
+
+@contextlib.asynccontextmanager
+async def _one_node(model: Path, node: NodeProc) -> AsyncIterator[tuple[ClusterBackend, Any, Any]]:
+    """A plan of every layer on one node, whose steps the test sends on a data connection of
+    its own and whose results it reads on the plan's sink (taken over from the plan's client)."""
+    be = await _cluster(model, [node.addr], [(0, mf.load(model).num_layers - 1)])
+    plan = be.cluster.plan_id
+    cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
+    try:
+        sink = await _authed(node.port)
+        await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
+        assert isinstance(await sink.recv(), msgs.DataReady)
+        steps_in = await _data(node.port, plan, cap)
+        yield be, sink, steps_in
+        await sink.close()
+        await steps_in.close()
+    finally:
+        await be.close()
+
+
+def _llama_on_a_node(exported, node_factory, seed: int) -> tuple[
+        Path, mf.Manifest, NodeProc, LayerRange, np.random.Generator]:
+    """The tiny Llama, a node, its layers in this process (to run steps alone) and a
+    random generator."""
+    model = exported["llama"]
+    m = mf.load(model)
+    return (model, m, node_factory(), LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1),
+                                                 export_files(m)), np.random.default_rng(seed))
 
 
 def _solo(layers: LayerRange, prompt: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -50,24 +85,14 @@ def _frame(plan: str, session: str, step: int, start: int, hidden: np.ndarray) -
 
 
 def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None:
-    model = exported["llama"]
-    m = mf.load(model)
-    node = node_factory()
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
-    rng = np.random.default_rng(2)
+    model, m, node, layers, rng = _llama_on_a_node(exported, node_factory, 2)
     lengths = [2, 6, 4, 1]
     prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
     steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in lengths]
 
     async def main() -> None:
-        be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
-        plan = be.cluster.plan_id
-        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
-        try:
-            sink = await _authed(node.port)  # takes the plan's results over from `be`
-            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
-            assert isinstance(await sink.recv(), msgs.DataReady)
-            steps_in = await _data(node.port, plan, cap)
+        async with _one_node(model, node) as (be, sink, steps_in):
+            plan = be.cluster.plan_id
             for i, p in enumerate(prompts):  # prefill each session on its own
                 await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0,
                                               hidden=p))
@@ -108,10 +133,6 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
             assert all(msg.error is None for msg in got.values()), [g.error for g in got.values()]
             np.testing.assert_allclose(got[("p", 3)].hidden, _solo(layers, prompt_p, step_p),
                                        atol=1e-5, rtol=0)
-            await sink.close()
-            await steps_in.close()
-        finally:
-            await be.close()
 
     asyncio.run(main())
 
@@ -120,11 +141,7 @@ def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, n
     """A decode step that is the only input of a wait runs from its frame's bytes (the node's
     decode lane): the same output and trace as the general path, on a real node; a lone step
     the general path would refuse, or treat specially, is left to it and gets its answer."""
-    model = exported["llama"]
-    m = mf.load(model)
-    node = node_factory()
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
-    rng = np.random.default_rng(4)
+    model, m, node, layers, rng = _llama_on_a_node(exported, node_factory, 4)
     prompt = rng.standard_normal((1, 5, m.hidden_size)).astype(np.float32)
     steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in range(4)]
     slot = layers.pool.acquire()
@@ -132,15 +149,8 @@ def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, n
     want = [layers.step(slot, s) for s in steps]
 
     async def main() -> None:
-        be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
-        plan = be.cluster.plan_id
-        addr = be.plan.stages[0].addr
-        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
-        try:
-            sink = await _authed(node.port)
-            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
-            assert isinstance(await sink.recv(), msgs.DataReady)
-            steps_in = await _data(node.port, plan, cap)
+        async with _one_node(model, node) as (be, sink, steps_in):
+            plan, addr = be.cluster.plan_id, be.plan.stages[0].addr
 
             async def one(frame: bytes) -> msgs.Result:
                 steps_in.writer.write(frame)
@@ -171,10 +181,6 @@ def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, n
                 assert got.error is None
                 np.testing.assert_allclose(got.hidden, want[i], atol=1e-5, rtol=0)
             assert (await be.cluster.stats())[addr]["lane_steps"] == lane0 + 4
-            await sink.close()
-            await steps_in.close()
-        finally:
-            await be.close()
 
     asyncio.run(main())
 
@@ -183,11 +189,7 @@ def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, 
     """A batch runs over the span of its sessions' KV slots: a node moves the sessions of a
     batch with a gap between them next to each other once (the session in the way takes the
     place left), and every session's outputs stay those of running alone."""
-    model = exported["llama"]
-    m = mf.load(model)
-    node = node_factory()
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
-    rng = np.random.default_rng(6)
+    model, m, node, layers, rng = _llama_on_a_node(exported, node_factory, 6)
     lengths = [3, 5, 2, 4]
     prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
     mine = [layers.pool.acquire() for _ in lengths]  # the same steps run alone, here
@@ -195,15 +197,8 @@ def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, 
         layers.step(slot, p)
 
     async def main() -> None:
-        be = await _cluster(model, [node.addr], [(0, m.num_layers - 1)])
-        plan = be.cluster.plan_id
-        addr = be.plan.stages[0].addr
-        cap = be.cluster.capabilities[NodeAddr.parse(node.addr)]
-        try:
-            sink = await _authed(node.port)
-            await sink.send(msgs.OpenData(id=1, plan_id=plan, role="sink", capability=cap))
-            assert isinstance(await sink.recv(), msgs.DataReady)
-            steps_in = await _data(node.port, plan, cap)
+        async with _one_node(model, node) as (be, sink, steps_in):
+            plan, addr = be.cluster.plan_id, be.plan.stages[0].addr
             for i, p in enumerate(prompts):  # slots 0-3, in this order
                 await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0,
                                                  hidden=p))
@@ -233,9 +228,5 @@ def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, 
             await burst([3, 1])
             stats = (await be.cluster.stats())[addr]
             assert stats["slot_moves"] == 1 and stats["batches"] == 4, stats
-            await sink.close()
-            await steps_in.close()
-        finally:
-            await be.close()
 
     asyncio.run(main())
