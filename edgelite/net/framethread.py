@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue
-import selectors
+import select
 import socket
 import threading
 import time
@@ -46,10 +47,13 @@ class FrameThread:
         self.send_timeout_s = send_timeout_s
         self.queued_call_timeout_s = queued_call_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.sel = selectors.DefaultSelector()
+        # poll() over the few connections: no Python between the wake-up and the read
+        self.poller = select.poll()
+        self.socks: dict[int, socket.socket] = {}  # registered fd -> its connection
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self.poller.register(self._wake_r, select.POLLIN)
+        self._wake_fd = self._wake_r.fileno()
         self._todo: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.roles: dict[socket.socket, str] = {}  # open connections (a plain dict: hot path)
         self.buffers: dict[socket.socket, bytearray] = {}  # bytes of frames not complete yet
@@ -141,7 +145,8 @@ class FrameThread:
     # ---- on the thread -------------------------------------------------------------------
     def add(self, sock: socket.socket, role: str) -> None:
         sock.setblocking(False)  # reads never wait; `send` waits only for a frame's tail
-        self.sel.register(sock, selectors.EVENT_READ, role)
+        self.poller.register(sock, select.POLLIN)
+        self.socks[sock.fileno()] = sock
         self.roles[sock] = role
 
     def role(self, sock: socket.socket) -> str | None:
@@ -178,7 +183,7 @@ class FrameThread:
         if sent < len(data):
             self.outq[sock] = deque([data[sent:]])
             self.out_deadline[sock] = time.monotonic() + self.send_timeout_s
-            self.sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, self.role(sock))
+            self.poller.modify(sock, select.POLLIN | select.POLLOUT)
         return True
 
     def _flush(self, sock: socket.socket) -> None:
@@ -197,7 +202,7 @@ class FrameThread:
             self.close_conn(sock, f"broken while sending: {exc!r}")
             return
         del self.outq[sock], self.out_deadline[sock]
-        self.sel.modify(sock, selectors.EVENT_READ, self.role(sock))
+        self.poller.modify(sock, select.POLLIN)
 
     def _wait_s(self) -> float | None:
         waits = [w for w in (self.next_timeout(),) if w is not None]
@@ -225,7 +230,11 @@ class FrameThread:
             self._write(sock, b"".join(frames), "frame")
         if self.roles.pop(sock, None) is None:
             return  # closed already
-        self.sel.unregister(sock)
+        # (by its registered fd: a socket closed elsewhere already has none)
+        fd = next((f for f, s in self.socks.items() if s is sock), None)
+        if fd is not None:
+            del self.socks[fd]
+            self.poller.unregister(fd)
         self.buffers.pop(sock, None)
         self.partial_since.pop(sock, None)
         self.outq.pop(sock, None)
@@ -236,17 +245,23 @@ class FrameThread:
     def _run(self) -> None:
         try:
             while not self._stop:
-                ready = self.sel.select(timeout=self._wait_s())
+                wait = self._wait_s()
+                ready = self.poller.poll(None if wait is None else math.ceil(wait * 1e3))
                 self._lone = len(ready) == 1
-                for key, events in ready:
-                    sock = key.fileobj
-                    if sock is self._wake_r:
+                for fd, events in ready:
+                    if fd == self._wake_fd:
                         self._drain_todo()
                         continue
-                    if events & selectors.EVENT_WRITE and sock in self.outq:
-                        self._flush(sock)  # type: ignore[arg-type]
-                    if events & selectors.EVENT_READ and sock in self.roles:  # still open
-                        self._read(sock)  # type: ignore[arg-type]
+                    sock = self.socks.get(fd)
+                    if sock is None:  # closed earlier this round
+                        continue
+                    if events & select.POLLNVAL:  # closed elsewhere while registered here
+                        self.close_conn(sock, "closed outside the thread")
+                        continue
+                    if events & ~select.POLLIN and sock in self.outq:  # writable, or failed
+                        self._flush(sock)
+                    if events & ~select.POLLOUT and sock in self.roles:  # readable, or closed
+                        self._read(sock)
                 if self.out_deadline or self.partial_since:
                     self._expire()
                 self._guarded(self.on_idle, "idle work")
@@ -259,7 +274,6 @@ class FrameThread:
             for sock in list(self.roles):
                 self.close_conn(sock, "shutting down")
             self.cleanup()
-            self.sel.close()
             self._wake_r.close()
             self._wake_w.close()
 
