@@ -169,9 +169,7 @@ class LayerRange:
         n = hidden.shape[1]
         chunk = self.padded(n)
         start = slot.length
-        if start + n > self.pool.max_length:
-            raise KVBudgetExceeded(f"the session would hold {start + n} positions; this range "
-                                   f"holds at most {self.pool.max_length}")
+        self._room(start + n)
         b = self._binding(slot.slab, slot.index, slot.index + 1, chunk)
         b.hidden[0, :n] = hidden[0]
         if chunk > n:
@@ -182,14 +180,18 @@ class LayerRange:
         slot.length = start + n
         return b.out[:, :n].copy()
 
-    def decode_bytes(self, slot: Slot, hidden: memoryview) -> memoryview | None:
+    def _room(self, length: int) -> None:
+        """Refuse a session of more positions than this range holds."""
+        if length > self.pool.max_length:
+            raise KVBudgetExceeded(f"the session would hold {length} positions; this range "
+                                   f"holds at most {self.pool.max_length}")
+
+    def decode_bytes(self, slot: Slot, hidden: memoryview) -> memoryview:
         """A decode step from and to raw bytes (float32, hidden_size of them): the output,
-        a view of the binding's buffer valid until this range's next run. None, with nothing
-        run, when the slot's session is full (`step` says why). The node's decode lane: the
-        same run as step(slot, one token), with the fewest Python calls."""
+        a view of the binding's buffer valid until this range's next run. The node's decode
+        lane: the same run as step(slot, one token), with the fewest Python calls."""
         start = slot.length
-        if start >= self.pool.max_length:
-            return None
+        self._room(start + 1)
         b = self.bindings.get((id(slot.slab), slot.index, slot.index + 1, 1))
         if b is None:
             b = self._binding(slot.slab, slot.index, slot.index + 1, 1)

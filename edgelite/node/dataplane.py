@@ -214,8 +214,6 @@ class DataPlane(FrameThread):
             assert isinstance(msg, m.Forward)  # (checked above)
             self._pass_on(stage, msg, None, f"{self.name}: {exc}", 0.0, t_in)
             return True
-        if out is None:
-            return False
         ms = (time.perf_counter() - t0) * 1e3
         self.lane_steps += 1
         frame = b"".join((prefix, sf.PAIR.pack(round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)),

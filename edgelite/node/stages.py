@@ -279,15 +279,15 @@ class StageStore:
         """hidden (1, n, hidden) through the stage's layers: (its output, ms)."""
         t0 = time.perf_counter()
         out = sess.stage.layers.step(sess.slot, hidden)
-        return out, self.ran(t0, sess)
+        return out, self._ran(t0, sess)
 
     def compute_batch(self, sessions: list[Session], hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """One decode token for each of several sessions of one stage, as one run."""
         t0 = time.perf_counter()
         out = sessions[0].stage.layers.step_batch([s.slot for s in sessions], hidden)
-        return out, self.ran(t0, *sessions)
+        return out, self._ran(t0, *sessions)
 
-    def ran(self, t0: float, *sessions: Session) -> float:
+    def _ran(self, t0: float, *sessions: Session) -> float:
         """Count a run that started at t0 (perf_counter) and ends now; returns its ms."""
         ms = (time.perf_counter() - t0) * 1e3
         self.add_run(ms, *sessions)
