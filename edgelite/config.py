@@ -165,6 +165,11 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 1024 * 1024  # a request body larger than this is refused (413)
+    # a refused body up to this size is read (and dropped) before the 413 is sent, within the
+    # time below: a client that writes its whole body before reading (urllib, requests) then
+    # gets the answer, not a connection reset by a close with its bytes unread
+    refused_body_drain_bytes: int = 8 * 1024 * 1024
+    refused_body_drain_s: float = 5.0
     sse_keepalive_s: float = 5.0  # a streamed reply with nothing new this long gets a comment
     keep_alive_s: int = 5  # an idle HTTP/1.1 connection is closed after this
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -223,12 +223,15 @@ class HttpApi:
 
     async def _body(self, request: Request) -> dict[str, Any]:
         size = int(request.headers.get("content-length") or 0)
+        parts = request.stream()
         if size > self.cfg.max_body_bytes:
+            await self._drain(parts, 0)
             raise ApiError(413, f"request body of {size} bytes exceeds {self.cfg.max_body_bytes}")
         raw = b""
-        async for part in request.stream():
+        async for part in parts:
             raw += part
             if len(raw) > self.cfg.max_body_bytes:
+                await self._drain(parts, len(raw))
                 raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
         try:
             body = json.loads(raw)
@@ -237,6 +240,17 @@ class HttpApi:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
+
+    async def _drain(self, parts: AsyncIterator[bytes], read: int) -> None:
+        """Read and drop the rest of a refused body (`read` bytes of it read so far), up to
+        refused_body_drain_bytes and for at most refused_body_drain_s (HttpConfig); a client
+        that leaves meanwhile ends it."""
+        with contextlib.suppress(TimeoutError, ClientDisconnect):
+            async with asyncio.timeout(self.cfg.refused_body_drain_s):
+                async for part in parts:
+                    read += len(part)
+                    if read > self.cfg.refused_body_drain_bytes:
+                        return
 
     def _gateway(self) -> Gateway:
         if self.gateway is None or not self.gateway.ready:
