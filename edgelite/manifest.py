@@ -44,6 +44,7 @@ class FileEntry:
     activation_bytes_per_token: int = 0
     kv_bytes_per_token: int = 0
     data: tuple[DataFile, ...] = ()  # its external weight files (one may be shared: tied head)
+    window: int = 0  # a layer's attention window: it attends to this many positions (0: all)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,17 @@ class Manifest:
 
     def kv_bytes_per_token(self, first: int, last: int) -> int:
         return sum(e.kv_bytes_per_token for e in self.layers[first:last + 1])
+
+    def kv_bytes(self, first: int, last: int, positions: int) -> int:
+        """What a session of `positions` holds in layers first..last: a windowed layer at most
+        its window's worth."""
+        return sum(e.kv_bytes_per_token * (min(positions, e.window) if e.window else positions)
+                   for e in self.layers[first:last + 1])
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE rotates (all of head_dim unless partial)."""
+        return 2 * len(self.rope["inv_freq"])
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -154,19 +166,29 @@ def _entry(raw: Any, where: str) -> FileEntry:
         _int(raw.get("flops_per_token", 0), f"{where}.flops_per_token"),
         _int(raw.get("activation_bytes_per_token", 0), f"{where}.activation_bytes_per_token"),
         _int(raw.get("kv_bytes_per_token", 0), f"{where}.kv_bytes_per_token"),
-        tuple(_data(d, f"{where}.data[{i}]") for i, d in enumerate(data)))
+        tuple(_data(d, f"{where}.data[{i}]") for i, d in enumerate(data)),
+        _int(raw.get("window", 0), f"{where}.window", 0, MAX_DIM))
 
 
 def _rope(raw: Any, head_dim: int, where: str) -> dict[str, Any]:
+    """RoPE's frequencies (a table for every layer, and `local`, the windowed layers' own
+    where the model has one): at most head_dim / 2 (partial rotary) positive numbers each."""
     if type(raw) is not dict:
         raise ManifestError(f"{where}.rope must be an object")
-    inv = raw.get("inv_freq")
-    if type(inv) is not list or len(inv) != head_dim // 2 or not all(
-            type(x) in (int, float) and math.isfinite(x) and x > 0 for x in inv):
-        raise ManifestError(f"{where}.rope.inv_freq must be {head_dim // 2} positive numbers")
-    scaling = raw.get("attention_scaling", 1.0)
-    if type(scaling) not in (int, float) or not 0 < scaling < 100:
-        raise ManifestError(f"{where}.rope.attention_scaling must be a positive number")
+    for table, what in ((raw, "rope"), (raw.get("local"), "rope.local")):
+        if table is None:
+            continue
+        if type(table) is not dict:
+            raise ManifestError(f"{where}.{what} must be an object")
+        inv = table.get("inv_freq")
+        if type(inv) is not list or not 0 < len(inv) <= head_dim // 2 or not all(
+                type(x) in (int, float) and math.isfinite(x) and x > 0 for x in inv):
+            raise ManifestError(f"{where}.{what}.inv_freq must be 1..{head_dim // 2} positive numbers")
+        scaling = table.get("attention_scaling", 1.0)
+        if type(scaling) not in (int, float) or not 0 < scaling < 100:
+            raise ManifestError(f"{where}.{what}.attention_scaling must be a positive number")
+    if raw.get("local") is not None and len(raw["local"]["inv_freq"]) != len(raw["inv_freq"]):
+        raise ManifestError(f"{where}.rope.local must rotate as many dimensions as rope")
     return raw
 
 

@@ -44,19 +44,48 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     num_hidden_layers=2, intermediate_size=64, sliding_window=None,
                     head_dim=16),
 }
+# the families of issue 34, each with what sets it apart (head_dim 32: GroupQueryAttention's
+# partial rotary needs rotary dimensions / 2 in multiples of 8)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3": ("gemma3_text", dict(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_hidden_layers=3, intermediate_size=96, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000000.0}})),
+    "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, num_hidden_layers=2, intermediate_size=96)),
+    "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                          num_hidden_layers=2, intermediate_size=96, partial_rotary_factor=0.5,
+                          original_max_position_embeddings=256,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.5] * 8,
+                                        "long_factor": [4.0] * 8,
+                                        "original_max_position_embeddings": 256})),
+    "llama3_rope": ("llama", dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                  num_hidden_layers=2, intermediate_size=96,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32})),
+    "mistral_window": ("mistral", dict(hidden_size=48, num_attention_heads=3,
+                                       num_key_value_heads=1, head_dim=16, num_hidden_layers=2,
+                                       intermediate_size=64, sliding_window=8)),
+}
 
 
 def build(arch: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Save a random model of `arch` + tokenizer to `out` (a HF folder) and return it."""
+    """Save a random model of `arch` (a model type of CONFIGS, or a name of FAMILIES) +
+    tokenizer to `out` (a HF folder) and return it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     tok = tokenizer()
-    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
+    model_type, shape = FAMILIES[arch] if arch in FAMILIES else (arch, CONFIGS[arch])
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
                                bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                                initializer_range=0.1,
-                               **{"max_position_embeddings": 256, **CONFIGS[arch], **overrides})
+                               **{"max_position_embeddings": 256, **shape, **overrides})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():  # make biases and norm weights matter
         for name, p in model.named_parameters():
@@ -67,3 +96,25 @@ def build(arch: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def load_hf(folder: Path | str, gguf_file: str | None = None) -> Any:
+    """A whole transformers model (float32, eval), for tests that compare with it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (argmax at every step, EOS included), recomputing the
+    whole sequence each step (no cache argument, whose name changes between versions)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -25,6 +25,7 @@ from edgelite.errors import KVBudgetExceeded
 PAGE = mmap.PAGESIZE
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux and Android (x86 and ARM)
 ITEM = 4  # float32
+RELEASE_POSITIONS = 64  # a windowed layer gives expired positions back this many at a time
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Slot:
     slab: Slab
     index: int
     length: int = 0  # positions holding valid KV
+    released: int = 0  # leading positions whose pages windowed layers gave back (pool.expire)
 
 
 @dataclass
@@ -48,8 +50,15 @@ class Slab:
 
 
 class KVPool:
+    """`windows`: per layer of the range, its attention window (0: full attention). A windowed
+    layer's positions that no query can reach any more go back to the system as the session
+    grows (`expire`), so its memory is bounded by the window, not the context; `slack` is how
+    many positions beyond the window it may hold meanwhile (a step's new ones, the release
+    granularity)."""
+
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
-                 slots_per_slab: int, buckets: tuple[int, ...]) -> None:
+                 slots_per_slab: int, buckets: tuple[int, ...], windows: tuple[int, ...] = (),
+                 slack: int = 0, context: int = 0) -> None:
         row = kv_heads * head_dim * ITEM  # bytes of one position of one layer's K (or V)
         step = PAGE // math.gcd(PAGE, row)  # capacities whose slot regions start on a page
         self.capacity = -(-capacity // step) * step  # positions per slot (incl. padding room)
@@ -57,7 +66,11 @@ class KVPool:
         self.slots_per_slab = slots_per_slab
         self.buckets = tuple(sorted(buckets))
         self.slot_bytes = row * self.capacity  # one layer's K (or V) of one slot
+        self.row = row
+        self.windows = tuple(windows) if any(windows) else ()
+        self.slack = slack + RELEASE_POSITIONS
         self.token_bytes = 2 * layers * row  # what one position costs across the range
+        self.context = context or capacity  # the model's own context: no session holds more
         self.slabs: list[Slab] = []
 
     # ---- slots --------------------------------------------------------------------------
@@ -90,7 +103,30 @@ class KVPool:
         for region in range(self.layers * 2):  # (untouched pages cost the kernel nothing)
             start = (region * self.slots_per_slab + slot.index) * self.slot_bytes
             slab.buffer.madvise(mmap.MADV_DONTNEED, start, self.slot_bytes)
-        slot.length = 0
+        slot.length = slot.released = 0
+
+    def expire(self, slot: Slot) -> None:
+        """Give back the pages of windowed layers' positions that no later query reaches (those
+        before length - window), RELEASE_POSITIONS or more at a time."""
+        if not self.windows:
+            return
+        narrowest = min(w for w in self.windows if w)
+        if slot.length - narrowest < slot.released + RELEASE_POSITIONS:
+            return
+        head = self.capacity * self.head_dim * ITEM  # one head's positions, contiguous
+        for layer, window in enumerate(self.windows):
+            if not window:
+                continue
+            upto = max(0, slot.length - window)
+            for kv in range(2):
+                base = ((layer * 2 + kv) * self.slots_per_slab + slot.index) * self.slot_bytes
+                for h in range(self.kv_heads):
+                    a = base + h * head
+                    start = -(-a // PAGE) * PAGE
+                    end = (a + upto * self.head_dim * ITEM) // PAGE * PAGE
+                    if end > start:
+                        slot.slab.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+        slot.released = slot.length - narrowest
 
     def swap(self, slot: Slot, index: int) -> None:
         """Move a session's KV to position `index` of its slab, and what held that position
@@ -104,9 +140,9 @@ class KVPool:
             slab.array[:, :, i, :, :n] = slab.array[:, :, index, :, :n]
             slab.array[:, :, index, :, :n] = mine
         slab.slots[i], slab.slots[index] = other, slot
-        slot.index = index
+        slot.index, slot.released = index, 0  # (the copies committed expired pages again)
         if other is not None:
-            other.index = i
+            other.index, other.released = i, 0
 
     def read(self, slot: Slot, n: int) -> np.ndarray:
         """A copy of the slot's first n positions: (layers, 2, kv_heads, n, head_dim)."""
@@ -126,7 +162,7 @@ class KVPool:
     @property
     def max_length(self) -> int:
         """The longest session this pool holds (the largest bucket, within the capacity)."""
-        return min(self.buckets[-1], self.capacity)
+        return min(self.buckets[-1], self.capacity, self.context)
 
     def bucket(self, length: int) -> int:
         """The capacity a session of `length` positions is accounted at."""
@@ -136,7 +172,12 @@ class KVPool:
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     def bucket_bytes(self, length: int) -> int:
-        return self.bucket(max(1, length)) * self.token_bytes
+        """The memory a session of `length` positions is accounted at: its bucket's positions
+        in every layer, a windowed layer's capped at its window and slack."""
+        bucket = self.bucket(max(1, length))
+        if not self.windows:
+            return bucket * self.token_bytes
+        return sum(2 * self.row * (min(bucket, w + self.slack) if w else bucket) for w in self.windows)
 
     @property
     def sessions(self) -> int:

@@ -94,8 +94,14 @@ class LayerRange:
         self.chunks = tuple(sorted(self.cfg.prefill_chunks))
         context = min(m.max_positions, max(self.cfg.kv_buckets))
         self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
-                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets)
-        self.cos, self.sin = rope.tables(m, self.pool.capacity)
+                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets,
+                           tuple(e.window for e in entries), self.chunks[-1], context)
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.ropes: dict[str, np.ndarray] = {}  # RoPE table inputs the graph has -> their tables
+        for suffix, local in (("", False), ("_local", True)):
+            if f"cos_cache{suffix}" in inputs:
+                cos, sin = rope.tables(m, self.pool.capacity, local)
+                self.ropes |= {f"cos_cache{suffix}": cos, f"sin_cache{suffix}": sin}
         self.hidden_in, self.hidden_out = f"hidden_{self.first}", f"hidden_{self.last + 1}"
         self._check_shapes()
 
@@ -103,9 +109,11 @@ class LayerRange:
         """The graphs' fixed input dimensions against the manifest (a manifest that disagrees
         with its files would fail only at the first step, or compute garbage)."""
         m = self.manifest
+        if not self.ropes:
+            raise ModelFileError(f"layers {self.first}-{self.last}: the graph has no RoPE table input")
         want: dict[str, dict[int, tuple[str, int]]] = {
             self.hidden_in: {2: ("hidden_size", m.hidden_size)},
-            "cos_cache": {1: ("rope (rotary dimension / 2)", self.cos.shape[1])}}
+            **{name: {1: ("rope (rotary dimension / 2)", m.rotary_dim // 2)} for name in self.ropes}}
         for j in range(self.first, self.last + 1):
             for kind in ("key", "value"):
                 want[f"past_{kind}_{j}"] = {1: ("num_kv_heads", m.num_kv_heads),
@@ -151,8 +159,8 @@ class LayerRange:
                     np.zeros((rows, chunk, h), np.float32))
         f32, i32 = np.float32, np.int32
         for name, arr, dtype in ((self.hidden_in, b.hidden, f32), ("seqlens_k", b.seqlens, i32),
-                                 ("total_seq", b.total, i32), ("cos_cache", self.cos, f32),
-                                 ("sin_cache", self.sin, f32)):
+                                 ("total_seq", b.total, i32),
+                                 *((name, table, f32) for name, table in self.ropes.items())):
             b.io.bind_input(name, "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
         for j in range(self.first, self.last + 1):
             k, v = slab.views(j - self.first, lo, hi)
@@ -178,6 +186,8 @@ class LayerRange:
         b.total[...] = start + chunk
         self.session.run_with_iobinding(b.io)
         slot.length = start + n
+        if self.pool.windows:
+            self.pool.expire(slot)
         return b.out[:, :n].copy()
 
     def _room(self, length: int) -> None:
@@ -200,6 +210,8 @@ class LayerRange:
         b.total_mv[0] = start + 1
         self.session.run_with_iobinding(b.io)
         slot.length = start + 1
+        if self.pool.windows:
+            self.pool.expire(slot)
         return b.out_bytes
 
     def step_batch(self, slots: list[Slot], hidden: np.ndarray) -> np.ndarray:
@@ -224,6 +236,8 @@ class LayerRange:
         out = np.stack([b.out[s.index - lo] for s in slots])
         for s in slots:
             s.length += 1
+            if self.pool.windows:
+                self.pool.expire(s)
         return out
 
     def close(self) -> None:

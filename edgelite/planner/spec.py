@@ -18,9 +18,10 @@ KV_TOKENS = 2048  # context each layer reserves KV memory for
 
 
 def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
+    """Each layer's cost: a windowed layer (Gemma 3's local ones) reserves KV for its window."""
     return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
-                       mem_bytes=e.param_bytes + e.kv_bytes_per_token * kv_tokens)
-                 for e in m.layers)
+                       mem_bytes=e.param_bytes + m.kv_bytes(j, j, kv_tokens))
+                 for j, e in enumerate(m.layers))
 
 
 def _addr(device: dict[str, Any]) -> NodeAddr | None:
