@@ -49,6 +49,20 @@ _GLOBAL = {
 }
 
 
+# Gemma's turn format, for sources that carry no template (some GGUF files): a system message
+# goes before the first user turn's text; the assistant's role is "model"
+GEMMA_CHAT = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -64,6 +78,7 @@ class Family:
     act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
     scaled_embedding: bool = False  # embeddings times sqrt(hidden) (Gemma)
     eos_tokens: tuple[str, ...] = ()  # tokens that also end a reply (Gemma's <end_of_turn>)
+    chat_template: str | None = None  # the family's turn format, when the source has none
     notes: str = ""  # what users know these as (error messages, README)
 
     def names(self, j: int, gguf: bool) -> dict[str, str]:
@@ -90,7 +105,8 @@ GEMMA3 = Family("gemma3", ("gemma3_text",), ("gemma3",),
                                   "blk.{j}.post_ffw_norm.weight"),
                  **_QK_NORMS, **_ATTN, **_MLP},
                 norm_offset_hf=1.0, act="gelu_tanh", scaled_embedding=True,
-                eos_tokens=("<end_of_turn>",), notes="Gemma 3 text (270M, 1B, 4B)")
+                eos_tokens=("<end_of_turn>",), chat_template=GEMMA_CHAT,
+                notes="Gemma 3 text (270M, 1B, 4B)")
 PHI3 = Family("phi3", ("phi3",), ("phi3",),
               {**_NORMS, "qkv": (_HF + "self_attn.qkv_proj", "blk.{j}.attn_qkv"), "o": _ATTN["o"],
                "gate_up": (_HF + "mlp.gate_up_proj", "blk.{j}.ffn_up"), "down": _MLP["down"]},

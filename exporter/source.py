@@ -172,6 +172,8 @@ def open_source(src: Source) -> Opened:
         family = families.by_model_type(config.model_type)
         check_supported(config)
         tok = AutoTokenizer.from_pretrained(src.folder, **kw)
+        if not getattr(tok, "chat_template", None) and family.chat_template:
+            tok.chat_template = family.chat_template  # (a GGUF file without one)
     except UnsupportedModel:
         raise
     except BAD_FILE_ERRORS as exc:

@@ -43,7 +43,7 @@ class DynamicCache:
         r, n = self.r, hidden.shape[1]
         past = next(iter(self.kv.values()))[0].shape[2]
         feed = {r.hidden_in: hidden, "seqlens_k": np.array([past + n - 1], np.int32),
-                "total_seq": np.array(past + n, np.int32), "cos_cache": r.cos, "sin_cache": r.sin}
+                "total_seq": np.array(past + n, np.int32), **r.ropes}
         for j, (k, v) in self.kv.items():
             feed[f"past_key_{j}"], feed[f"past_value_{j}"] = k, v
         names = [r.hidden_out] + [f"present_{x}_{j}" for j in self.kv for x in ("key", "value")]

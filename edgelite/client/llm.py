@@ -162,7 +162,7 @@ class LLM:
                  session: SessionId | None = None, reuse: bool = True) -> Reply:
         """A continuation of raw text (or token ids), without the chat template (`reuse`: as
         for chat)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop), session, reuse)
 

@@ -46,6 +46,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
+    def text_prompt(self, text: str) -> list[int]:
+        """A plain-text prompt (no chat template) as the model's own tokenizer makes it: with
+        the tokens it adds itself, such as Gemma's and Llama's <bos>."""
+        return list(self.tok.encode(text, add_special_tokens=True).ids)
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 

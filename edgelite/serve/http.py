@@ -274,7 +274,7 @@ class HttpApi:
                 text = text[0]
             if not isinstance(text, str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
-            prompt = gw.tok.encode(text)
+            prompt = gw.tok.text_prompt(text)
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         d = gw.defaults
