@@ -48,6 +48,10 @@ class RuntimeConfig:
     pipeline_min_chunk: int = 16
     # KV is accounted per session in these capacities (positions); the largest caps the context
     kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    # consecutive layers join one onnxruntime session up to this many MiB of weights (fewer
+    # calls); loading a session widens its compact scales in memory at once, so this bounds
+    # that transient (engine/layers.py)
+    session_weights_mb: int = 48
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32

@@ -36,6 +36,7 @@ VERIFY_TEXT_TOKENS = 768  # of reference_text.py, teacher-forced besides the pro
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 QUANTIZE = ("none", "int8", "int4")
 MODES = ("exact", "fast")
+PREFER = ("size", "speed")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Options:
     accept_drift: bool = False  # publish even when verification misses its thresholds
     force: bool = False
     max_memory_mb: int | None = None  # None: memory.default_budget_mb()
+    prefer: str = "size"  # size: 5-bit codes as 4 + 2 bits; speed: in 8-bit storage
 
 
 @dataclass
@@ -117,14 +119,19 @@ class Pieces:
     exact_head: dict[str, Any] | None
 
 
-def write_pieces(conv: weights.Converter, compute: str, out: Path, progress: Progress) -> Pieces:
+def write_pieces(conv: weights.Converter, compute: str, out: Path, progress: Progress,
+                 split5: bool = True) -> Pieces:
     """Every graph and data file, one layer in memory at a time."""
     a, n = conv.arch, conv.config.num_hidden_layers
     total = n + 2
     t0 = time.perf_counter()
     shared = graph.DataFile(out / "embed_head.data")  # a tied head reuses the table's bytes
     table = conv.embed()
+    if isinstance(table, Blocks):  # narrower codes in 8-bit storage at the default zero point,
+        table = table.full_width()  # as the head's products have them: a tied table stored once
     head_w = conv.head(table)
+    if isinstance(head_w, Blocks):
+        head_w = head_w.full_width()
     eb = graph.embed(a, table, shared, out / "embed.onnx", graph.halves_head(head_w, compute))
     hb = graph.head(a, conv.norm(), head_w, compute, shared, out / "head.onnx")
     exact_head = (graph.exact_rows(head_w, shared) if compute == "fast" and isinstance(head_w, Blocks)
@@ -142,7 +149,7 @@ def write_pieces(conv: weights.Converter, compute: str, out: Path, progress: Pro
         t0 = time.perf_counter()
         name = f"layer_{j:03d}.onnx"
         lw = conv.layer(j)
-        pb = graph.layer(j, a, lw, compute, out / name)
+        pb = graph.layer(j, a, lw, compute, out / name, split5)
         layers.append(_entry(out, name, pb, _layer_flops(lw), act, kv, [out / f"{name}.data"],
                              a.window(j)))
         del lw
@@ -192,6 +199,8 @@ def _check(out: Path, opts: Options) -> None:
         raise EdgeliteError(f"--mode {opts.mode!r}: one of {', '.join(MODES)}")
     if opts.steps < 1:
         raise EdgeliteError(f"--steps {opts.steps}: verification needs at least 1 greedy step")
+    if opts.prefer not in PREFER:
+        raise EdgeliteError(f"--prefer {opts.prefer!r}: one of {', '.join(PREFER)}")
     if opts.max_memory_mb is not None and opts.max_memory_mb < 1:
         raise EdgeliteError(f"--max-memory-mb {opts.max_memory_mb}: must be positive")
 
@@ -229,7 +238,8 @@ def run(src_text: str, out: Path, opts: Options, progress: Progress | None = Non
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        pieces = write_pieces(conv, opts.mode if mode != "none" else "fp32", tmp, progress)
+        pieces = write_pieces(conv, opts.mode if mode != "none" else "fp32", tmp, progress,
+                              opts.prefer == "size")
         origin, has_blocks = _origin(conv)
         compute = opts.mode if has_blocks else "fp32"
         report = _finish(opened, ref, rope, conv, (mode, compute, origin), pieces, tmp, opts,

@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="memory the export may use (default: half of this machine's RAM, or 90 %% "
                         "of what is available if less); an export that cannot fit is refused at "
                         "the start")
+    p.add_argument("--prefer", choices=["size", "speed"], default="size",
+                   help="for 5-bit GGUF blocks (Q5_0, Q5_1, Q5_K) in fast mode: size stores them "
+                        "at their width as a 4-bit and a 2-bit product; speed in 8-bit storage "
+                        "(Gemma 3 270M: 1.08x vs 1.18x the GGUF, decode 48 vs 55 tok/s)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -68,7 +72,7 @@ def _run(args: argparse.Namespace, console: Console) -> object:
 
     opts = build.Options(quantize=args.quantize, mode=args.mode, steps=args.steps,
                          accept_drift=args.accept_drift, force=args.force,
-                         max_memory_mb=args.max_memory_mb)
+                         max_memory_mb=args.max_memory_mb, prefer=args.prefer)
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:

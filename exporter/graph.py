@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgelite_export.blocks import Blocks, concat_rows
+from edgelite_export.blocks import Blocks, Factored, concat_rows
 
 OPSET = 17
 IR_VERSION = 9  # onnxruntime 1.29 (Termux) reads it
 MS = "com.microsoft"
 ALIGN = 4096  # large tensors start on a page: onnxruntime can map them
+FP16_SCALES = (2, 4, 8)  # storage widths whose exactly-float16 scales are stored as float16
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class DataFile:
 
 _DTYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
            np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int64): TensorProto.INT64,
-           np.dtype(np.int32): TensorProto.INT32}
+           np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int8): TensorProto.INT8}
 
 
 class Graph:
@@ -166,12 +167,16 @@ class Graph:
 
 class Linears:
     """Emits linear layers into a graph: MatMul for floats, MatMulNBits for blocks (accuracy
-    level 0 in exact mode, 4 in fast mode; in exact mode 8-bit blocks run as two 4-bit
-    products, which have a fast float kernel)."""
+    level 0 in exact mode, 4 in fast mode), as the products `Blocks.products` gives: in exact
+    mode 8-bit storage runs as two 4-bit products (the fast float kernel is 4-bit only), in fast
+    mode 5-bit codes run as 4 + 2 bits. Scales and minima are stored as compactly as they are
+    exact (float16, or a K-quant's float16 x small integer) and widened when the model loads."""
 
-    def __init__(self, g: Graph, compute: str) -> None:
-        self.g, self.compute = g, compute
+    def __init__(self, g: Graph, compute: str, split5: bool = True) -> None:
+        self.g, self.compute, self.split5 = g, compute, split5
         self.sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums
+        # a stored matrix (its id, the object kept alive so that the id stays its), factor -> name
+        self.stored: dict[tuple[int, float], tuple[object, str]] = {}
 
     def __call__(self, x: str, lin: Linear, name: str, k: int) -> str:
         w = lin.weight
@@ -181,37 +186,73 @@ class Linears:
             if lin.bias is not None:
                 y = self.g.node("Add", [y, self.g.init(f"{name}.bias", lin.bias)], 1, f"{name}/Add")[0]
             return y
-        w = w.centered()
-        parts = list(w.split_nibbles()) if (w.bits == 8 and self.compute == "exact") else [w]
-        y = None
+        parts = w.products(self.compute, self.split5)
+        y, scales = None, []
         for i, part in enumerate(parts):
             bias = lin.bias if i == 0 else None
             label = f"{name}/part{i}" if len(parts) > 1 else name
-            term = self._nbits(x, replace(part, minimum=None, minimum_parts=None), label, k, bias)
+            # a split's high part has the low part's scales times 16: computed, not stored again
+            times = 16 if i and np.array_equal(part.scale, parts[0].scale * 16) else 0
+            term, sc = self._nbits(x, part, label, k, bias, (scales[0], times) if times else None)
+            scales.append(sc)
             y = term if y is None else self.g.node("Add", [y, term], 1, f"{name}/Add{i}")[0]
         assert y is not None
-        minima = [p for p in parts if p.minimum is not None]
+        minima = [(p, sc) for p, sc in zip(parts, scales, strict=True) if p.minimum is not None]
         if minima:  # the minima term: x's block sums times each block's minimum
-            mins = self._minima(minima, f"{name}.minima", f"{name}.scales")
+            mins = self._minima(minima, f"{name}.minima")
             extra = self.g.node("MatMul", [self._block_sums(x, w.block, k), mins], 1,
                                 f"{name}/minima/MatMul")[0]
             y = self.g.node("Add", [y, extra], 1, f"{name}/minima/Add")[0]
         return y
 
-    def _minima(self, parts: list[Blocks], name: str, scales: str) -> str:
-        """The (blocks, N) minima matrix: stored as is, or (a centred Q4_1) as its float16 base
-        plus shift x the product's own scales (`scales`), computed when the model loads."""
-        p = parts[0]
-        if len(parts) == 1 and p.minimum_parts is not None and p.bits == 4:
+    def _minima(self, parts: list[tuple[Blocks, str]], name: str) -> str:
+        """The (blocks, N) minima matrix: stored as is, factored, or (a centred matrix) as its
+        base plus shift x the product's own scales, computed when the model loads."""
+        p, scales = parts[0]
+        if len(parts) == 1 and p.minimum_parts is not None:
             base, shift = p.minimum_parts
-            b16 = self.g.init(f"{name}.base_fp16", np.ascontiguousarray(base.T).astype(np.float16))
-            b32 = self.g.node("Cast", [b16], 1, f"{name}/Cast", to=TensorProto.FLOAT)[0]
-            sc = self.g.node("Transpose", [scales], 1, f"{name}/Transpose", perm=[1, 0])[0]
             k = self.g.init(f"{name}.shift", np.array(shift, np.float32))
-            steps = self.g.node("Mul", [sc, k], 1, f"{name}/Mul")[0]
-            return self.g.node("Add", [b32, steps], [name], f"{name}/Add")[0]
-        total = np.sum([q.minimum for q in parts], axis=0, dtype=np.float32)
+            out = self.g.node("Mul", [scales, k], 1, f"{name}/Mul")[0]
+            if base is not None:
+                b = self._matrix(base if isinstance(base, Factored) else None, base if isinstance(
+                    base, np.ndarray) else np.zeros(0), isinstance(base, np.ndarray), f"{name}.base")
+                out = self.g.node("Add", [b, out], 1, f"{name}/Add")[0]
+            return self.g.node("Transpose", [out], [name], f"{name}/Transpose", perm=[1, 0])[0]
+        if len(parts) == 1 and p.minimum_factored is not None:
+            m = self._matrix(p.minimum_factored, p.minimum, False, f"{name}.factored")
+            return self.g.node("Transpose", [m], [name], f"{name}/Transpose", perm=[1, 0])[0]
+        total = np.sum([q.minimum for q, _ in parts], axis=0, dtype=np.float32)
         return self._scales(np.ascontiguousarray(total.T), len(parts) == 1 and p.minimum_fp16, name)
+
+    def _matrix(self, factored: Factored | None, value: np.ndarray, fp16: bool, name: str) -> str:
+        """A per-block (N, blocks) float matrix from its compact storage (computed at load)."""
+        if factored is None:
+            return self._scales(value, fp16, name)
+        key = (id(factored.base), factored.sign * factored.factor)
+        if key in self.stored:
+            return self.stored[key][1]
+        base_key = (id(factored.base), 0.0)
+        if base_key not in self.stored:  # d (float16) x sc (small integers), per block
+            g = self.g
+            n, s = factored.base.shape
+            per = factored.mult.shape[1] // s
+            base = g.node("Cast", [g.init(f"{name}.base_fp16", factored.base)], 1, f"{name}/base/Cast",
+                          to=TensorProto.FLOAT)[0]
+            base = g.node("Unsqueeze", [base, g.init(f"{name}.axis", np.array([-1], np.int64))], 1,
+                          f"{name}/Unsqueeze")[0]
+            mult = g.node("Cast", [g.init(f"{name}.mult", factored.mult)], 1, f"{name}/mult/Cast",
+                          to=TensorProto.FLOAT)[0]
+            mult = g.node("Reshape", [mult, g.init(f"{name}.grouped", np.array([n, s, per], np.int64))],
+                          1, f"{name}/Reshape")[0]
+            prod = g.node("Mul", [mult, base], 1, f"{name}/Mul")[0]
+            self.stored[base_key] = (factored.base, g.node("Reshape", [prod, g.init(
+                f"{name}.flat", np.array([n, s * per], np.int64))], 1, f"{name}/Flatten")[0])
+        out = self.stored[base_key][1]
+        if factored.sign * factored.factor != 1:
+            k = self.g.init(f"{name}.factor", np.array(factored.sign * factored.factor, np.float32))
+            out = self.g.node("Mul", [out, k], 1, f"{name}/factor/Mul")[0]
+        self.stored[key] = (factored.base, out)
+        return out
 
     def _scales(self, a: np.ndarray, fp16: bool, name: str) -> str:
         if not fp16:
@@ -219,12 +260,18 @@ class Linears:
         half = self.g.init(f"{name}_fp16", a.astype(np.float16))
         return self.g.node("Cast", [half], [name], f"{name}/Cast", to=TensorProto.FLOAT)[0]
 
-    def _nbits(self, x: str, b: Blocks, name: str, k: int, bias: np.ndarray | None) -> str:
+    def _nbits(self, x: str, b: Blocks, name: str, k: int, bias: np.ndarray | None,
+               scaled: tuple[str, int] | None = None) -> tuple[str, str]:
+        """The product, and the name of its scales (`scaled`: another product's scales times
+        a factor)."""
         n = b.shape[0]
-        # 4-bit blocks with float32 scales run from the mapped file in place; anything else
-        # (float16 scales widened at load, 8-bit blocks) makes onnxruntime pack a copy
-        ins = [x, self.g.init(f"{name}.qweight", b.packed()),
-               self._scales(b.scale, b.scale_fp16 and b.bits == 8, f"{name}.scales")]
+        if scaled is not None:
+            times = self.g.init(f"{name}.times", np.array(scaled[1], np.float32))
+            scales = self.g.node("Mul", [scaled[0], times], 1, f"{name}/scales/Mul")[0]
+        else:
+            scales = self._matrix(b.scale_factored, b.scale, b.scale_fp16 and b.bits in FP16_SCALES,
+                                  f"{name}.scales")
+        ins = [x, self.g.init(f"{name}.qweight", b.packed()), scales]
         zp = b.zero_points()
         ins.append("" if zp is None else self.g.init(f"{name}.zero_points", zp))
         if bias is not None:
@@ -233,7 +280,7 @@ class Linears:
             ins.pop()
         level = 0 if self.compute == "exact" else 4
         return self.g.node("MatMulNBits", ins, 1, f"{name}/MatMulNBits", MS, K=k, N=n,
-                           bits=b.bits, block_size=b.block, accuracy_level=level)[0]
+                           bits=b.bits, block_size=b.block, accuracy_level=level)[0], scales
 
     def _block_sums(self, x: str, block: int, k: int) -> str:
         key = (x, block)
@@ -266,8 +313,9 @@ def _pack(parts: list[Linear]) -> Linear | None:
                                           for b, r in zip(biases, rows, strict=True)]))
 
 
-def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
-    """Write layer_J.onnx and its data file; returns the parameter bytes held."""
+def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path, split5: bool = True) -> int:
+    """Write layer_J.onnx and its data file; returns the parameter bytes held (`split5`: 5-bit
+    codes as 4 + 2 bits, else in 8-bit storage)."""
     data = DataFile(path.with_suffix(".onnx.data"))
     g = Graph(f"layer_{j}", data)
     a, pre = arch, f"/model/layers.{j}"
@@ -283,7 +331,7 @@ def layer(j: int, arch: Arch, w: LayerWeights, compute: str, path: Path) -> int:
     rot = (a.rotary_dim or a.head_dim) // 2
     g.input(f"cos_cache{rope}", f32, ["positions", rot])
     g.input(f"sin_cache{rope}", f32, ["positions", rot])
-    lin = Linears(g, compute)
+    lin = Linears(g, compute, split5)
     x = _rms(g, h, w.ln1, a.eps, f"{pre}/input_layernorm", f"{pre}.input_layernorm.weight")
     attn_in = _qkv(g, lin, x, w, a, pre)
     attn = g.node("GroupQueryAttention",
@@ -390,7 +438,8 @@ def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
         g.node("Add", parts, [out], "/model/embed_tokens/Add")
     else:
         lin = Linears(g, "fast")
-        scales = lin._scales(table.scale, table.scale_fp16, "/model/embed_tokens.scales")
+        scales = lin._matrix(table.scale_factored, table.scale, table.scale_fp16,
+                             "/model/embed_tokens.scales")
         ins = [g.init("/model/embed_tokens.qweight", table.gather_data()), ids, scales]
         if not table.default_zero:
             ins.append(g.init("/model/embed_tokens.zero_points", table.zero_points() if table.bits == 4
@@ -400,7 +449,8 @@ def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
                MS, bits=table.bits, block_size=table.block, gather_axis=0, quantize_axis=1)
         if table.minimum is not None:  # + the block's minimum, spread over its columns
             nb = table.shape[1] // table.block
-            mins = lin._scales(table.minimum, table.minimum_fp16, "/model/embed_tokens.minima")
+            mins = lin._matrix(table.minimum_factored, table.minimum, table.minimum_fp16,
+                               "/model/embed_tokens.minima")
             m = g.node("Gather", [mins, ids], 1, "/model/embed_tokens/minima/Gather", axis=0)[0]
             m = g.node("Unsqueeze", [m, g.init("/model/embed_tokens.axis", np.array([-1], np.int64))],
                        1, "/model/embed_tokens/minima/Unsqueeze")[0]
@@ -424,11 +474,19 @@ def exact_rows(weight: Blocks, data: DataFile) -> dict[str, object] | None:
     if weight.minimum is not None or not np.all(weight.zero == weight.zero.flat[0]):
         return None
     q = weight.gather_data()
+    (q_off, q_len) = data.put(q)
+    spec: dict[str, object] = {"file": data.path.name, "rows": weight.shape[0], "cols": weight.shape[1],
+                               "bits": weight.bits, "block": weight.block,
+                               "zero": int(weight.zero.flat[0]), "qweight": [q_off, q_len]}
+    f = weight.scale_factored
+    if f is not None:  # float16 per super-block x int8 per block, as the data file has them
+        (b_off, b_len), (m_off, m_len) = data.put(f.base), data.put(f.mult)
+        return spec | {"scale_base": [b_off, b_len, "float16"],
+                       "scale_mult": [m_off, m_len, f.mult.dtype.name],
+                       "scale_factor": f.sign * f.factor}
     scales = weight.scale.astype(np.float16 if weight.scale_fp16 else np.float32)
-    (q_off, q_len), (s_off, s_len) = data.put(q), data.put(scales)
-    return {"file": data.path.name, "rows": weight.shape[0], "cols": weight.shape[1],
-            "bits": weight.bits, "block": weight.block, "zero": int(weight.zero.flat[0]),
-            "qweight": [q_off, q_len], "scales": [s_off, s_len, scales.dtype.name]}
+    s_off, s_len = data.put(scales)
+    return spec | {"scales": [s_off, s_len, scales.dtype.name]}
 
 
 def head(arch: Arch, norm: np.ndarray, weight: np.ndarray | Blocks, compute: str, data: DataFile,

@@ -80,22 +80,31 @@ def edgelite_export(out: Path, *flags: str) -> Path:
     return out
 
 
+def smollm2_floats(out: Path) -> Path:
+    """SmolLM2-135M as a HF folder of float32 weights: its GGUF's values, dequantized."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from edgelite_export import source
+
+    src = source.resolve("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file)
+    model.hf_quantizer = None  # its weights are plain float32 tensors now
+    del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(out)
+    return out
+
+
 def genai_build(models: Path, precision: str, threads: int) -> Path | None:
     """onnxruntime-genai's own export of the same weights (None when it is not installed)."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
-    hf = models / "smollm2-hf"
-    if not (hf / "config.json").is_file():
-        sys.path.insert(0, str(Path(__file__).parent.parent))
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from edgelite_export import source
-
-        src = source.resolve("smollm2-135m")
-        AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(hf)
-        AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(hf)
+    hf = smollm2_floats(models / "smollm2-hf")
     out = models / f"genai-{precision}-t{threads}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),

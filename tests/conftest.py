@@ -42,11 +42,14 @@ def exported(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
             for a, p in hf_models.items()}
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`edgelite ARGS` in a process of its own (`env`: variables set on top of ours)."""
     return subprocess.run([sys.executable, "-m", "edgelite", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
+GGUF_KINDS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K+Q6_K", "Q2_K+Q3_K+Q5_K"]
 SMOL_PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -86,6 +89,21 @@ def smollm2_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("smol4") / "smollm2-int4"
     return build.run("smollm2-135m", out, build.Options(steps=16)).out
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Llama GGUF files of each kind (K-quants: random blocks, 256-wide rows)."""
+    import models
+
+    root = tmp_path_factory.mktemp("gguf")
+    small = models.build("llama", root / "hf", hidden_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128)
+    wide = models.build("llama", root / "hf256", hidden_size=256, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=512, num_hidden_layers=2,
+                        tie_word_embeddings=False)
+    return {k: models.gguf_of(wide if "_K" in k else small, root / f"tiny-{k}.gguf", k)
+            for k in GGUF_KINDS}
 
 
 @pytest.fixture

@@ -118,3 +118,83 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+# where the K-quants keep their float16 super-block scales (byte offsets in a block)
+K_QUANT_F16 = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> Any:
+    """Random raw blocks of a GGUF type (its float16 scales small and finite)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    top = 2e-4 if kind == "Q6_K" else 1e-3  # (Q6_K: signed 8-bit sub-scales times 6-bit codes)
+    for off in K_QUANT_F16[kind]:
+        d = rng.uniform(top / 4, top, (rows, cols // block)).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_of(hf_dir: Path, out: Path, kind: str) -> Path:
+    """A tiny Llama HF folder as a GGUF file whose matrices are `kind` blocks (quantized by the
+    gguf package: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; or, for the K-quants, which it cannot make,
+    random blocks: a mixture "Q4_K+Q6_K" alternates them), its tokenizer as llama.cpp's
+    converter writes it. Every matrix's width must be whole blocks."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    vocab = gguf.vocab.BpeVocab(hf_dir)
+    tokens, _, types = zip(*vocab.all_tokens(), strict=True)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(list(tokens))
+    w.add_token_types(list(types))
+    gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w, quiet=True)
+    from safetensors.numpy import load_file
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i, (name, t) in enumerate(load_file(str(hf_dir / "model.safetensors")).items()):
+        if name.startswith("model.layers."):
+            _, _, j, rest = name.split(".", 3)
+            gname = f"blk.{j}.{parts[rest.rsplit('.', 1)[0]]}.weight"
+        else:
+            gname = names[name]
+        t = t.astype(np.float32)
+        if "q_proj" in name or "k_proj" in name:  # llama.cpp's q/k row order
+            n = heads if "q_proj" in name else kv
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        kinds = kind.split("+")
+        this = kinds[i % len(kinds)]
+        qtype = gguf.GGMLQuantizationType[this] if t.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if t.ndim == 2 and this in K_QUANT_F16:
+            data = random_blocks(this, t.shape[0], t.shape[1], len(gname))
+        else:
+            data = gguf.quants.quantize(t, qtype)
+        w.add_tensor(gname, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -13,7 +13,7 @@ T = gguf.GGMLQuantizationType
 N, K = 6, 512
 # where each type keeps float16 scales in its block (byte offset), to keep random blocks finite
 F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+          "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def _random_raw(kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -33,12 +33,19 @@ def test_transcode_equals_gguf_dequantize(kind: str) -> None:
     assert got.shape == (N, K) and int(got.q.max()) < 1 << got.bits
     assert np.abs(got.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
     centred = got.centered()  # zero points mid-range, minima absorbing the rest: same values
-    assert np.all(centred.zero == 1 << ((got.code_bits or got.bits) - 1))
+    centre = 128 if got.bits == 8 else 1 << ((got.code_bits or got.bits) - 1)  # (8-bit storage:
+    assert np.all(centred.zero == centre)  # narrower codes move to the default zero point)
     assert np.abs(centred.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
-    if got.bits == 8:  # the exact-mode route: two 4-bit matrices
-        hi, lo = got.split_nibbles()
-        both = hi.dequantize() + lo.dequantize()
-        assert np.abs(both - want).max() <= 1e-6 * np.abs(want).max()
+    for compute in ("exact", "fast"):  # the products the graph runs sum to the same values
+        parts = got.products(compute)
+        assert all(p.bits in (2, 4, 8) and int(p.q.max()) < 1 << p.bits for p in parts)
+        both = np.sum([p.dequantize() for p in parts], axis=0)
+        assert np.abs(both - want).max() <= 1e-6 * np.abs(want).max(), compute
+    for f in (got.scale_factored, got.minimum_factored):  # stored compactly, exactly
+        if f is not None:
+            assert f.base.dtype == np.float16 and f.mult.itemsize == 1
+    if got.scale_factored is not None:
+        assert np.array_equal(got.scale_factored.value(), got.scale)
 
 
 @pytest.mark.parametrize("quant, bits", [(blocks.quantize_int8, 8), (blocks.quantize_int4, 4)])

@@ -55,6 +55,21 @@ def test_core_install_runs_the_int4_export(core_python: Path, smollm2_int4: Path
     assert json.loads(core.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
 
 
+def test_core_install_runs_gguf_widths(core_python: Path, ggufs: dict[str, Path],
+                                       tmp_path: Path) -> None:
+    """Termux's onnxruntime runs the 2-bit products of 5-bit blocks and the K-quants' scales
+    computed at load: the same ids as the full install."""
+    from edgelite_export import build
+
+    for kind in ("Q5_0", "Q4_K+Q6_K", "Q2_K+Q3_K+Q5_K"):
+        out = build.run(str(ggufs[kind]), tmp_path / kind, build.Options(steps=4)).out
+        args = ("generate", "--model", str(out), "--json", "--max-tokens", "12", "--threads", "1",
+                "--raw", "hello world")
+        core = _core(core_python, *args)
+        assert core.returncode == 0, core.stderr[-2000:]
+        assert json.loads(core.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
+
+
 def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path: Path) -> None:
     model = exported["llama"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "EDGELITE_TOKEN": TOKEN}

@@ -3,6 +3,7 @@ shapes, memory handed back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,26 @@ def test_chunked_prompt_equals_one_pass(exported, arch: str) -> None:
     np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=2e-5, rtol=0)
     np.testing.assert_allclose(chunked.step(s, tok), after_whole, atol=2e-5, rtol=0)
     assert s.length == 24 and np.isfinite(whole).all()
+
+
+def test_a_range_in_several_sessions_equals_one(exported) -> None:
+    """Layers split over sessions by weight bytes (here one a session) give the same prompt
+    outputs, decode steps (bytes lane included) and batches as one session of them all."""
+    rng = np.random.default_rng(2)
+    m = mf.load(exported["llama"])
+    assert m.num_layers > 1
+    x = rng.standard_normal((1, 7, m.hidden_size)).astype(np.float32)
+    tok = rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
+    outs = []
+    for weights_mb in (1 << 20, 0):
+        lr = _layers(exported["llama"], replace(CFG, session_weights_mb=weights_mb))
+        assert len(lr.sessions) == (1 if weights_mb else m.num_layers)
+        s = lr.pool.acquire()
+        prompt, step = lr.step(s, x), lr.step(s, tok)
+        raw = np.frombuffer(lr.decode_bytes(s, memoryview(tok.tobytes())), np.float32).copy()
+        outs.append((prompt, step, raw, lr.step_batch([s], tok)))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_allclose(a.reshape(-1), b.reshape(-1), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from edgelite import __version__
+from edgelite import __version__, heap
 from edgelite.cli import chat, demo, generate, node, options, plan, probe, push, serve
 from edgelite.errors import EdgeliteError
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(getattr(args, "verbose", 0), 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    heap.give_back_large_blocks()  # loading a model frees large buffers: back to the system
     try:
         return args.func(args)
     except EdgeliteError as exc:

@@ -119,10 +119,28 @@ class ExactRows:
     def __init__(self, spec: dict, path: Path, k: int) -> None:
         rows, cols, self.bits, self.block = spec["rows"], spec["cols"], spec["bits"], spec["block"]
         q_off, _ = spec["qweight"]
-        s_off, _, dtype = spec["scales"]
         self.q = np.memmap(path, np.uint8, "r", q_off, (rows, cols if self.bits == 8 else cols // 2))
-        self.scales = np.memmap(path, np.dtype(dtype), "r", s_off, (rows, cols // self.block))
+        blocks = cols // self.block
+        self.base = self.scales = None
+        if "scale_base" in spec:  # a K-quant's float16 per super-block x integer per block
+            b_off, b_len, _ = spec["scale_base"]
+            m_off, _, mult = spec["scale_mult"]
+            self.base = np.memmap(path, np.float16, "r", b_off, (rows, b_len // 2 // rows))
+            self.mult = np.memmap(path, np.dtype(mult), "r", m_off, (rows, blocks))
+            self.factor = np.float32(spec["scale_factor"])
+        else:
+            s_off, _, dtype = spec["scales"]
+            self.scales = np.memmap(path, np.dtype(dtype), "r", s_off, (rows, blocks))
         self.zero, self.k = float(spec["zero"]), k
+
+    def _row_scales(self, top: np.ndarray) -> np.ndarray:
+        """(len(top), blocks) float32 scales of those rows."""
+        if self.scales is not None:
+            return self.scales[top].astype(np.float32)
+        assert self.base is not None
+        per = self.mult.shape[1] // self.base.shape[1]
+        s = np.repeat(self.base[top].astype(np.float32), per, axis=1) * self.mult[top].astype(np.float32)
+        return s * self.factor if self.factor != 1 else s
 
     def rescore(self, normed: np.ndarray, logits: np.ndarray) -> None:
         """logits (vocab,) of the fast head: its top k replaced by exact ones, in place."""
@@ -130,8 +148,7 @@ class ExactRows:
         q = self.q[top]
         if self.bits == 4:
             q = np.stack([q & 15, q >> 4], axis=-1).reshape(len(top), -1)
-        w = (q.astype(np.float32) - self.zero) * np.repeat(self.scales[top].astype(np.float32),
-                                                           self.block, axis=1)
+        w = (q.astype(np.float32) - self.zero) * np.repeat(self._row_scales(top), self.block, axis=1)
         logits[top] = w @ normed
 
 
