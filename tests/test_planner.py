@@ -156,3 +156,19 @@ def test_solve_types_the_plan_with_names_and_addresses() -> None:
     assert plan.remote == plan.stages and plan.local is None
     assert plan.to_json()["stages"][0]["addr"] == "h:1"
     assert plan.predicted is not None and plan.predicted.total > 0
+
+
+def test_a_client_short_of_room_for_layer_0_leaves_every_layer_to_the_nodes() -> None:
+    """Client-first only where the client has room: a client that cannot hold layer 0 gets a
+    plan without it (the nodes hold every layer), not an error; one that can, keeps it."""
+    from edgelite.planner.solve import room_for_layer_0
+
+    layer = Layer(flops=1e8, mem_bytes=45 * MiB, out_bytes=8192)
+    links = {(0, 1): Link(1.0, 100.0), (1, 0): Link(1.0, 100.0)}
+    for client_mb, has_layer_0 in ((40, False), (400, True)):
+        devices = (Device("phone", 1e10, client_mb * MiB, beta=1.0),
+                   Device("node", 1e10, 1000 * MiB, beta=1.0))
+        p = room_for_layer_0(Problem((layer,) * 8, devices, links, client_reserved_bytes=4 * MiB))
+        plan = solve(p)
+        assert (plan.spans[0][0] == 0) == has_layer_0, plan.spans
+        assert p.client_first == has_layer_0

@@ -40,10 +40,6 @@ def precheck(p: Problem) -> None:
     if all(p.capacity(i) < biggest for i in range(p.m)):
         raise PlanInfeasible(f"no device can hold one layer of {biggest / 2**20:.0f} MiB; "
                              f"considered {names}")
-    if p.client_first and p.capacity(0) < p.layers[0].mem_bytes:
-        raise PlanInfeasible(f"the client {p.devices[0].name} must hold layer 0 "
-                             f"({p.layers[0].mem_bytes / 2**20:.0f} MiB) but has "
-                             f"{p.capacity(0) / 2**20:.0f} MiB usable")
 
 
 def _no_highs(solver: str) -> bool:
@@ -114,11 +110,23 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
          weights: Weights | None = None) -> Plan:
     """Place a model's layers on a cluster (devices and links, as `edgelite probe` measures
     them or as cluster.json describes them). Reads only the manifest."""
-    p = problem_from(manifest, cluster, objective, weights, client_first, kv_tokens)
+    p = room_for_layer_0(problem_from(manifest, cluster, objective, weights, client_first, kv_tokens))
     best = solve(p, solver)
     if best.remote or p.m == 1:
         return best
     return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
+
+
+def room_for_layer_0(p: Problem) -> Problem:
+    """Client-first (layer 0 on the client, so that only hidden states cross the network)
+    only where the client has room for it: else the nodes take every layer."""
+    if not p.client_first or p.capacity(0) >= p.layers[0].mem_bytes:
+        return p
+    log.info("the client (%s) has %.0f MiB usable beyond the embedding and head, less than layer "
+             "0's %.0f MiB: the nodes hold every layer (--client-memory-mb sets what the client "
+             "may use)", p.devices[0].name, max(0.0, p.capacity(0)) / 2**20,
+             p.layers[0].mem_bytes / 2**20)
+    return dataclasses.replace(p, client_first=False)
 
 
 def with_nodes_ms(p: Problem) -> float:
