@@ -92,7 +92,11 @@ class NodeConfig:
     max_probe_timeout_s: float = 10.0  # the longest per-request timeout a probe may ask for
     max_profile_hidden: int = 4096  # the largest GEMV side a profile request may ask for
     max_profile_bytes: int = 64 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
-    max_connections: int = 128  # open connections (control and data) from all peers
+    max_connections: int = 128  # open authenticated connections (control and data), all peers
+    # connections not yet authenticated have their own budget (all of them, and from one
+    # address), each at most handshake_timeout_s: strangers cannot keep clients out
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_address: int = 16
     # requests of one control connection run at once (each answered when it is done, so a
     # slow one, a KV write or a model load, does not hold back that client's heartbeats);
     # more wait their turn, up to max_queued_requests; pings are answered as they are read
@@ -100,6 +104,9 @@ class NodeConfig:
     max_queued_requests: int = 64  # per connection, running or waiting: then it is not read
     # and the frames they came in, in bytes (a frame is read when less than this is held)
     max_queued_request_bytes: int = 16 * 1024 * 1024
+    # frames of requests being read or answered, over all connections: a frame beyond it waits
+    # unread until others are done (one frame always fits: up to WireLimits.max_frame_bytes)
+    max_held_frame_bytes: int = 96 * 1024 * 1024
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # a control connection silent this long is closed
     forward_connect_timeout_s: float = 2.0
@@ -159,6 +166,9 @@ class ClientConfig:
     heartbeat_timeout_s: float = 0.8
     failover: bool = True  # a lost node: replan on the others and go on (else: an error)
     max_failovers: int = 3  # recoveries one step may go through before its error is raised
+    # nodes a recovery left out are asked this often whether they answer again; those that do
+    # are planned in again (the gateway asks between rounds)
+    rejoin_interval_s: float = 5.0
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
 
@@ -176,6 +186,9 @@ class HttpConfig:
     refused_body_drain_s: float = 5.0
     sse_keepalive_s: float = 5.0  # a streamed reply with nothing new this long gets a comment
     keep_alive_s: int = 5  # an idle HTTP/1.1 connection is closed after this
+    max_connections: int = 256  # open HTTP connections; more are closed as they come
+    header_timeout_s: float = 10.0  # a request's headers must be in this soon (else: closed)
+    body_timeout_s: float = 30.0  # and its body this soon after them (else: 408)
 
 
 @dataclass(frozen=True)

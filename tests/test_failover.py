@@ -13,7 +13,7 @@ import pytest
 import edgelite
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node, start_serve
-from edgelite.config import GenerationConfig
+from edgelite.config import ClientConfig, GenerationConfig
 from edgelite.engine.generate import LocalBackend
 from edgelite.ids import NodeAddr
 from edgelite.serve.client import GatewayClient
@@ -123,6 +123,39 @@ def test_a_node_that_comes_back_rejoins(exported, node_factory, tmp_path) -> Non
     assert victim.addr not in without and victim.addr in with_it
     assert nodes[1].addr not in with_it
 
+
+
+def test_a_node_left_out_is_planned_in_again_when_it_answers(exported, node_factory, tmp_path) -> None:
+    """After a recovery planned without a node, `rejoin` (the gateway calls it between rounds)
+    finds it answering again and plans it in; the reply's ids are those of an uninterrupted run."""
+    model = exported["llama"]
+    nodes = [node_factory() for _ in range(3)]
+    victim = nodes[0]
+
+    async def main() -> tuple:
+        async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN, split=SPLIT,
+                                    client=ClientConfig(rejoin_interval_s=0.2)) as llm:
+            first = await _ids(llm)
+            victim.kill()
+            second = await _ids(llm)
+            without = {str(s.addr) for s in llm.plan.stages}
+            assert await llm.backend.rejoin() is None  # (asked again only after the interval)
+            await asyncio.sleep(0.3)
+            assert await llm.backend.rejoin() is None  # still away: nothing changes
+            back = start_node(tmp_path / "back", port=victim.port)
+            try:
+                await asyncio.sleep(0.3)
+                rec = await llm.backend.rejoin()
+                assert rec is not None and rec.lost == []
+                third = await _ids(llm)
+                with_it = {str(s.addr) for s in llm.plan.stages}
+            finally:
+                back.kill()
+            return first, second, third, without, with_it
+
+    first, second, third, without, with_it = asyncio.run(main())
+    assert first == second == third
+    assert victim.addr not in without and victim.addr in with_it
 
 
 def test_gateway_requests_finish_when_a_node_is_killed(exported, node_factory, tmp_path) -> None:

@@ -77,8 +77,11 @@ def _solo(model: Path, prompt: str, n: int = 8) -> list[int]:
 def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> None:
     model = exported["llama"]
     node = node_factory(log_file=tmp_path / "node.log")
+    # every prompt computed, as in the solo run it is compared with (a stored prefix computes
+    # the prompt's tail in other shapes, and a near tie of the random model can flip: issue 41)
     proc, port = _gateway(model, [node], tmp_path, "--set", "client_send_timeout_s=2",
-                          "--set", "max_requests_per_user=4", "--set", "client_queue_frames=64")
+                          "--set", "max_requests_per_user=4", "--set", "client_queue_frames=64",
+                          "--set", "reuse_prefixes=false")
     want = _solo(model, "hello there")
     try:
         async def main() -> dict:

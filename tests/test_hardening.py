@@ -28,6 +28,7 @@ from edgelite.engine.generate import LocalBackend
 from edgelite.errors import EdgeliteError, ManifestError, NodeError, ProtocolError
 from edgelite.ids import NodeAddr, new_session_id
 from edgelite.net import messages as m
+from edgelite.net import stepframe
 from edgelite.net.frames import Conn, read_frame
 from edgelite.net.tensors import encode_tensor
 from edgelite.planner.solve import split_plan
@@ -521,7 +522,7 @@ async def _load_refused(m0: mf.Manifest, addr: str, first: int, last: int, match
         await cluster.close()
 
 
-def test_cached_blobs_are_verified_when_loaded(exported, node_factory) -> None:
+def test_cached_blobs_are_verified_when_loaded_and_healed(exported, node_factory) -> None:
     model = exported["llama"]
     node = node_factory()
     blobs = node.data_dir / "blobs"
@@ -536,8 +537,16 @@ def test_cached_blobs_are_verified_when_loaded(exported, node_factory) -> None:
         data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
         target.write_bytes(bytes(data))
         os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the mtime put back
-        with pytest.raises(NodeError, match="changed since it was deployed"):
-            await _cluster(model, [node.addr], [(0, 2)])
+        # a load without a deploy finds it damaged: refused, and the blob deleted
+        await _load_refused(m0, node.addr, 0, 2, "damaged since it was deployed.*deleted")
+        assert not target.exists()
+        # the next deploy uploads it again and runs
+        await (await _cluster(model, [node.addr], [(0, 2)])).close()
+        assert target.read_bytes() == (model / m0.layers[1].data[0].file).read_bytes()
+        # damaged again: the deploy itself finds it (the node reports it missing) and heals it
+        target.write_bytes(bytes(data))
+        await (await _cluster(model, [node.addr], [(0, 2)])).close()
+        assert target.read_bytes() == (model / m0.layers[1].data[0].file).read_bytes()
         target.unlink()
         copy = node.data_dir / "elsewhere"
         shutil.copy(model / m0.layers[1].data[0].file, copy)
@@ -652,3 +661,121 @@ def test_a_dead_data_plane_thread_is_restarted(exported, tmp_path) -> None:
             await again.close()
 
     asyncio.run(main())
+
+
+# ---- round 2: strangers before authentication ----------------------------------------------
+def test_strangers_cannot_keep_clients_out_nor_break_the_handshake(node_factory, tmp_path) -> None:
+    """400 connections from another address that never authenticate, held open: a client's
+    20 new connections (each a handshake and a ping) all get in, within the flood. A step frame
+    of 0 x 2^32-1 x 2^32-1 in place of the Auth message gets a one-line refusal and no
+    traceback (the node's log is clean)."""
+    log = tmp_path / "node.log"
+    node = node_factory(log_file=log)
+    flood: list[socket.socket] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(400):
+            s = socket.socket()
+            s.setblocking(False)
+            s.bind(("127.0.0.2", 0))
+            try:
+                await asyncio.wait_for(loop.sock_connect(s, ("127.0.0.1", node.port)), 2)
+            except (OSError, TimeoutError):
+                pass  # refused or still pending: held open all the same
+            flood.append(s)
+        t0 = time.monotonic()
+        for _ in range(20):
+            conn = await _authed(node.port)
+            try:
+                await conn.send(m.Ping(id=1))
+                assert isinstance(await _reply(conn), m.Pong)
+            finally:
+                await conn.close()
+        assert time.monotonic() - t0 < 10
+        r, w = await asyncio.open_connection("127.0.0.1", node.port)
+        await read_frame(r, LIMITS.max_handshake_frame_bytes, 5)  # hello
+        body = stepframe.HEAD.pack(stepframe.MAGIC, 1, stepframe.HIDDEN, 0, 1, 0, 1, 1, 0,
+                                   stepframe.F32, 3) + b"ps"
+        body += struct.pack("<3I", 0, 2**32 - 1, 2**32 - 1) + b"\0\0"
+        w.write(struct.pack(">I", len(body)) + body)
+        reply = await asyncio.wait_for(r.read(), 5)
+        assert b"bad handshake" in reply and b"hidden: shape" in reply, reply
+        w.close()
+        stats = await _node_stats(node.port)
+        assert stats["refused_strangers"] > 0, stats
+
+    try:
+        asyncio.run(main())
+    finally:
+        for s in flood:
+            s.close()
+    _clean_log(log)
+
+
+async def _node_stats(port: int) -> dict[str, Any]:
+    conn = await _authed(port)
+    try:
+        await conn.send(m.StatsRequest(id=1))
+        reply = await _reply(conn)
+        assert isinstance(reply, m.StatsReply)
+        return reply.stats
+    finally:
+        await conn.close()
+
+
+def test_large_frames_of_many_connections_wait_for_the_nodes_frame_budget(node_factory) -> None:
+    """Eight connections each send a 60 MiB request at once: the node reads them within its
+    frame budget (max_held_frame_bytes, 96 MiB: one such frame at a time), so its peak memory
+    grows by a few frames' worth, not eight; every request is answered."""
+    node = node_factory()
+    frame = m.Bulk(id=1, data=bytes(60 << 20), reply_bytes=0)
+
+    async def one() -> m.Message:
+        conn = await _authed(node.port)
+        try:
+            await conn.send(frame)
+            return await _reply(conn, 60)
+        finally:
+            await conn.close()
+
+    async def main() -> list[m.Message]:
+        return await asyncio.gather(*(one() for _ in range(8)))
+
+    before = _hwm_mib(node.proc.pid)
+    replies = asyncio.run(main())
+    assert all(isinstance(r, m.BulkAck | m.Error) for r in replies), replies
+    assert sum(isinstance(r, m.BulkAck) for r in replies) >= 2
+    grew = _hwm_mib(node.proc.pid) - before
+    assert grew < 260, grew  # (without the budget: ~8 x 2 x 60 MiB)
+    assert _node_stats_sync(node.port)["frame_budget"]["waited"] > 0
+
+
+def _hwm_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
+
+
+def _node_stats_sync(port: int) -> dict[str, Any]:
+    return asyncio.run(_node_stats(port))
+
+
+def test_a_refusal_echoes_only_an_id_the_schema_takes(node_factory) -> None:
+    """A refused request whose id is out of the schema's range (|id| > 2^53) gets an Error
+    without that id, which the client's parser accepts; an id in range is echoed."""
+    node = node_factory()
+
+    async def main() -> list[m.Message]:
+        conn = await _authed(node.port)
+        try:
+            out = []
+            for rid in (2**60, -(2**60), 2**53):
+                await _send_raw(conn, {"type": "stats", "id": rid, "junk": 1})
+                out.append(await _reply(conn))  # parsed: a reply the schema refused would raise
+            return out
+        finally:
+            await conn.close()
+
+    replies = asyncio.run(main())
+    assert all(isinstance(r, m.Error) for r in replies), replies
+    assert [r.id for r in replies] == [None, None, 2**53]

@@ -225,3 +225,62 @@ def test_health_is_503_until_deployed_and_stops_hold_back_text() -> None:
     s = StopMatcher(("END", "\n\n"))
     out = [s.push(t) for t in ("he", "llo E", "N", "D more")]
     assert "".join(t for t, _ in out) == "hello " and out[-1][1] and not out[1][1]
+
+
+def test_idle_slow_and_surplus_connections_are_closed_and_bad_bodies_are_400s() -> None:
+    """Connections that send nothing, or their headers a byte at a time, are closed within
+    header_timeout_s; beyond max_connections they are closed as they come; meanwhile a real
+    request is answered. A body of JSON nested 200,000 deep, or a Content-Length that is not
+    a number, gets a 400 with OpenAI's error JSON (not a 500 with a traceback)."""
+    cfg = HttpConfig(port=0, header_timeout_s=1.0, max_connections=40)
+
+    async def main() -> None:
+        api = HttpApi("m", None, cfg)
+        async with served(api) as port:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(60)]
+            slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+            t0 = time.monotonic()
+
+            async def closed(r: asyncio.StreamReader) -> float:
+                assert await asyncio.wait_for(r.read(), 5) == b""
+                return time.monotonic() - t0
+
+            async def dribble() -> None:
+                for b in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n":
+                    if slow_w.is_closing():
+                        return
+                    slow_w.write(bytes([b]))
+                    await asyncio.sleep(0.1)
+
+            drip = asyncio.create_task(dribble())
+            # (the surplus goes at once; a request still gets in after the idle ones go)
+            times = await asyncio.gather(*(closed(r) for r, _ in idle), closed(slow_r))
+            drip.cancel()
+            assert sum(t < 0.5 for t in times) >= 20 and max(times) < 3, times
+            for _, w in idle:
+                w.close()
+            slow_w.close()
+            status, body = await asyncio.to_thread(_post, port, b"[" * 200_000)
+            assert status == 400 and "nested too deeply" in body["error"]["message"], body
+            status, body = await asyncio.to_thread(_post, port, b"{}", {"Content-Length": "x1"})
+            assert status == 400, body  # (h11 refuses it before the app sees it)
+
+    asyncio.run(main())
+
+
+def _post(port: int, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.putrequest("POST", "/v1/chat/completions")
+        c.putheader("Content-Type", "application/json")
+        for k, v in {"Content-Length": str(len(data)), **(headers or {})}.items():
+            c.putheader(k, v)
+        c.endheaders(data)
+        r = c.getresponse()
+        raw = r.read()
+        return r.status, (json.loads(raw) if r.getheader("content-type") == "application/json"
+                          else {"text": raw.decode(errors="replace")})
+    finally:
+        c.close()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -428,6 +429,43 @@ def test_a_conversation_resumes_after_every_process_restarted(exported, node_fac
         f.write_bytes(bytes(raw))
     again, reused_again = asyncio.run(_turn(model, nodes, first + reply1 + more))
     assert reused_again == 0 and again == straight
+
+
+@pytest.mark.e2e
+def test_a_clients_kv_on_the_nodes_is_its_own(exported, node_factory) -> None:
+    """Nodes keep each client's KV under its own key: another client (another KV key) with the
+    same prompt imports none of it, and neither a restore nor a kv_export built from the public
+    manifest's layout reads it; the client that computed it (the key kept in its home) does."""
+    model = exported["llama"]
+    nodes = [node_factory(), node_factory()]
+    prompt = np.random.default_rng(5).integers(3, 200, 70).tolist()
+    key_file = Path(os.environ["EDGELITE_HOME"]) / "kv_key"
+    ids, reused = asyncio.run(_turn(model, nodes, prompt))
+    assert reused == 0 and key_file.exists()
+    mine = key_file.read_text()
+    key_file.unlink()  # another client: its own key (the client's own store still hits)
+    other, reused = asyncio.run(_turn(model, nodes, prompt))
+    assert other == ids and reused == 0
+    key_file.write_text(mine)  # the first client again: its KV comes back
+    again, reused = asyncio.run(_turn(model, nodes, prompt))
+    assert again == ids and reused >= 64, reused
+    asyncio.run(_export_needs_the_domain(nodes[0]))
+
+
+async def _export_needs_the_domain(node) -> None:
+    layout, stored = read_header(next((node.data_dir / "kv").glob("*.kv")))
+    assert layout.domain
+    link = await NodeLink.open(NodeAddr.parse(node.addr), TOKEN, None, WireLimits(), 5)
+    try:
+        for lay, found in ((replace(layout, domain=""), False), (layout, True)):
+            ready = await link.request(m.KvExport(id=0, layout=lay.to_json(), tokens=stored.tobytes(),
+                                                  first=lay.first, last=lay.first), m.KvExportReady, 5)
+            assert (ready.length > 0) == found, (lay, ready)
+            if ready.handle:
+                await link.request(m.KvExportRead(id=0, handle=ready.handle, offset=0),
+                                   m.KvExportData, 5)
+    finally:
+        await link.close()
 
 
 @pytest.mark.e2e

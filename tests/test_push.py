@@ -59,6 +59,19 @@ def test_push_resumes_and_the_copy_runs(exported, node_factory) -> None:
     # pushed again: nothing to send, the folder replaced whole
     again = run_cli("push", str(model), "--to", node.addr, "--token", TOKEN, "--name", "tiny")
     assert "0.0 MB sent now" in again.stdout
+    # another client (its own home, so its own key) cannot replace it; under its own name it can
+    other = {"EDGELITE_HOME": str(node.data_dir.parent / "other-home")}
+    theirs = run_cli("push", str(model), "--to", node.addr, "--token", TOKEN, "--name", "tiny",
+                     env=other)
+    assert theirs.returncode == 1 and "pushed by another client" in theirs.stderr, theirs.stderr
+    assert theirs.stderr.count("\n") == 1 and "Traceback" not in theirs.stderr
+    assert run_cli("push", str(model), "--to", node.addr, "--token", TOKEN, "--name", "tiny2",
+                   env=other).returncode == 0
+    assert sha256_file(kept / "manifest.json") == files_sha(model)["manifest.json"]
+
+
+def files_sha(model) -> dict[str, str]:
+    return {f.file: f.sha256 for f in export_files(model)}
 
 
 def test_bad_model_puts_are_refused_and_change_nothing(exported, node_factory) -> None:

@@ -8,11 +8,14 @@ import struct
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgelite.config import WireLimits
 from edgelite.errors import AuthError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
+from edgelite.net import stepframe as sf
 from edgelite.net.frames import Conn, decode, pack, read_frame, unpack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.tensors import decode_tensor
@@ -58,7 +61,7 @@ def test_every_message_type_roundtrips() -> None:
 @pytest.mark.parametrize("bad, match", [
     ({"dtype": "complex128", "shape": [1], "data": b"\0" * 16}, "unknown dtype"),
     ({"dtype": "float32", "shape": [2, 2], "data": b"\0" * 15}, "needs 16 bytes, got 15"),
-    ({"dtype": "float32", "shape": [1 << 20], "data": b""}, "exceed the limit"),
+    ({"dtype": "float32", "shape": [1 << 20], "data": b""}, "exceeds the limit"),
     ({"dtype": "float32", "shape": [-1], "data": b""}, "bad shape"),
     ({"dtype": "float32", "shape": [True], "data": b"\0" * 4}, "bad shape"),
     ({"dtype": "float32", "shape": "3", "data": b""}, "shape must be a list"),
@@ -198,3 +201,38 @@ def test_binary_steps_roundtrip_and_refuse_every_broken_header() -> None:
                     hidden=np.zeros((1, 1 << 17), np.float32))
     with pytest.raises(ProtocolError, match="limit 65536 elements"):
         decode(pack(big)[4:], LIMITS)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(head=st.tuples(st.integers(0, 3), st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**64 - 1),
+                      st.integers(0, 2**32 - 1), st.integers(0, 255), st.integers(0, 255),
+                      st.integers(0, 2**16 - 1), st.integers(0, 255), st.integers(0, 255)),
+       dims=st.lists(st.sampled_from([0, 1, 2, 3, 2**16, 2**31, 2**32 - 1]), max_size=8),
+       tail=st.binary(max_size=96))
+def test_any_step_header_is_a_message_or_a_protocol_error(head: tuple, dims: list[int], tail: bytes) -> None:
+    """Arbitrary header fields, shapes (zeros among huge sizes: 0 elements that numpy cannot
+    shape) and bytes after them: stepframe.parse, and decode, give a message within the
+    schema's bounds or a ProtocolError, nothing else."""
+    kind, flags, n_trace, step, start, n_plan, n_session, n_error, code, rank = head
+    body = (sf.HEAD.pack(sf.MAGIC, kind, flags, n_trace, step, start, n_plan, n_session, n_error,
+                         code, rank if rank < 16 else len(dims))
+            + b"p" * min(n_plan, 64) + b"s" * min(n_session, 64) + struct.pack(f"<{len(dims)}I", *dims)
+            + tail)
+    for parse in (lambda b: sf.parse(b, LIMITS), lambda b: decode(b, LIMITS)):
+        try:
+            got = parse(body)
+        except ProtocolError:
+            continue
+        assert isinstance(got, m.Forward | m.Result)
+        assert got.hidden is None or got.hidden.size <= LIMITS.max_tensor_elements
+
+
+def test_a_shape_of_zero_and_huge_sizes_is_refused() -> None:
+    """(0, 2**32 - 1, 2**32 - 1) has 0 elements, yet no array has that shape: refused by name,
+    on the step codec and the msgpack one (it used to kill the data-plane thread)."""
+    body = sf.HEAD.pack(sf.MAGIC, 1, sf.HIDDEN, 0, 1, 0, 1, 1, 0, sf.F32, 3) + b"ps" \
+        + struct.pack("<3I", 0, 2**32 - 1, 2**32 - 1) + b"\0\0"
+    with pytest.raises(ProtocolError, match=r"hidden: shape \[0, 4294967295"):
+        decode(body, LIMITS)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        decode_tensor({"dtype": "float32", "shape": [0, 2**32 - 1, 2**32 - 1], "data": b""}, LIMITS)

@@ -77,7 +77,11 @@ class ClusterBackend:
                     self.cluster.ping(addr, cfg.heartbeat_timeout_s))
                 pings.add(task)
                 task.add_done_callback(answered)
+                due = time.monotonic() + cfg.heartbeat_interval_s
                 await asyncio.sleep(cfg.heartbeat_interval_s)
+                # time this event loop was busy elsewhere (a long parse, a tokenizer) is not
+                # the node's silence: its answers may be waiting, unread, in the socket
+                last += max(0.0, time.monotonic() - due)
                 if time.monotonic() - last > cfg.heartbeat_timeout_s:
                     reason = f"no heartbeat answer for {cfg.heartbeat_timeout_s:g} s"
                     self.cluster.lost[addr] = reason

@@ -15,6 +15,7 @@ import secrets
 import socket
 from collections.abc import Callable
 
+from edgelite import paths
 from edgelite.config import ClientConfig, WireLimits
 from edgelite.errors import AuthError, EdgeliteError, NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr, PlanId, SessionId, new_plan_id
@@ -43,6 +44,8 @@ class Cluster:
         self.plan_id: PlanId = new_plan_id()
         # this client's key (Auth.client): its connections to a node are one owner there
         self.client_key = secrets.token_hex(16)
+        # its KV's key on the nodes (Auth.kv): kept across restarts, its own KV only
+        self.kv_key = paths.kv_key() or self.client_key
         self.capabilities: dict[NodeAddr, str] = {}  # what opens each stage's data connections
         self.lost: dict[NodeAddr, str] = {}  # nodes whose control connection ended, and why
         self.on_lost: Callable[[NodeAddr, str], None] = lambda _a, _r: None
@@ -57,7 +60,7 @@ class Cluster:
             if addr not in self.links:
                 self.links[addr] = await NodeLink.open(addr, self.token, self.manifest.fingerprint,
                                                        self.limits, self.cfg.connect_timeout_s,
-                                                       self._lost, self.client_key)
+                                                       self._lost, self.client_key, self.kv_key)
 
     def _lost(self, link: NodeLink, reason: str) -> None:
         self.lost[link.addr] = reason

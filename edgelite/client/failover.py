@@ -12,8 +12,10 @@ step timed out and it does not answer a ping), it:
    stages first, in the shapes they first ran in (`rebuild`), and goes on with the same
    generation: the ids are those of an uninterrupted run.
 
-A node that answers again is used at the next recovery or the next `connect` (rejoin). If the
-nodes left cannot hold the model, the planner's error says how much memory is short.
+A node that a recovery left out and that answers again (asked every `rejoin_interval_s` by
+`rejoin`, which the gateway calls between rounds) is planned in again the same way, as is any
+node at the next recovery or the next `connect`. If the nodes left cannot hold the model, the
+planner's error says how much memory is short.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # (nodes to leave out) -> a backend deployed on the others, ms to plan, ms to deploy
 Replan = Callable[[frozenset[NodeAddr]], Awaitable[tuple[Backend, float, float]]]
+Answers = Callable[[NodeAddr], Awaitable[bool]]  # whether a node answers (a handshake) now
 
 
 @dataclass
@@ -69,12 +72,16 @@ class _Sessions:
 class FailoverBackend:
     """A Backend (see engine/generate.py) over a replaceable inner backend."""
 
-    def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig) -> None:
+    def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig,
+                 answers: Answers | None = None) -> None:
         self.manifest, self.inner, self.replan, self.cfg = manifest, inner, replan, cfg
+        self.answers = answers
         self.s = _Sessions()
         self.generation = 0  # recoveries so far
         self.lock = asyncio.Lock()
         self.recoveries: list[Recovery] = []
+        self.left_out: frozenset[NodeAddr] = frozenset()  # what the last recovery planned without
+        self.next_rejoin = 0.0  # (monotonic) when to ask them again
 
     @property
     def plan(self) -> Plan | None:
@@ -140,26 +147,49 @@ class FailoverBackend:
                 raise answer
         return gone
 
+    async def rejoin(self) -> Recovery | None:
+        """Plan the nodes the last recovery left out in again, if they answer now (asked at
+        most every `rejoin_interval_s`); the sessions go on as after a recovery."""
+        now = time.monotonic()
+        if not self.left_out or self.answers is None or now < self.next_rejoin:
+            return None
+        self.next_rejoin = now + self.cfg.rejoin_interval_s
+        out = list(self.left_out)
+        back = [a for a, ok in zip(out, await asyncio.gather(*(self.answers(a) for a in out)),
+                                   strict=True) if ok]
+        if not back:
+            return None
+        async with self.lock:
+            log.info("%s answer again; planning them in", ", ".join(map(str, back)))
+            return await self._switch(self.left_out - set(back), f"{len(back)} node(s) back", now)
+
     async def _recover(self, gen: int, reason: str) -> Recovery | None:
         async with self.lock:
             if self.generation != gen:
                 return None  # another step recovered meanwhile
             t0 = time.monotonic()
             gone = await self._gone()
-            rec = Recovery([str(a) for a in gone], reason, t0)
-            rec.detect_ms = (time.monotonic() - t0) * 1e3
-            log.info("lost %s (%s); planning again without it", ", ".join(rec.lost) or
+            log.info("lost %s (%s); planning again without it", ", ".join(map(str, gone)) or
                         "a stage connection", reason)
-            await self.inner.close()
-            self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(frozenset(gone))
-            plan = self.plan
-            rec.plan = ("the local engine" if plan is None or not plan.remote else " -> ".join(
-                f"{s.device} [{s.first}-{s.last}]" for s in plan.stages))
-            self.s.stale = set(self.s.history)
-            self.generation += 1
-            self.recoveries.append(rec)
-            log.warning("%s", rec.summary())
-            return rec
+            return await self._switch(frozenset(gone), reason, t0)
+
+    async def _switch(self, gone: frozenset[NodeAddr], reason: str, t0: float) -> Recovery:
+        """Deploy a plan without `gone` (the caller holds the lock); every session is rebuilt
+        at its next step."""
+        rec = Recovery([str(a) for a in gone], reason, t0)
+        rec.detect_ms = (time.monotonic() - t0) * 1e3
+        await self.inner.close()
+        self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(gone)
+        self.left_out = gone
+        self.next_rejoin = time.monotonic() + self.cfg.rejoin_interval_s
+        plan = self.plan
+        rec.plan = ("the local engine" if plan is None or not plan.remote else " -> ".join(
+            f"{s.device} [{s.first}-{s.last}]" for s in plan.stages))
+        self.s.stale = set(self.s.history)
+        self.generation += 1
+        self.recoveries.append(rec)
+        log.warning("%s", rec.summary())
+        return rec
 
     async def end(self, session: str) -> None:
         self.s.history.pop(session, None)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,14 @@ import numpy as np
 
 from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.client.failover import FailoverBackend, Recovery, Replan
-from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
+from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
 from edgelite.engine.generate import Backend, Stats, generate
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
-from edgelite.errors import EdgeliteError
+from edgelite.errors import AuthError, EdgeliteError
 from edgelite.ids import NodeAddr, SessionId
 from edgelite.manifest import Manifest
 from edgelite.manifest import load as load_manifest
+from edgelite.net import handshake
 from edgelite.net.discovery import discover
 from edgelite.net.linkprobe import ProbeConfig
 from edgelite.net.routes import Routes
@@ -220,11 +221,24 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     if plan.remote and ccfg.failover:
         replan = _replanner(manifest, addrs, token, probed, planning or PlanOptions(), ccfg,
                             runtime, routes)
-        backend = FailoverBackend(manifest, backend, replan, ccfg)
+        backend = FailoverBackend(manifest, backend, replan, ccfg, _answers(token, ccfg))
     log.info("ready: %s (%s, %s) with %s", manifest.name, manifest.weights, manifest.compute,
              ", ".join(f"layers {s.first}-{s.last} on {s.addr or 'this device'}"
                        for s in plan.stages))
     return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+
+
+def _answers(token: str | None, cfg: ClientConfig) -> Callable[[NodeAddr], Awaitable[bool]]:
+    """Whether a node answers now: a handshake with the cluster token, then closed."""
+    async def answers(addr: NodeAddr) -> bool:
+        try:
+            conn, _ = await handshake.connect(addr, token or "", None, WireLimits(),
+                                             cfg.connect_timeout_s)
+        except (ConnectionError, AuthError):
+            return False
+        await conn.close()
+        return True
+    return answers
 
 
 async def node_addrs(nodes: Sequence[str | NodeAddr] | str | None, token: str | None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgelite import manifest as mf
+from edgelite import paths
 from edgelite.config import ClientConfig, WireLimits
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
@@ -54,7 +55,9 @@ async def push(model_dir: str | Path, to: NodeAddr, token: str, name: str | None
     cfg = client or ClientConfig()
     name = plain_name(name or await asyncio.to_thread(lambda: root.resolve().name), "--name")
     files = await asyncio.to_thread(export_files, root)
-    link = await NodeLink.open(to, token, None, WireLimits(), cfg.connect_timeout_s)
+    # as this client (its kept key): the folder is its own, and it may push it again
+    link = await NodeLink.open(to, token, None, WireLimits(), cfg.connect_timeout_s,
+                               kv=paths.kv_key())
     try:
         sent = await send_files(link, root, files, cfg.deploy_chunk_bytes, cfg.deploy_timeout_s,
                                 progress)

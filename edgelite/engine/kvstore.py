@@ -71,14 +71,18 @@ class Layout:
     kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    # whose entries these are (a node's clients each have their own: none finds, reads or
+    # restores another's KV); "" for a store of one user's (the client's own)
+    domain: str = ""
 
     @property
     def layers(self) -> int:
         return self.last - self.first + 1
 
     def to_json(self) -> dict:
-        return {"fingerprint": self.fingerprint, "first": self.first, "last": self.last,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+        out = {"fingerprint": self.fingerprint, "first": self.first, "last": self.last,
+               "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+        return out | {"domain": self.domain} if self.domain else out
 
     @functools.cached_property
     def seed(self) -> bytes:  # (hashed once: every lookup, index row and block hash uses it)
@@ -90,18 +94,20 @@ class Layout:
 
 def layout_from_json(obj: object) -> Layout:
     """A Layout sent by a peer (kv_export), checked field by field; ValueError otherwise."""
-    if not isinstance(obj, dict) or set(obj) != {"fingerprint", "first", "last", "kv_heads",
-                                                 "head_dim", "dtype"}:
+    fields = {"fingerprint", "first", "last", "kv_heads", "head_dim", "dtype"}
+    if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"domain"}:
         raise ValueError("a KV layout has the fields fingerprint, first, last, kv_heads, "
-                         "head_dim, dtype")
-    fp, dtype = obj["fingerprint"], obj["dtype"]
+                         "head_dim, dtype (and domain)")
+    fp, dtype, domain = obj["fingerprint"], obj["dtype"], obj.get("domain", "")
+    if not isinstance(domain, str) or len(domain) > 64:
+        raise ValueError("a KV layout's domain is a string of at most 64 characters")
     ints = [obj[k] for k in ("first", "last", "kv_heads", "head_dim")]
     if not isinstance(fp, str) or len(fp) > 128 or dtype != "float32":
         raise ValueError("a KV layout's fingerprint is a string, its dtype float32")
     if any(type(v) is not int or not 0 <= v < 1 << 16 for v in ints) or ints[0] > ints[1] \
             or not (ints[2] and ints[3]):
         raise ValueError(f"KV layout fields out of range: {ints}")
-    return Layout(fp, *ints)
+    return Layout(fp, *ints, domain=domain)
 
 
 def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:

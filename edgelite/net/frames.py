@@ -13,6 +13,7 @@ import asyncio
 import errno
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import msgpack
 from edgelite.config import WireLimits
 from edgelite.errors import EdgeliteError, ProtocolError, StreamError
 from edgelite.net import stepframe
+from edgelite.net.budget import ByteBudget
 from edgelite.net.schema import Message, parse
 from edgelite.net.stepframe import LEN  # the frame length prefix (re-exported)
 
@@ -35,10 +37,17 @@ def pack(msg: Message) -> bytes:
 
 
 def decode(body: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
-    """A frame's body as a checked message, whichever codec wrote it."""
-    if stepframe.is_step(body):
-        return stepframe.parse(body, limits)
-    return parse(unpack(body), limits)
+    """A frame's body as a checked message, whichever codec wrote it. Anything wrong with it
+    is a ProtocolError (the codecs check every field; should one slip through, the error it
+    raises is still the frame's, never the reader's)."""
+    try:
+        if stepframe.is_step(body):
+            return stepframe.parse(body, limits)
+        return parse(unpack(body), limits)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, OverflowError, struct.error, RecursionError) as exc:
+        raise ProtocolError(f"malformed frame: {str(exc)[:120]}") from exc
 
 
 def unpack(body: bytes | memoryview) -> dict[str, Any]:
@@ -52,19 +61,33 @@ def unpack(body: bytes | memoryview) -> dict[str, Any]:
     return frame
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, body_timeout_s: float) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, body_timeout_s: float,
+                     budget: ByteBudget | None = None) -> bytes:
     """One frame's body; EOF before a frame starts raises asyncio.IncompleteReadError (a clean
-    close). The body must arrive within `body_timeout_s` once its length is in."""
+    close). The body must arrive within `body_timeout_s` once its length is in (and, with a
+    `budget`, once its bytes are taken from it: the caller gives them back)."""
     head = await reader.readexactly(4)
     (n,) = LEN.unpack(head)
     if n > max_bytes:
         raise StreamError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+    if budget is not None:
+        await budget.take(n)
     try:
         return await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
     except asyncio.IncompleteReadError as exc:
+        _give(budget, n)
         raise StreamError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
     except TimeoutError as exc:
+        _give(budget, n)
         raise StreamError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
+    except BaseException:
+        _give(budget, n)
+        raise
+
+
+def _give(budget: ByteBudget | None, n: int) -> None:
+    if budget is not None:
+        budget.give(n)
 
 
 def detach(writer: asyncio.StreamWriter) -> socket.socket:
@@ -86,6 +109,8 @@ class Conn:
     limits: WireLimits
     peer: str = "?"
     authenticated: bool = False  # large frames only once the handshake has succeeded
+    # frames read once authenticated take their bytes from this (the caller gives them back)
+    budget: ByteBudget | None = None
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
@@ -99,9 +124,11 @@ class Conn:
             await self.writer.drain()
 
     async def _body(self) -> bytes:
-        cap = (self.limits.max_frame_bytes if self.authenticated
-               else self.limits.max_handshake_frame_bytes)
-        return await read_frame(self.reader, cap, self.limits.frame_body_timeout_s)
+        if not self.authenticated:
+            return await read_frame(self.reader, self.limits.max_handshake_frame_bytes,
+                                    self.limits.frame_body_timeout_s)
+        return await read_frame(self.reader, self.limits.max_frame_bytes,
+                                self.limits.frame_body_timeout_s, self.budget)
 
     async def recv_frame(self) -> dict[str, Any]:
         """The next frame as a map (for the few callers that route before parsing)."""

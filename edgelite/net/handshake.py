@@ -53,6 +53,8 @@ async def server_handshake(conn: Conn, token: Secret, node_name: str, fingerprin
         raise AuthError("client nonce missing")
     if auth.client is not None and len(auth.client) < MIN_CLIENT_KEY:
         raise AuthError(f"auth.client: a client key has at least {MIN_CLIENT_KEY} characters")
+    if auth.kv is not None and len(auth.kv) < MIN_CLIENT_KEY:
+        raise AuthError(f"auth.kv: a KV key has at least {MIN_CLIENT_KEY} characters")
     conn.authenticated = True
     await conn.send(m.Welcome(mac=_mac(secret, auth.nonce, b"server"), node=node_name,
                               fingerprints=fingerprints, port=port, udp_port=udp_port))
@@ -60,7 +62,8 @@ async def server_handshake(conn: Conn, token: Secret, node_name: str, fingerprin
 
 
 async def client_handshake(conn: Conn, token: str, fingerprint: str | None,
-                           user: str | None = None, client: str | None = None) -> m.Welcome:
+                           user: str | None = None, client: str | None = None,
+                           kv: str | None = None) -> m.Welcome:
     """Answer the server's challenge and check that it knows the secret too."""
     hello = await conn.recv()
     if not isinstance(hello, m.Hello):
@@ -71,7 +74,7 @@ async def client_handshake(conn: Conn, token: str, fingerprint: str | None,
     cnonce = os.urandom(32)
     await conn.send(m.Auth(version=PROTOCOL_VERSION, nonce=cnonce,
                            mac=_mac(token, hello.nonce, b"client"), fingerprint=fingerprint, user=user,
-                           client=client))
+                           client=client, kv=kv))
     welcome = await conn.recv()
     if isinstance(welcome, m.Error):
         raise AuthError(f"{conn.peer}: {welcome.message}")
@@ -96,7 +99,7 @@ def describe_os_error(exc: BaseException) -> str:
 
 async def connect(addr: NodeAddr, token: str, fingerprint: str | None, limits: WireLimits,
                   timeout: float, user: str | None = None,
-                  client: str | None = None) -> tuple[Conn, m.Welcome]:
+                  client: str | None = None, kv: str | None = None) -> tuple[Conn, m.Welcome]:
     """Open and authenticate a connection: (conn, the peer's welcome). ConnectionError (with
     the reason in words) when it cannot be reached; AuthError when the handshake fails.
     `client`: this client's key (Auth.client), so that the node counts this connection as
@@ -111,7 +114,8 @@ async def connect(addr: NodeAddr, token: str, fingerprint: str | None, limits: W
         raise ConnectionError(f"{addr}: cannot connect: {reason}") from exc
     conn = Conn(reader, writer, limits, str(addr))
     try:
-        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint, user, client), timeout)
+        welcome = await asyncio.wait_for(client_handshake(conn, token, fingerprint, user, client, kv),
+                                         timeout)
     except TimeoutError as exc:
         await conn.close()
         raise ConnectionError(f"{addr}: no handshake within {timeout:g} s") from exc

@@ -24,6 +24,13 @@ MAX_START = 1 << 30  # a step's position in its session
 MAX_ERROR = 2048  # characters of a step's error
 
 
+def reply_id(frame: dict[str, Any]) -> int | None:
+    """The id a refusal of this (perhaps malformed) request echoes: its own when the schema
+    accepts it, else none (an echoed id out of range would make the reply itself invalid)."""
+    rid = frame.get("id")
+    return rid if type(rid) is int and -RID <= rid <= RID else None
+
+
 def expect(frame: dict[str, Any], limits: WireLimits, *kinds: type[Message]) -> Any:
     """parse() for a reply that must be one of `kinds`; an Error reply raises ProtocolError
     with the peer's message (unless Error is among `kinds`)."""
@@ -61,6 +68,9 @@ class Auth(Message):
     # a random key the client keeps for its life: its connections with the same key are one
     # client, which owns the plans it loads (None: this connection alone)
     client: str | None = bounds(max_len=ID, default=None)
+    # a secret the client keeps across its restarts: its KV stored on the node is found, read
+    # and restored only under it (None: under `client`, else this connection's alone)
+    kv: str | None = bounds(max_len=ID, default=None)
 
 
 @message("welcome")

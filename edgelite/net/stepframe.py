@@ -111,7 +111,9 @@ def parse(body: bytes | bytearray | memoryview, limits: WireLimits) -> m.Forward
     if flags & HIDDEN:
         dtype = DTYPES[DTYPE_NAMES[code]]
         count = math.prod(dims)
-        if count > limits.max_tensor_elements or (size - pos) != count * ITEMSIZE[code]:
+        # each size too (a 0 among huge ones makes 0 elements, and numpy refuses the shape)
+        if (count > limits.max_tensor_elements or max(dims, default=0) > limits.max_tensor_elements
+                or (size - pos) != count * ITEMSIZE[code]):
             raise ProtocolError(f"{KINDS[kind].TYPE}.hidden: shape {list(dims)} x "
                                 f"{DTYPE_NAMES[code]} needs {count * ITEMSIZE[code]} bytes, the "
                                 f"frame has {size - pos} (limit {limits.max_tensor_elements} "
@@ -132,6 +134,7 @@ def _header_error(head: tuple[int, ...], size: int, limits: WireLimits) -> Proto
     _, kind, flags, n_trace, step, start, n_plan, n_session, n_error, code, rank = head
     name = KINDS[kind].TYPE if kind in KINDS else "step frame"
     need = HEAD.size + n_plan + n_session + n_error + 4 * (rank + 2 * n_trace)
+    need += -need % 4  # (the tensor starts on a multiple of 4)
     for bad, why in (
             (kind not in KINDS, f"unknown kind {kind}"),
             (flags > 3, f"unknown flags {flags:#x}"),

@@ -38,8 +38,9 @@ def decode_tensor(obj: Any, limits: WireLimits, name: str = "tensor") -> np.ndar
         if type(d) is not int or d < 0:
             raise ProtocolError(f"{name}: bad shape {str(shape)[:80]}")
     n = math.prod(shape)
-    if n > limits.max_tensor_elements:
-        raise ProtocolError(f"{name}: {n} elements exceed the limit {limits.max_tensor_elements}")
+    if n > limits.max_tensor_elements or max(shape, default=0) > limits.max_tensor_elements:
+        raise ProtocolError(f"{name}: shape {str(shape)[:80]} exceeds the limit of "
+                            f"{limits.max_tensor_elements} elements")
     if type(data) is not bytes or len(data) != n * ITEMSIZE[dtype]:
         got = len(data) if type(data) is bytes else type(data).__name__
         raise ProtocolError(f"{name}: shape {shape} x {dtype} needs {n * ITEMSIZE[dtype]} bytes, "

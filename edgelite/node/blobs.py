@@ -6,7 +6,8 @@ stopped) and become a blob only when the whole file hashes to its name. Uploads 
 declared size, a disk quota); partial uploads nobody finishes are deleted. A blob is checked
 again before it is loaded (its hash is cached by size, mtime and inode, so an unchanged file is
 not hashed twice; the change time is in the key too, which no one can set back); symbolic
-links and other non-files are refused.
+links and other non-files are refused. A blob that no longer hashes to its name is deleted
+and reported missing, so the next deploy uploads it again.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class BlobStore:
 
     def has(self, sha: str) -> bool:
         return self._regular(self.path(sha)) is not None
+
+    def intact(self, sha: str) -> bool:
+        """Whether the blob is here and hashes to its name (checked again only when its file
+        changed); a damaged one is deleted, so that the next deploy uploads it again."""
+        try:
+            self.verified(sha, "blob")
+        except ModelFileError:
+            return False
+        return True
 
     def partial(self, sha: str) -> int:
         st = self._regular(self.dir / f"{check_sha(sha)}.part")
@@ -123,8 +133,11 @@ class BlobStore:
                                  + (" (a symbolic link there is refused)" if path.is_symlink() else ""))
         if self._verified.get(sha) != _key(st):
             if sha256_file(path) != sha:
-                raise ModelFileError(f"{what} ({sha[:12]}) on this node was changed since it was "
-                                     f"deployed (its sha256 differs); deploy it again")
+                self.drop(sha)
+                log.warning("blob %s was damaged (its sha256 differs): deleted", sha[:12])
+                raise ModelFileError(f"{what} ({sha[:12]}) on this node was damaged since it was "
+                                     f"deployed (its sha256 differs); it was deleted: deploy "
+                                     f"again and it is uploaded anew")
             self._verified[sha] = _key(st)
         return path
 

@@ -41,6 +41,7 @@ from edgelite.engine.profile import host_profile
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
+from edgelite.net.budget import ByteBudget
 from edgelite.net.discovery import respond
 from edgelite.net.frames import Conn, bound_port, detach, listen, pack, unpack
 from edgelite.net.handshake import connect, server_handshake
@@ -52,7 +53,7 @@ from edgelite.node.dataplane import DataPlane
 from edgelite.node.kvshare import kv_tokens
 from edgelite.node.profile import loaded_flops, measure_flops
 from edgelite.node.shelf import Shelf
-from edgelite.node.stages import Stage, StageStore
+from edgelite.node.stages import Stage, StageStore, kv_domain
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, str], Awaitable[Message]]  # (request, its client's owner key) -> reply
@@ -111,6 +112,10 @@ class Node:
         self.discovery: asyncio.DatagramTransport | None = None  # answers `--nodes auto`
         self.udp_port = 0
         self.owners: dict[str, int] = {}  # client key -> its open control connections
+        self.frame_budget = ByteBudget(c.max_held_frame_bytes)  # requests' frames, all connections
+        self.strangers: dict[str, int] = {}  # address -> its connections not yet authenticated
+        self.refused_strangers = 0  # connections refused before the handshake (their budget)
+        self.kv_domains: dict[str, str] = {}  # client key -> its KV domain (stages.kv_domain)
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         self.loading: dict[str, str] = {}  # plan ids being loaded -> their owners
         # restores under way, each reading a KV store entry into its session's slot
@@ -190,7 +195,15 @@ class Node:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
         conn = Conn(reader, writer, self.limits, f"{host}:{port}")
-        if len(self.conns) >= self.cfg.max_connections:
+        c, strangers, theirs = self.cfg, sum(self.strangers.values()), self.strangers.get(host, 0)
+        if strangers >= c.max_unauthenticated or theirs >= c.max_unauthenticated_per_address:
+            # (strangers have a budget of their own: a flood of them does not keep clients out)
+            self.refused_strangers += 1
+            log.debug("%s: refused before the handshake: %d connections not authenticated, %d of "
+                      "them from there", conn.peer, strangers, theirs)
+            await conn.close()
+            return
+        if len(self.conns) >= c.max_connections:
             self.refused_connections += 1
             log.warning("%s: refused: %d connections open (max_connections)", conn.peer, len(self.conns))
             await self._try_send(conn, m.Error(message=f"this node has {len(self.conns)} connections "
@@ -198,16 +211,20 @@ class Node:
             await conn.close()
             return
         me = asyncio.current_task()
-        self.conns.add(conn)
         if me is not None:
             self.handlers.add(me)
-        owner = None
+        owner, stranger = None, True
+        self.strangers[host] = self.strangers.get(host, 0) + 1
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
             auth = await asyncio.wait_for(
                 server_handshake(conn, self.token, self.name, fps, self.port, self.udp_port),
-                self.cfg.handshake_timeout_s)
+                c.handshake_timeout_s)
+            self._stranger_gone(host)
+            stranger = False
+            self.conns.add(conn)
             owner = auth.client or f"connection-{secrets.token_hex(16)}"
+            self.kv_domains[owner] = kv_domain(auth.kv or owner)
             self.owners[owner] = self.owners.get(owner, 0) + 1
             self.orphaned.pop(owner, None)
             await self._serve(conn, auth.fingerprint, owner)
@@ -218,14 +235,22 @@ class Node:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", conn.peer, exc)
         finally:
+            if stranger:
+                self._stranger_gone(host)
             if owner is not None:
                 self.owners[owner] -= 1
                 if not self.owners[owner]:
                     del self.owners[owner]
+                    self.kv_domains.pop(owner, None)
                     self.exports.drop(owner)
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
+
+    def _stranger_gone(self, host: str) -> None:
+        self.strangers[host] -= 1
+        if not self.strangers[host]:
+            del self.strangers[host]
 
     async def _serve(self, conn: Conn, fingerprint: str | None, owner: str) -> None:
         """Answer requests until the peer closes. Each request runs on its own and is answered
@@ -240,13 +265,16 @@ class Node:
         cfg = self.cfg
         slots = asyncio.Semaphore(cfg.max_requests_per_connection)
         running: dict[asyncio.Task[None], int] = {}  # -> the bytes of its frame
+        conn.budget = self.frame_budget  # every connection's frames, read and held, within it
         try:
             while True:
                 if running and (len(running) >= cfg.max_queued_requests
                                 or sum(running.values()) >= cfg.max_queued_request_bytes):
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                # (nothing of the last frame stays referenced here while the next one waits)
                 frame: dict[str, Any] = {}
+                body, msg = b"", None
                 try:
                     try:
                         body = await asyncio.wait_for(conn.recv_body(), cfg.idle_timeout_s)
@@ -266,15 +294,18 @@ class Node:
                     handler = self._handlers.get(type(msg))
                     if handler is None:
                         raise ProtocolError(f"{msg.TYPE} is not a request this node serves")
+                    task = asyncio.create_task(self._answer(conn, frame, msg, handler, owner, slots),
+                                               name=f"{conn.peer} {msg.TYPE}")
+                    running[task] = len(body)  # (its bytes are given back when it is done)
+                    task.add_done_callback(self._request_done(running))
+                    body = b""
                 except StreamError:
                     raise
                 except EdgeliteError as exc:  # the request was bad; the connection stays usable
                     await self._refused(conn, frame, exc)
-                    continue
-                task = asyncio.create_task(self._answer(conn, frame, msg, handler, owner, slots),
-                                           name=f"{conn.peer} {msg.TYPE}")
-                running[task] = len(body)
-                task.add_done_callback(running.pop)
+                finally:
+                    if body:  # a frame answered here (or refused): its bytes are free
+                        self.frame_budget.give(len(body))
         finally:
             if running:
                 try:
@@ -284,6 +315,11 @@ class Node:
                         task.cancel()
                     await asyncio.gather(*running, return_exceptions=True)
                     raise
+
+    def _request_done(self, running: dict[asyncio.Task[None], int]) -> Callable[[asyncio.Task[None]], None]:
+        def done(task: asyncio.Task[None]) -> None:
+            self.frame_budget.give(running.pop(task))  # its frame is no longer held
+        return done
 
     async def _answer(self, conn: Conn, frame: dict[str, Any], msg: Message, handler: Handler,
                       owner: str, slots: asyncio.Semaphore) -> None:
@@ -301,7 +337,7 @@ class Node:
 
     async def _refused(self, conn: Conn, frame: dict[str, Any], exc: EdgeliteError) -> None:
         self.bad_frames += 1
-        rid = frame.get("id") if type(frame.get("id")) is int else None
+        rid = m.reply_id(frame)
         log.info("%s: %s refused: %s", conn.peer, str(frame.get("type"))[:40], exc)
         await self._try_send(conn, m.Error(message=str(exc), id=rid))
 
@@ -384,6 +420,8 @@ class Node:
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
                            "restarts": self.restarts},
             "connections": len(self.conns), "refused_connections": self.refused_connections,
+            "refused_strangers": self.refused_strangers,
+            "frame_budget": {"held": self.frame_budget.held, "waited": self.frame_budget.waited},
             "kv_store": self.kv.stats() if self.kv is not None else None,
             "kv_exports": self.exports.stats(),
             **self.store.stats(owner)})
@@ -391,16 +429,18 @@ class Node:
     async def _files(self, msg: m.FilesQuery, _owner: str) -> m.FilesState:
         shas = [check_sha(s) for s in msg.sha256]
         b = self.store.blobs
-        return m.FilesState(id=msg.id, have=[s for s in shas if b.has(s)],
-                            partial={s: b.partial(s) for s in shas})
+        # (a blob counts only when intact: a damaged one is deleted and uploaded again)
+        have = await asyncio.to_thread(lambda: [s for s in shas if b.intact(s)])
+        return m.FilesState(id=msg.id, have=have, partial={s: b.partial(s) for s in shas})
 
     async def _upload(self, msg: m.Upload, _owner: str) -> m.UploadAck:
         held = await asyncio.to_thread(self.store.blobs.append, check_sha(msg.sha256), msg.offset,
                                        msg.total, msg.data)
         return m.UploadAck(id=msg.id, held=held, complete=held == msg.total)
 
-    async def _model_put(self, msg: m.ModelPut, _owner: str) -> m.ModelStored:
-        path = await asyncio.to_thread(self.shelf.put, msg.name, msg.files)
+    async def _model_put(self, msg: m.ModelPut, owner: str) -> m.ModelStored:
+        path = await asyncio.to_thread(self.shelf.put, msg.name, msg.files,
+                                       self.kv_domains.get(owner, kv_domain(owner)))
         return m.ModelStored(id=msg.id, path=str(path), files=len(msg.files))
 
     async def _load(self, msg: m.Load, owner: str) -> m.Loaded:
@@ -417,7 +457,8 @@ class Node:
         self.loading[pid] = owner
         try:
             stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
-                                            msg.last, msg.next, owner, msg.next_capability)
+                                            msg.last, msg.next, owner, msg.next_capability,
+                                            self.kv_domains.get(owner, kv_domain(owner)))
             try:
                 await self.data.install(stage)
             except BaseException:
@@ -460,7 +501,7 @@ class Node:
         kv = await self.data.submit(lambda: self.store.export_kv(plan_id, session, len(tokens)))
         try:
             put = self.kv.put_later if msg.behind else self.kv.put
-            size = await asyncio.to_thread(put, stage.layers.layout, tokens, kv)
+            size = await asyncio.to_thread(put, stage.kv_layout, tokens, kv)
         except OSError as exc:
             raise EdgeliteError(f"kv_save: the KV store cannot write: {exc}") from exc
         return m.KvSaved(id=msg.id, bytes=size)
@@ -475,7 +516,7 @@ class Node:
         client computes the prompt instead)."""
         stage = self._own_stage(msg.plan_id, owner, "kv_restore")
         tokens = kv_tokens(msg.tokens, "kv_restore")[:stage.layers.pool.max_length]
-        plan_id, session, kv, layout = msg.plan_id, msg.session, self.kv, stage.layers.layout
+        plan_id, session, kv, layout = msg.plan_id, msg.session, self.kv, stage.kv_layout
         await self._restore_done(plan_id, session)
         own = 0
         if kv is not None and len(tokens) >= kv.block:
@@ -517,7 +558,7 @@ class Node:
         try:
             if imp is None:
                 assert self.kv is not None
-                await restore_into(self.kv, stage.layers.layout, tokens, view, True, attach, abandon)
+                await restore_into(self.kv, stage.kv_layout, tokens, view, True, attach, abandon)
             else:
                 await hand_over(kvshare.fill(self.kv, imp, tokens, view, self.cfg.kv_fetch_timeout_s),
                                 attach, abandon)

@@ -5,7 +5,8 @@ them only when all are there: each file is a hard link to its blob (a copy where
 possible), the manifest is read back and every file it lists is checked against it, and only
 then does the folder take NAME (a rename; an older folder of that name is replaced whole). Names
 from the wire are checked before they touch a path: a model name and its file names are plain
-names (letters, digits, `.`, `_`, `-`), never paths.
+names (letters, digits, `.`, `_`, `-`), never paths. A folder belongs to the client that pushed
+it (its KV domain, kept in NAME/.owner): another client cannot replace it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from edgelite.node.blobs import BlobStore, check_sha
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+OWNER_FILE = ".owner"  # in a pushed folder: who pushed it
 
 
 def plain_name(value: str, what: str) -> str:
@@ -37,9 +39,21 @@ class Shelf:
         self.dir = root / "models"
         self.blobs = blobs
 
-    def put(self, name: str, files: dict[str, str]) -> Path:
-        """Make DATA_DIR/models/NAME from blobs (file name -> sha256); its path."""
+    def owner(self, name: str) -> str | None:
+        """Who pushed DATA_DIR/models/NAME (None: nobody recorded, or no such folder)."""
+        try:
+            return (self.dir / name / OWNER_FILE).read_text().strip() or None
+        except OSError:
+            return None
+
+    def put(self, name: str, files: dict[str, str], owner: str = "") -> Path:
+        """Make DATA_DIR/models/NAME from blobs (file name -> sha256) for `owner`; its path.
+        A folder of that name another owner pushed is refused."""
         plain_name(name, "model name")
+        held_by = self.owner(name)
+        if held_by is not None and held_by != owner:
+            raise EdgeliteError(f"model {name} on this node was pushed by another client; push "
+                                f"yours under another name")
         for file, sha in files.items():
             plain_name(file, f"model {name}: file name")
             check_sha(sha)
@@ -56,6 +70,7 @@ class Shelf:
                     os.link(blob, staged / file)
                 except OSError:  # another file system, or links not allowed: copy
                     shutil.copyfile(blob, staged / file)
+            (staged / OWNER_FILE).write_text(owner)
             m = mf.load(staged)
             for entry in m.files:  # the blobs were verified: equal sha256, equal content
                 for f in (entry, *entry.data):

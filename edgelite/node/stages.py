@@ -15,7 +15,7 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import numpy as np
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.kv import Slot
+from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
@@ -42,6 +43,18 @@ class Stage:
     capability: str = ""  # what opens a data connection of this plan
     next_capability: str | None = None  # what opens the next stage's
     range_key: tuple[str, int, int] = ("", 0, 0)  # its LayerRange in StageStore.ranges
+    kv_domain: str = ""  # whose KV its sessions store and restore (kv_domain())
+
+    @property
+    def kv_layout(self) -> Layout:
+        """The layout of its KV store entries: its range's, within its client's domain."""
+        return replace(self.layers.layout, domain=self.kv_domain)
+
+
+def kv_domain(key: str) -> str:
+    """The KV domain of a client's key (Auth.kv, else Auth.client, else one connection's): a
+    one-way name, so that the nodes that pass a client's KV between them learn no key."""
+    return hashlib.sha256(b"edgelite kv domain\0" + key.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -97,7 +110,7 @@ class StageStore:
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
               next_addr: NodeAddr | None, owner: str,
-              next_capability: str | None = None) -> Stage:
+              next_capability: str | None = None, domain: str = "") -> Stage:
         """Open a stage from deployed blobs (blocking: call in a thread), with a new capability.
         It holds its layer range until `release`d (unload does that)."""
         m = mf.parse(manifest_json, Path(self.blobs.dir))
@@ -116,7 +129,7 @@ class StageStore:
                 layers = self.ranges[key] = LayerRange(m, first, last, self.runtime, self.files(m))
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
-                     next_capability, key)
+                     next_capability, key, domain)
 
     def release(self, stage: Stage) -> None:
         """A stage no longer uses its layer range; the last user closes it."""

@@ -195,6 +195,7 @@ class Gateway:
         self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
         self.floods = 0
         self.reconnects = 0  # times the plan was deployed again after a lost node
+        self.rejoins = 0  # times nodes a recovery left out were planned in again
         self.reconnect_failures = 0
         self.tokens_total = 0  # tokens streamed to every client since the start
         self.token_times: deque[float] = deque(maxlen=self.cfg.latency_window)  # the latest
@@ -272,7 +273,7 @@ class Gateway:
             except StreamError:
                 raise  # the stream cannot be followed: the client goes
             except EdgeliteError as exc:  # a bad request: refused, the connection stays
-                rid = frame.get("id") if type(frame.get("id")) is int else None
+                rid = m.reply_id(frame)
                 client.post(m.Error(message=str(exc), id=rid))
                 client.refused += 1
                 if client.refused > self.cfg.max_refused_in_a_row:
@@ -366,6 +367,9 @@ class Gateway:
             if not self.backend.healthy:
                 await self._recover()
                 continue
+            rejoin = getattr(self.backend, "rejoin", None)  # (a failover backend's)
+            if rejoin is not None and await rejoin() is not None:  # nodes left out are back
+                self.rejoins += 1
             d = self.sched.step(time.monotonic())
             for r in d.preempt:
                 if r.queue == "waiting":  # put back for fair shares (not a preemption)
@@ -623,6 +627,7 @@ class Gateway:
                     for t in sorted(tiers)}
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
                 "cancelled": self.cancelled, "floods": self.floods, "reconnects": self.reconnects,
+                "rejoins": self.rejoins,
                 "reconnect_failures": self.reconnect_failures,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tokens_total": self.tokens_total, "tokens_per_s": self.tokens_per_s(),

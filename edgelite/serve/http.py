@@ -31,6 +31,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgelite.config import GenerationConfig, HttpConfig
 from edgelite.errors import ProtocolError, QueueFull
@@ -49,6 +50,52 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _protocol(cfg: HttpConfig) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the bounds it lacks: at most `max_connections` open (more
+    are closed as they come), and a request's headers must be in within `header_timeout_s`
+    of the connection (or of the previous reply): a client that opens connections and sends
+    nothing, or its headers a byte at a time, holds nothing for long."""
+
+    class Bounded(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._deadline: asyncio.TimerHandle | None = None
+            if len(self.connections) > cfg.max_connections:
+                log.info("HTTP connection from %s closed: %d open (max_connections)",
+                         self.client, len(self.connections) - 1)
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._waiting_for = self.cycle  # headers of a request after this one are due
+            self._deadline = self.loop.call_later(cfg.header_timeout_s, self._late)
+
+        def _late(self) -> None:
+            if not self.transport.is_closing():
+                log.info("HTTP connection from %s closed: no request headers within %g s",
+                         self.client, cfg.header_timeout_s)
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._deadline is not None and self.cycle is not self._waiting_for:
+                self._deadline.cancel()  # a request's headers are in
+                self._deadline = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._deadline is None:
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if getattr(self, "_deadline", None) is not None:
+                self._deadline.cancel()  # type: ignore[union-attr]
+            super().connection_lost(exc)
+
+    return Bounded
 
 
 class ApiError(Exception):
@@ -145,7 +192,7 @@ class HttpApi:
         return sock
 
     async def serve(self, sock: socket.socket) -> None:
-        config = uvicorn.Config(self.app, http="h11", lifespan="off", log_config=None,
+        config = uvicorn.Config(self.app, http=_protocol(self.cfg), lifespan="off", log_config=None,
                                 access_log=False, timeout_keep_alive=self.cfg.keep_alive_s)
         await _Server(config).serve(sockets=[sock])
 
@@ -188,7 +235,9 @@ class HttpApi:
             user = self._user(request)
             body = await self._body(request)
             gw = self._gateway()
-            call = self._parse(body, gw, chat)
+            # (off the event loop: tokenizing a long prompt takes a while, and the loop also
+            # serves every other request and the nodes' heartbeats)
+            call = await asyncio.to_thread(self._parse, body, gw, chat)
             sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
             rid = secrets.randbits(48)
             try:
@@ -222,21 +271,31 @@ class HttpApi:
         raise ApiError(401, "unknown token", "authentication_error", code="invalid_api_key")
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        size = int(request.headers.get("content-length") or 0)
+        try:
+            size = int(request.headers.get("content-length") or 0)
+        except ValueError as exc:
+            raise ApiError(400, "Content-Length is not a number") from exc
         parts = request.stream()
         if size > self.cfg.max_body_bytes:
             await self._drain(parts, 0)
             raise ApiError(413, f"request body of {size} bytes exceeds {self.cfg.max_body_bytes}")
         raw = b""
-        async for part in parts:
-            raw += part
-            if len(raw) > self.cfg.max_body_bytes:
-                await self._drain(parts, len(raw))
-                raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
         try:
-            body = json.loads(raw)
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                async for part in parts:
+                    raw += part
+                    if len(raw) > self.cfg.max_body_bytes:
+                        await self._drain(parts, len(raw))
+                        raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
+        except TimeoutError as exc:
+            raise ApiError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s "
+                                f"(body_timeout_s)") from exc
+        try:  # (off the event loop: a large body takes a while)
+            body = await asyncio.to_thread(json.loads, raw)
         except ValueError as exc:
             raise ApiError(400, f"the body is not JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "the body's JSON is nested too deeply") from exc
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -267,13 +326,16 @@ class HttpApi:
         if n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
         if chat:
-            prompt = gw.tok.chat_prompt(_messages(body.get("messages")))
+            messages = _messages(body.get("messages"))
+            _check_size(sum(len(c["content"]) for c in messages), gw.cfg.max_prompt_chars, "messages")
+            prompt = gw.tok.chat_prompt(messages)
         else:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1:
                 text = text[0]
             if not isinstance(text, str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
+            _check_size(len(text), gw.cfg.max_prompt_chars, "prompt")
             prompt = gw.tok.text_prompt(text)
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -468,6 +530,13 @@ def _messages(raw: Any) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
         out.append({"role": msg["role"], "content": content})
     return out
+
+
+def _check_size(chars: int, limit: int, param: str) -> None:
+    """The same cap on a prompt's characters as the gateway's native door (before tokenizing)."""
+    if chars > limit:
+        raise ApiError(400, f"the prompt has {chars} characters; this server takes at most {limit} "
+                            f"(max_prompt_chars)", param=param)
 
 
 def _number(value: Any, name: str, kind: type, lo: float, hi: float) -> Any:
