@@ -84,14 +84,14 @@ class NodeConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # threads, provider, KV shapes
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
-    bulk_reply_max_bytes: int = 16 * 1024 * 1024  # largest reverse transfer a link probe may ask
+    bulk_reply_max_bytes: int = 4 * 1024 * 1024  # largest reverse transfer a link probe may ask
     bulk_concurrency: int = 2  # bulk transfers served at once (each holds its reply in memory)
     probe_concurrency: int = 1  # link probes this node runs at once, for any client (more wait)
     max_probe_packets: int = 500  # UDP datagrams one link probe may send
-    max_probe_bytes: int = 16 * 1024 * 1024  # bulk bytes one link probe may send each way
+    max_probe_bytes: int = 4 * 1024 * 1024  # bulk bytes one link probe may send each way
     max_probe_timeout_s: float = 10.0  # the longest per-request timeout a probe may ask for
     max_profile_hidden: int = 4096  # the largest GEMV side a profile request may ask for
-    max_profile_bytes: int = 64 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
+    max_profile_bytes: int = 16 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
     max_connections: int = 128  # open authenticated connections (control and data), all peers
     # connections not yet authenticated have their own budget (all of them, and from one
     # address), each at most handshake_timeout_s: strangers cannot keep clients out

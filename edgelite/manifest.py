@@ -34,6 +34,16 @@ class DataFile:
     bytes: int
 
 
+# what a layer's weights take once onnxruntime has packed them, per byte of weights, where the
+# exporter did not measure it: the largest measured on 1 B-shaped blocks (Q4_K_M fast 1.84,
+# Q4_0 1.68, Q8_0 1.36, Q3_K_M 2.14); small layers cost more (Gemma 3 270M fast: 3.1)
+RESIDENT_PER_PARAM_BYTE = 2.2
+SCRATCH_CHUNK = 256  # the prompt chunk scratch_bytes is measured at (the default largest)
+# a prompt chunk's scratch per byte of its hidden states, where not measured (1 B-shaped
+# Q4_K_M: 55 MiB at 256 tokens of 8 KiB each, 27.5)
+SCRATCH_PER_ACTIVATION_BYTE = 28
+
+
 @dataclass(frozen=True)
 class FileEntry:
     file: str  # the ONNX graph
@@ -45,6 +55,20 @@ class FileEntry:
     kv_bytes_per_token: int = 0
     data: tuple[DataFile, ...] = ()  # its external weight files (one may be shared: tied head)
     window: int = 0  # a layer's attention window: it attends to this many positions (0: all)
+    # what the piece holds in this engine's process once loaded and run (onnxruntime's packed
+    # weights and its own buffers), measured by the exporter; 0: not measured (see resident())
+    resident_bytes: int = 0
+    # the most it held beyond that while running a prompt chunk of SCRATCH_CHUNK tokens
+    # (activations, the chunk's buffers), measured with it; 0: not measured
+    scratch_bytes: int = 0
+    # the most it held while it loaded (widening scales in memory), where above resident_bytes
+    load_peak_bytes: int = 0
+
+    @property
+    def resident(self) -> int:
+        """Bytes it holds once loaded: as measured, else the weights times the largest factor
+        measured on onnxruntime's packed blocks (RESIDENT_PER_PARAM_BYTE)."""
+        return self.resident_bytes or int(self.param_bytes * RESIDENT_PER_PARAM_BYTE)
 
 
 @dataclass(frozen=True)
@@ -88,6 +112,26 @@ class Manifest:
         its window's worth."""
         return sum(e.kv_bytes_per_token * (min(positions, e.window) if e.window else positions)
                    for e in self.layers[first:last + 1])
+
+    @property
+    def scratch(self) -> int:
+        """What running a prompt chunk takes beyond the layers it runs through: as measured
+        (the most of any layer), else estimated from the hidden state's size."""
+        measured = max((e.scratch_bytes for e in self.layers), default=0)
+        return measured or SCRATCH_PER_ACTIVATION_BYTE * SCRATCH_CHUNK * max(
+            (e.activation_bytes_per_token for e in self.layers), default=0)
+
+    @property
+    def client_bytes(self) -> int:
+        """What the embedding and the head take on the client: both held, and the larger of
+        their loads' transients on top (they load one after the other)."""
+        pieces = (self.embed, self.head)
+        return sum(e.resident for e in pieces) + max(
+            max(0, e.load_peak_bytes - e.resident) for e in pieces)
+
+    def resident(self, first: int, last: int) -> int:
+        """What layers first..last hold once loaded (FileEntry.resident)."""
+        return sum(e.resident for e in self.layers[first:last + 1])
 
     @property
     def rotary_dim(self) -> int:
@@ -167,7 +211,10 @@ def _entry(raw: Any, where: str) -> FileEntry:
         _int(raw.get("activation_bytes_per_token", 0), f"{where}.activation_bytes_per_token"),
         _int(raw.get("kv_bytes_per_token", 0), f"{where}.kv_bytes_per_token"),
         tuple(_data(d, f"{where}.data[{i}]") for i, d in enumerate(data)),
-        _int(raw.get("window", 0), f"{where}.window", 0, MAX_DIM))
+        _int(raw.get("window", 0), f"{where}.window", 0, MAX_DIM),
+        _int(raw.get("resident_bytes", 0), f"{where}.resident_bytes"),
+        _int(raw.get("scratch_bytes", 0), f"{where}.scratch_bytes"),
+        _int(raw.get("load_peak_bytes", 0), f"{where}.load_peak_bytes"))
 
 
 def _rope(raw: Any, head_dim: int, where: str) -> dict[str, Any]:

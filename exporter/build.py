@@ -23,7 +23,7 @@ import numpy as np
 from edgelite import heap
 from edgelite import manifest as mf
 from edgelite.errors import EdgeliteError
-from edgelite_export import graph, memory, reference_text, source, weights
+from edgelite_export import graph, memory, reference_text, resident, source, weights
 from edgelite_export.blocks import Blocks
 
 if TYPE_CHECKING:  # torch and transformers load only once the source is known to be supported
@@ -276,6 +276,9 @@ def _finish(opened: source.Opened, ref: Reference, rope: dict[str, Any], conv: w
                     progress)
     if not report.passed and not opts.accept_drift:
         raise report.failure()
+    progress("measuring what each piece holds once loaded", 0, 1)
+    mf.write(manifest, tmp)  # (read by the measuring processes)
+    manifest = resident.measured(manifest)
     mf.write(replace(manifest, verification=report.to_json()), tmp)
     return report
 

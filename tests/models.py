@@ -198,3 +198,26 @@ def gguf_of(hf_dir: Path, out: Path, kind: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+LARGE_LAYER_MIB = 1500  # what an "as if large" export's layers say they hold once loaded
+
+
+def as_if_large(model: Path, out: Path, layer_mib: int = LARGE_LAYER_MIB) -> Path:
+    """A copy of an export whose manifest says each layer holds `layer_mib` once loaded (the
+    embedding and head 1 MiB each, a prompt chunk 1 MiB): budgets of 2,000 MiB a process then
+    hold exactly one layer each, whatever the processes' own few hundred MiB, so a test can
+    make the planner split a tiny model. The files are the export's (same fingerprint)."""
+    import dataclasses
+    import shutil
+
+    from edgelite import manifest as mf
+
+    shutil.copytree(model, out)
+    m = mf.load(out)
+    big = [dataclasses.replace(e, resident_bytes=layer_mib << 20, scratch_bytes=1 << 20)
+           for e in m.layers]
+    small = {"resident_bytes": 1 << 20, "load_peak_bytes": 0}
+    mf.write(dataclasses.replace(m, layers=big, embed=dataclasses.replace(m.embed, **small),
+                                 head=dataclasses.replace(m.head, **small)), out)
+    return out

@@ -1,7 +1,8 @@
 """`edgelite generate --nodes` without --split: probe, plan with HiGHS, deploy, generate.
 
 Three real node processes; every link (client -> node and node -> node) runs through the link
-emulator, and one node pair is slow. Memory budgets make the plan use two nodes.
+emulator, and one node pair is slow. Memory budgets (each process's whole memory) make the plan
+use two nodes.
 """
 
 from __future__ import annotations
@@ -12,20 +13,14 @@ import sys
 from pathlib import Path
 
 from conftest import run_cli
-from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
-from edgelite.planner.spec import KV_TOKENS
 from edgelite.prober.emulator import EmulatorProcess, LinkSpec
+from models import as_if_large
 
 FAST, SLOW = LinkSpec(delay_ms=8.0), LinkSpec(delay_ms=60.0)
 
 
-def _budgets(model: Path) -> tuple[float, float]:
-    """(node MiB, client MiB): a node fits one layer, the client one layer besides embed+head."""
-    m = mf.load(model)
-    layer = max(e.param_bytes + e.kv_bytes_per_token * KV_TOKENS for e in m.layers)
-    reserved = m.embed.param_bytes + m.head.param_bytes
-    return 1.5 * layer / 0.8 / 2**20, (reserved + 1.5 * layer) / 0.8 / 2**20
+BUDGET_MB = 2000  # each process: with the "as if large" manifest, one layer each
 
 
 async def _generate_through_emulators(model: Path, ports: list[int], slow: tuple[int, int],
@@ -53,9 +48,10 @@ async def _generate_through_emulators(model: Path, ports: list[int], slow: tuple
         await emus.close()
 
 
-def test_plan_avoids_slow_link_and_predicts_decode_time(exported, node_factory) -> None:
-    model = exported["llama"]
-    node_mb, client_mb = _budgets(model)
+def test_plan_avoids_slow_link_and_predicts_decode_time(exported, node_factory, tmp_path) -> None:
+    # a node fits one layer, the client one besides the embedding and head
+    model = as_if_large(exported["llama"], tmp_path / "llama")
+    node_mb, client_mb = BUDGET_MB, BUDGET_MB
     nodes = [node_factory(memory_mb=node_mb) for _ in range(3)]
     slow = (0, 2)
     res = asyncio.run(_generate_through_emulators(model, [n.port for n in nodes], slow, client_mb))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from edgelite.cli.localnodes import TOKEN
+from models import as_if_large
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -88,10 +89,11 @@ def test_unreachable_nodes_are_named_with_the_reason(exported, netns) -> None:
     assert "no node could be reached: every layer runs on this device" in err
 
 
-def test_the_plan_shows_each_node_by_its_name(exported, node_factory) -> None:
+def test_the_plan_shows_each_node_by_its_name(exported, node_factory, tmp_path) -> None:
     node = node_factory(name="kitchen-phone")
-    res = _cli("generate", "--model", str(exported["llama"]), "--nodes", node.addr, "--token",
-               TOKEN, "--max-tokens", "2", "--no-client-first", "--client-memory-mb", "0.01", "hi")
+    model = as_if_large(exported["llama"], tmp_path / "big")  # the client: room for one layer
+    res = _cli("generate", "--model", str(model), "--nodes", node.addr, "--token",
+               TOKEN, "--max-tokens", "2", "--client-memory-mb", "2000", "hi")
     assert res.returncode == 0, res.stderr
     assert "│ kitchen-phone " in res.stderr and "(127.0.0.1:" in res.stderr, res.stderr
 
@@ -109,3 +111,22 @@ def test_help_shows_defaults_and_verbose_goes_anywhere(exported) -> None:
         res = _cli(*args)
         assert res.returncode == 0 and " INFO edgelite.client.llm: ready: " in res.stderr, \
             (args, res.stderr[-500:])
+
+
+def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
+    """--threads 0, a node's --data-dir it cannot write, an empty raw prompt, and --nodes
+    without a token: each a one-line error naming what to change, no traceback."""
+    model = str(exported["llama"])
+    cases = [(("generate", "--model", model, "--threads", "0", "hi"), 2,
+              "'0' is not a thread count (1 or more)"),
+             (("node", "--token", "x" * 32, "--port", "0", "--data-dir", "/proc/nope"), 1,
+              "--data-dir /proc/nope: cannot write there"),
+             (("generate", "--model", model, "--raw", ""), 1, "the prompt is empty"),
+             (("generate", "--model", model, "--nodes", "127.0.0.1:9", "hi"), 1,
+              "the cluster token is needed: --token or EDGELITE_TOKEN")]
+    for args, code, words in cases:
+        res = _cli(*args)
+        err = res.stderr.strip()
+        last = err.splitlines()[-1] if err else ""  # (argparse prints its usage first)
+        assert res.returncode == code and words in last, (args, res.returncode, err)
+        assert "Traceback" not in err and (code == 2 or err.count("\n") == 0), err

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import run_cli
 from edgelite.cli.localnodes import READY, TOKEN
+from models import as_if_large
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parent.parent
@@ -71,7 +72,7 @@ def test_core_install_runs_gguf_widths(core_python: Path, ggufs: dict[str, Path]
 
 
 def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path: Path) -> None:
-    model = exported["llama"]
+    model = as_if_large(exported["llama"], tmp_path / "big")  # one layer a process
     env = {**os.environ, "PYTHONPATH": str(REPO), "EDGELITE_TOKEN": TOKEN}
     procs = []
     try:
@@ -79,7 +80,7 @@ def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path
         for i in range(2):
             p = subprocess.Popen([str(core_python), "-m", "edgelite", "node", "--host", "127.0.0.1",
                                   "--port", "0", "--data-dir", str(tmp_path / f"n{i}"), "--threads",
-                                  "1", "--memory-mb", "1.5"], stdout=subprocess.PIPE,
+                                  "1", "--memory-mb", "2000"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, env=env)
             procs.append(p)
             assert p.stdout is not None
@@ -89,7 +90,7 @@ def test_core_install_plans_and_runs_nodes(core_python: Path, exported, tmp_path
                     break
         assert len(addrs) == 2
         res = _core(core_python, "generate", "--model", str(model), "--nodes", ",".join(addrs),
-                    "--json", "--max-tokens", "8", "--client-memory-mb", "1", "hello")
+                    "--json", "--max-tokens", "8", "--client-memory-mb", "2000", "hello")
     finally:
         for p in procs:
             p.kill()

@@ -142,3 +142,31 @@ def test_stalled_node_named_within_timeout(exported, node_factory) -> None:
             await be.close()
 
     asyncio.run(main())
+
+
+def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, tmp_path) -> None:
+    """--memory-mb bounds the node process: a load whose layers (what they hold once loaded,
+    as the manifest says) would take it over is refused with one line naming the budget and
+    the figures; the same node takes a range that fits, and its RSS stays within the budget."""
+    import dataclasses
+    import shutil
+
+    model = tmp_path / "big"
+    shutil.copytree(exported["llama"], model)
+    m = mf.load(model)
+    mf.write(dataclasses.replace(m, layers=[dataclasses.replace(e, resident_bytes=72 << 20)
+                                            for e in m.layers]), model)
+    node, other = node_factory(memory_mb=200), node_factory()
+    nodes = f"{node.addr},{other.addr}"
+    res = run_cli("generate", "--model", str(model), "--nodes", nodes, "--split", "0-1,2-2",
+                  "--token", TOKEN, "--max-tokens", "4", "hello")
+    assert res.returncode == 1, res.stdout
+    err = res.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "layers 0-1" in err and "144 MiB once loaded" in err and "--memory-mb is 200" in err, err
+    ok = run_cli("generate", "--model", str(model), "--nodes", nodes, "--split", "0-0,1-2",
+                 "--token", TOKEN, "--max-tokens", "4", "hello")
+    assert ok.returncode == 0, ok.stderr
+    with open(f"/proc/{node.proc.pid}/status") as f:
+        peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
+    assert peak <= 200, peak

@@ -96,38 +96,11 @@ async def _ids(llm) -> list[int]:
     return [p.token_id async for p in llm.complete([5, 6], max_tokens=4) if p.token_id is not None]
 
 
-def test_a_node_that_comes_back_rejoins(exported, node_factory, tmp_path) -> None:
-    model = exported["llama"]
-    nodes = [node_factory() for _ in range(3)]
-    victim = nodes[0]
-
-    async def main() -> tuple:
-        async with edgelite.connect(model, nodes=[x.addr for x in nodes], token=TOKEN,
-                                    split=SPLIT) as llm:
-            first = await _ids(llm)
-            victim.kill()
-            second = await _ids(llm)
-            without = {str(s.addr) for s in llm.plan.stages}
-            back = start_node(tmp_path / "back", port=victim.port)
-            try:
-                # the next recovery (here: another node lost) plans with it again
-                nodes[1].kill()
-                third = await _ids(llm)
-                with_it = {str(s.addr) for s in llm.plan.stages}
-            finally:
-                back.kill()
-            return first, second, third, without, with_it
-
-    first, second, third, without, with_it = asyncio.run(main())
-    assert first == second == third
-    assert victim.addr not in without and victim.addr in with_it
-    assert nodes[1].addr not in with_it
-
-
-
-def test_a_node_left_out_is_planned_in_again_when_it_answers(exported, node_factory, tmp_path) -> None:
-    """After a recovery planned without a node, `rejoin` (the gateway calls it between rounds)
-    finds it answering again and plans it in; the reply's ids are those of an uninterrupted run."""
+@pytest.mark.parametrize("how", ["next recovery", "rejoin"])
+def test_a_node_that_comes_back_rejoins(exported, node_factory, tmp_path, how: str) -> None:
+    """A node a recovery left out is planned in again once it answers: at the next recovery
+    (here: another node lost), or by `rejoin` (the gateway calls it between rounds; it asks
+    at most every rejoin_interval_s). The reply's ids are those of an uninterrupted run."""
     model = exported["llama"]
     nodes = [node_factory() for _ in range(3)]
     victim = nodes[0]
@@ -139,14 +112,18 @@ def test_a_node_left_out_is_planned_in_again_when_it_answers(exported, node_fact
             victim.kill()
             second = await _ids(llm)
             without = {str(s.addr) for s in llm.plan.stages}
-            assert await llm.backend.rejoin() is None  # (asked again only after the interval)
-            await asyncio.sleep(0.3)
-            assert await llm.backend.rejoin() is None  # still away: nothing changes
+            if how == "rejoin":
+                assert await llm.backend.rejoin() is None  # (asked again only after the interval)
+                await asyncio.sleep(0.3)
+                assert await llm.backend.rejoin() is None  # still away: nothing changes
             back = start_node(tmp_path / "back", port=victim.port)
             try:
-                await asyncio.sleep(0.3)
-                rec = await llm.backend.rejoin()
-                assert rec is not None and rec.lost == []
+                if how == "rejoin":
+                    await asyncio.sleep(0.3)
+                    rec = await llm.backend.rejoin()
+                    assert rec is not None and rec.lost == []
+                else:
+                    nodes[1].kill()
                 third = await _ids(llm)
                 with_it = {str(s.addr) for s in llm.plan.stages}
             finally:
@@ -156,6 +133,7 @@ def test_a_node_left_out_is_planned_in_again_when_it_answers(exported, node_fact
     first, second, third, without, with_it = asyncio.run(main())
     assert first == second == third
     assert victim.addr not in without and victim.addr in with_it
+    assert (nodes[1].addr in with_it) == (how == "rejoin")
 
 
 def test_gateway_requests_finish_when_a_node_is_killed(exported, node_factory, tmp_path) -> None:

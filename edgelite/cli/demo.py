@@ -24,6 +24,7 @@ from rich.console import Console
 from edgelite import manifest as mf
 from edgelite.cli import views
 from edgelite.cli.localnodes import TOKEN, NodeProc, start_node
+from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 from edgelite.net.linkprobe import ProbeConfig
@@ -37,9 +38,13 @@ NAMES = ("phone-a", "phone-b", "phone-c")
 
 @dataclass(frozen=True)
 class DemoConfig:
-    # int4 SmolLM2: 5.3 MiB a layer with its 2,048-token KV reserve, 57 MiB embedding and head
-    node_memory_mb: float = 60.0  # each phone lends this much: 9 layers
-    client_memory_mb: float = 100.0  # the client's phone: embedding, head and 4 layers
+    # int4 SmolLM2 once loaded (as the exporter measured it): 5 MiB a layer + 3 MiB of
+    # 2,048-token KV reserve, embedding and head 42 MiB, a prompt chunk 16 MiB
+    node_memory_mb: float = 185.0  # each phone's node process (~90 MiB its own): 9-10 layers
+    # the client: this much beyond what the demo's process holds when it plans (its own size
+    # varies with what is installed): embedding and head 71 MiB while they load, its probe
+    # ~35, a chunk 16, and 4-5 layers
+    client_extra_mb: float = 160.0
     threads: int = 1  # onnxruntime threads per node (three nodes share this machine's cores)
     # client <-> phone i (one-way delay ms, +- jitter ms, Mbit/s, UDP loss)
     client_links: tuple[LinkSpec, ...] = field(default_factory=lambda: (
@@ -192,7 +197,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="edgelite-demo-"))
     try:
         async with EmulatedCluster(m, root, cfg, not args.deploy_over_links) as ec:
-            planning = edgelite.PlanOptions(client_memory_bytes=int(cfg.client_memory_mb * 2**20),
+            planning = edgelite.PlanOptions(client_memory_bytes=(resident_bytes() or 0)
+                                            + int(cfg.client_extra_mb * 2**20),
                                             probe=cfg.probe)
             with views.connect_bars(console, live=not args.json) as progress:
                 llm = await edgelite.connect(m, ec.addrs, TOKEN, routes=ec.routes, planning=planning,
@@ -227,7 +233,10 @@ async def run_demo(args: argparse.Namespace) -> int:
         result = {"reply": text, "plan": shown, "links": links, **chat.last,
                   "expected_ms_per_token": shown["expected_ms_per_token"],
                   "measured_ms_per_token": 1e3 / chat.last["decode_tok_s"]
-                  if chat.last.get("decode_tok_s") else None, "nodes": nodes}
+                  if chat.last.get("decode_tok_s") else None, "nodes": nodes,
+                  "devices": [{"name": d["name"], "rss_bytes": d.get("rss_bytes"),
+                               "memory_budget_bytes": d.get("memory_budget_bytes")}
+                              for d in probed["devices"]]}
         if args.json:
             print(json.dumps(result))
         else:

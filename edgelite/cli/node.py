@@ -17,6 +17,7 @@ from typing import Any
 from edgelite.cli import options, runner
 from edgelite.config import NodeConfig, RuntimeConfig
 from edgelite.engine.session import PROVIDERS, providers
+from edgelite.errors import EdgeliteError
 from edgelite.net.discovery import ANY_HOST, lan_address
 from edgelite.node.server import Node
 
@@ -71,7 +72,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser(),
                    help="where deployed layer files are kept")
     r = RuntimeConfig
-    n.add_argument("--threads", type=int, default=r.threads, help="onnxruntime threads")
+    n.add_argument("--threads", type=options.thread_count, default=r.threads, help="onnxruntime threads")
     n.add_argument("--no-spin", action="store_true",
                    help="idle onnxruntime threads sleep at once (when processes share cores)")
     n.add_argument("--provider", choices=sorted(PROVIDERS), default=r.provider,
@@ -86,7 +87,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="decode steps of different sessions arriving together run as one batch "
                         "of up to this many (1: never batch)")
     n.add_argument("--memory-mb", type=float,
-                   help="memory plans may use on this device (default: its free memory)")
+                   help="the most this node process may hold, in MiB: plans count against it what "
+                        "they hold once loaded, and a load or session beyond it is refused "
+                        "(default: the device's free memory)")
     n.add_argument("--name", help="device name shown to the client")
     n.add_argument("--discovery-port", type=options.port_number, default=NodeConfig.discovery_port,
                    help="UDP port where this node answers clients looking for nodes with "
@@ -112,7 +115,14 @@ def run(args: argparse.Namespace) -> int:
                     batch_max_steps=max(1, args.max_batch),
                     memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
     cfg = NodeConfig(**{**settings, **options.config_overrides(args.set, NodeConfig)})
-    args.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        probe = args.data_dir / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise EdgeliteError(f"--data-dir {args.data_dir}: cannot write there "
+                            f"({exc.strerror or exc})") from None
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))
     panel = not args.plain and sys.stdout.isatty()
 

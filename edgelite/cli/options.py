@@ -33,7 +33,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, type=Path, help="folder written by edgelite-export")
-    p.add_argument("--threads", type=int, default=RuntimeConfig.threads,
+    p.add_argument("--threads", type=thread_count, default=RuntimeConfig.threads,
                    help="onnxruntime threads")
     p.add_argument("--no-spin", action="store_true",
                    help="idle onnxruntime threads sleep at once (when processes share cores)")
@@ -74,7 +74,11 @@ def planning_flags(p: argparse.ArgumentParser) -> None:
     o = PlanOptions
     route_flag(p)
     p.add_argument("--client-memory-mb", type=float,
-                   help="memory the plan may use on this device (default: its free memory)")
+                   help="the most this process may hold, in MiB (what it holds already counts; "
+                        "default: the device's free memory)")
+    p.add_argument("--context", type=int, default=o.context, metavar="TOKENS",
+                   help="KV room each layer is planned with, in tokens (default: %(default)s; "
+                        "a longer session is refused where a node has no room left)")
     p.add_argument("--objective", choices=OBJECTIVES, default=o.objective,
                    help="latency: ms per token of one reply; throughput: the slowest stage")
     p.add_argument("--solver", choices=SOLVERS, default=o.solver,
@@ -99,6 +103,17 @@ def cluster_flags(p: argparse.ArgumentParser) -> None:
                                    "(default: probe and plan)")
     p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
     planning_flags(p)
+
+
+def thread_count(text: str) -> int:
+    """argparse type for --threads: 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (1 or more)")
+    return n
 
 
 def port_number(text: str) -> int:
@@ -201,7 +216,7 @@ def client_memory(args: argparse.Namespace) -> int | None:
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(objective=args.objective, solver=args.solver,
                        client_first=not args.no_client_first,
-                       client_memory_bytes=client_memory(args))
+                       client_memory_bytes=client_memory(args), context=args.context)
 
 
 def parse_split(text: str) -> list[tuple[int, int]]:
@@ -217,7 +232,8 @@ def parse_split(text: str) -> list[tuple[int, int]]:
 
 def connect_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """What `edgelite.connect` takes, from the generate/chat/serve flags."""
-    return {"nodes": nodes(args), "token": token(args),
+    given = nodes(args)
+    return {"nodes": given, "token": token(args, required=bool(given)),
             "split": parse_split(args.split) if getattr(args, "split", None) else None,
             "planning": plan_options(args), "routes": parse_routes(getattr(args, "route", None)),
             "runtime": runtime_config(args), "client": client_config(args),

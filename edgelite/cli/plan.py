@@ -9,7 +9,6 @@ from typing import Any
 import edgelite
 from edgelite.cli import options, runner, views
 from edgelite.errors import EdgeliteError
-from edgelite.planner.spec import KV_TOKENS
 from edgelite.prober.cluster import cluster_spec
 
 
@@ -21,7 +20,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     options.nodes_flags(pl, default="none: give --cluster")
     pl.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")
     options.planning_flags(pl)
-    pl.add_argument("--kv-tokens", type=int, default=KV_TOKENS, help="context to reserve KV memory for")
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=run)
 
@@ -50,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise EdgeliteError("give --cluster cluster.json or --nodes HOST:PORT,...")
     plan = edgelite.plan(m, spec, args.objective, args.solver, not args.no_client_first,
-                         args.kv_tokens)
+                         args.context)
     if args.json:
         print(json.dumps(plan.to_json()))
     else:

@@ -39,6 +39,7 @@ from edgelite.net.routes import Routes
 from edgelite.planner.model import Plan
 from edgelite.planner.solve import plan as solve_plan
 from edgelite.planner.solve import split_plan
+from edgelite.planner.spec import KV_TOKENS
 from edgelite.prober.cluster import cluster_spec, probe, without
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ class PlanOptions:
     objective: str = "latency"  # latency | throughput
     solver: str = "auto"  # auto | milp | milp-literal | milp-aggregated | dp
     client_first: bool = True  # the client holds layer 0 (privacy)
-    client_memory_bytes: int | None = None  # what the plan may use here (None: the free memory)
+    client_memory_bytes: int | None = None  # the most this process may hold (None: the free memory)
+    # tokens of KV room each layer is planned with (sessions beyond what a node then has room
+    # for are refused there)
+    context: int = KV_TOKENS
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
@@ -213,7 +217,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
                              client_threads=runtime_threads,
                              progress=_phase(progress, "probe"), client_cfg=client)
         plan = solve_plan(manifest, cluster_spec(probed), opts.objective, opts.solver,
-                          opts.client_first)
+                          opts.client_first, opts.context)
     plan = plan or _local_plan(manifest)
     backend = await open_backend(manifest, plan, token, client, runtime, routes,
                                  _phase(progress, "deploy"))
@@ -271,7 +275,8 @@ def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
         alive = [a for a in addrs if a not in gone]
         if probed is not None:
             spec = cluster_spec(without(probed, {str(a) for a in gone}))
-            plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first)
+            plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first,
+                              opts.context)
         elif alive:
             cuts = np.array_split(np.arange(manifest.num_layers), len(alive))
             plan = split_plan([(int(c[0]), int(c[-1])) for c in cuts], alive, manifest.num_layers)

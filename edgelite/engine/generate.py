@@ -162,6 +162,8 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
     """Yield generated token ids until EOS or max_tokens; fills `stats` as it goes. With
     `reuse`, the prompt's longest stored prefix is imported from the KV stores instead of
     computed, and the conversation's KV is stored when the reply ends."""
+    if not prompt:
+        raise EdgeliteError("the prompt is empty (no tokens to start from)")
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     session = session or secrets.token_hex(16)

@@ -30,6 +30,15 @@ def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
     return out
 
 
+def resident_bytes() -> int | None:
+    """This process's resident set now (None where /proc cannot tell)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def battery() -> dict[str, Any]:
     """Battery level/charging/temperature where the kernel exposes them (Android does); else {}."""
     base = Path("/sys/class/power_supply/battery")
@@ -48,7 +57,8 @@ def host_profile() -> dict[str, Any]:
     mem = meminfo()
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
             "machine": platform.machine(), "memory_total_bytes": mem.get("MemTotal"),
-            "memory_available_bytes": mem.get("MemAvailable"), **battery()}
+            "memory_available_bytes": mem.get("MemAvailable"), "rss_bytes": resident_bytes(),
+            **battery()}
 
 
 EVICT_BYTES = 64 * 1024 * 1024  # larger than a phone's (or this PC's) last-level cache

@@ -42,7 +42,9 @@ class ProbeConfig:
     pings: int = 40  # max - min of 20 samples under-reads uniform jitter by > 30 % in ~1 % of runs
     bulk_start_bytes: int = 1 << 20  # 1 MB as in the source method
     bulk_min_seconds: float = 0.2
-    bulk_max_bytes: int = 16 << 20  # on loopback-fast links the last size may last < 200 ms
+    # on loopback-fast links the last size may last < 200 ms; both ends hold a few copies of
+    # a transfer at once (a phone's whole budget may be a few hundred MiB)
+    bulk_max_bytes: int = 4 << 20
     udp_packets: int = 200
     udp_interval_s: float = 0.002
     udp_wait_s: float = 0.3  # after the last packet, how long to wait for echoes

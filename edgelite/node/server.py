@@ -98,7 +98,8 @@ class Node:
     def __post_init__(self) -> None:
         c = self.cfg
         blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
-        self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client)
+        self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client,
+                                c.memory_budget_bytes)
         self.shelf = Shelf(self.data_dir, blobs)  # model folders pushed here (edgelite push)
         self.data = DataPlane(self.name, self.store, c, self.limits)
         self.kv: KVStore | None = None  # the KV store, opened by start()

@@ -26,9 +26,12 @@ from edgelite.config import RuntimeConfig
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
+from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.node.blobs import BlobStore
+
+MIB = 2**20
 
 
 @dataclass
@@ -79,6 +82,9 @@ class StageStore:
     kv_budget_bytes: int
     runtime: RuntimeConfig
     max_sessions_per_client: int = 64
+    # the most this process may hold (--memory-mb); None: no bound of its own
+    memory_budget_bytes: int | None = None
+    scratch_bytes: int = 0  # the headroom a prompt chunk needs (the loaded models' largest)
     stages: dict[str, Stage] = field(default_factory=dict)
     sessions: dict[tuple[str, str], Session] = field(default_factory=dict)
     restoring: dict[tuple[str, str], Restoring] = field(default_factory=dict)
@@ -126,7 +132,15 @@ class StageStore:
         with self.ranges_lock:  # loads take turns: one range is never opened twice
             layers = self.ranges.get(key)
             if layers is None:
-                layers = self.ranges[key] = LayerRange(m, first, last, self.runtime, self.files(m))
+                self._fits(m, first, last)
+                layers = LayerRange(m, first, last, self.runtime, self.files(m))
+                try:
+                    self._held(m, first, last)
+                except EdgeliteError:
+                    layers.close()
+                    raise
+                self.ranges[key] = layers
+                self.scratch_bytes = max(self.scratch_bytes, m.scratch)
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
                      next_capability, key, domain)
@@ -200,13 +214,46 @@ class StageStore:
                 sess = self.sessions[key] = Session(stage, pool.acquire(), time.monotonic())
         return sess
 
+    def _fits(self, m: mf.Manifest, first: int, last: int) -> None:
+        """Refuse, before loading, layers that would take this process over its memory budget:
+        what they hold once loaded (as the exporter measured it) and a prompt chunk's scratch,
+        on top of what the process holds now."""
+        budget, now = self.memory_budget_bytes, resident_bytes()
+        if budget is None or now is None:
+            return
+        need, scratch = m.resident(first, last), max(self.scratch_bytes, m.scratch)
+        if now + need + scratch > budget:
+            raise EdgeliteError(
+                f"load: layers {first}-{last} of {m.name} hold {need / MIB:.0f} MiB once loaded "
+                f"and a prompt chunk {scratch / MIB:.0f} MiB more; this node holds "
+                f"{now / MIB:.0f} MiB and its --memory-mb is {budget / MIB:.0f}: "
+                f"{(now + need + scratch - budget) / MIB:.0f} MiB short")
+
+    def _held(self, m: mf.Manifest, first: int, last: int) -> None:
+        """After loading: the same bound on what the process holds now (the measured figure
+        came from another machine)."""
+        budget, now = self.memory_budget_bytes, resident_bytes()
+        scratch = max(self.scratch_bytes, m.scratch)
+        if budget is not None and now is not None and now + scratch > budget:
+            raise EdgeliteError(
+                f"load: with layers {first}-{last} of {m.name} loaded this node holds "
+                f"{now / MIB:.0f} MiB, and a prompt chunk needs {scratch / MIB:.0f} MiB more: "
+                f"over its --memory-mb of {budget / MIB:.0f}; they were unloaded")
+
     def _admit(self, stage: Stage, session: str, grow: int, new: bool) -> None:
-        """Refuse KV growth beyond the node's budget, or a new session beyond the client's."""
+        """Refuse KV growth beyond the node's KV budget or its memory budget, or a new session
+        beyond the client's."""
         used = self.kv_bytes
         if used + grow > self.kv_budget_bytes:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes, "
                                    f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
+        now = resident_bytes() if self.memory_budget_bytes is not None else None
+        if now is not None and now + grow + self.scratch_bytes > self.memory_budget_bytes:
+            raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow / MIB:.1f} MiB more; "
+                                   f"this node holds {now / MIB:.0f} MiB of its --memory-mb "
+                                   f"{self.memory_budget_bytes / MIB:.0f} (a prompt chunk needs "
+                                   f"{self.scratch_bytes / MIB:.0f} MiB of room)")
         if new:
             mine = sum(1 for s in (*self.sessions.values(), *self.restoring.values())
                        if s.stage.owner == stage.owner)

@@ -46,7 +46,7 @@ class Link:
 @dataclass(frozen=True)
 class Layer:
     flops: float  # per token
-    mem_bytes: int  # parameters + KV reserve
+    mem_bytes: int  # what the layer holds once loaded (measured) + its KV reserve
     out_bytes: int  # activation sent to the next stage, per token
 
 
@@ -70,6 +70,7 @@ class Problem:
     client_reserved_bytes: int = 0  # embedding + head live on the client
     objective: str = "latency"
     client_fixed_flops: float = 0.0  # embedding + head per token: the same in every plan
+    scratch_bytes: int = 0  # what running a prompt chunk takes beyond the layers, on any device
 
     @property
     def n(self) -> int:
@@ -85,7 +86,8 @@ class Problem:
 
     def capacity(self, i: int) -> float:
         d = self.devices[i]
-        return d.beta * d.memory_bytes - (self.client_reserved_bytes if i == 0 else 0)
+        return (d.beta * d.memory_bytes - self.scratch_bytes
+                - (self.client_reserved_bytes if i == 0 else 0))
 
     def compute_ms(self, i: int, j: int) -> float:
         return self.layers[j].flops / self.devices[i].flops * 1e3

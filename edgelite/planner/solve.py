@@ -28,7 +28,15 @@ def precheck(p: Problem) -> None:
     """Raise PlanInfeasible (with how much memory is short, and where) before any solver runs."""
     if p.objective not in OBJECTIVES:
         raise EdgeliteError(f"objective {p.objective!r}: one of {', '.join(OBJECTIVES)}")
-    names = ", ".join(f"{d.name} ({p.capacity(i) / 2**20:.0f} MiB usable)"
+    if p.capacity(0) < 0:
+        client = p.devices[0]
+        raise PlanInfeasible(
+            f"the client ({client.name}) must hold the embedding and the head, "
+            f"{p.client_reserved_bytes / 2**20:.0f} MiB (with a load's transient), and a prompt chunk "
+            f"{p.scratch_bytes / 2**20:.0f} MiB, but has {client.beta * client.memory_bytes / 2**20:.0f}"
+            f" MiB to give (--client-memory-mb, less what the process holds): "
+            f"{-p.capacity(0) / 2**20:.0f} MiB short")
+    names = ", ".join(f"{d.name} ({max(0.0, p.capacity(i)) / 2**20:.0f} MiB usable)"
                       for i, d in enumerate(p.devices))
     need = sum(L.mem_bytes for L in p.layers)
     have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
@@ -69,9 +77,18 @@ def solution(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> So
     else:
         sol = milp.solve_aggregated(p, time_limit_s)
     if not sol.spans:
-        raise PlanInfeasible(f"no placement fits ({sol.solver}: {sol.status}); considered "
-                             + ", ".join(d.name for d in p.devices))
+        raise PlanInfeasible(_no_fit(p, f"{sol.solver}: {sol.status}"))
     return sol
+
+
+def _no_fit(p: Problem, how: str) -> str:
+    """Why no placement fits though the bytes add up: each device holds whole layers."""
+    mean = sum(L.mem_bytes for L in p.layers) / p.n
+    fits = [max(0, int(p.capacity(i) // mean)) for i in range(p.m)]
+    held = ", ".join(f"{d.name} ~{k}" for d, k in zip(p.devices, fits, strict=True))
+    return (f"no placement fits ({how}): each device holds whole layers of ~{mean / 2**20:.0f} MiB "
+            f"(what a layer holds once loaded and its KV): {held}, {sum(fits)} of {p.n}; more "
+            f"memory, another device, or a shorter --context would make room")
 
 
 def typed(p: Problem, sol: Solution) -> Plan:

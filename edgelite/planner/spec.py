@@ -18,9 +18,10 @@ KV_TOKENS = 2048  # context each layer reserves KV memory for
 
 
 def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
-    """Each layer's cost: a windowed layer (Gemma 3's local ones) reserves KV for its window."""
+    """Each layer's cost: what it holds once loaded (FileEntry.resident: as the exporter
+    measured it) and its KV; a windowed layer (Gemma 3's local ones) reserves KV for its window."""
     return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
-                       mem_bytes=e.param_bytes + m.kv_bytes(j, j, kv_tokens))
+                       mem_bytes=e.resident + m.kv_bytes(j, j, kv_tokens))
                  for j, e in enumerate(m.layers))
 
 
@@ -55,7 +56,8 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
                 float(link.get("jitter_ms", 0.0)), float(link.get("loss", 0.0)))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EdgeliteError(f"cluster description is malformed: {exc!r}") from exc
-    reserved = m.embed.param_bytes + m.head.param_bytes
+    reserved = m.client_bytes
     return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
                    client_first=client_first, client_reserved_bytes=reserved, objective=objective,
-                   client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token))
+                   client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token),
+                   scratch_bytes=m.scratch)

@@ -219,7 +219,10 @@ def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     """The planner's cluster description from a probe result (unreachable devices and links
     left out)."""
     devices = [{"name": d["name"], "addr": d["addr"], "flops": d.get("flops") or 1e9,
-                "memory_bytes": _memory(d)}
+                "memory_bytes": _memory(d),
+                # a budget is a hard bound, and what the process holds already is measured:
+                # the plan may use all of the rest (free memory alone keeps a margin)
+                **({"beta": 1.0} if d.get("memory_budget_bytes") is not None else {})}
                for d in probed["devices"] if d.get("reachable", True)]
     links = [{"src": r["src"], "dst": r["dst"], "latency_ms": r["latency_ms"],
               "bandwidth_mbps": r["bandwidth_mbps"], "jitter_ms": _jitter(r),
@@ -235,8 +238,11 @@ def _jitter(row: dict[str, Any]) -> float:
 
 
 def _memory(d: dict[str, Any]) -> int:
-    """What a plan may use: the free memory, capped by the device's budget when it set one."""
+    """What a plan may use: the free memory, capped by the device's budget when it set one
+    (less what its process holds already: the budget bounds the process)."""
     free = d.get("memory_available_bytes") or d.get("memory_total_bytes")
     budget = d.get("memory_budget_bytes")
+    if budget is not None:
+        budget = max(0, int(budget) - int(d.get("rss_bytes") or 0))
     known = [int(x) for x in (free, budget) if x is not None]
     return min(known) if known else 0

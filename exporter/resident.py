@@ -1,0 +1,148 @@
+"""What each piece of an export holds once loaded and run in edgelite's engine, measured, so
+that the planner and the nodes count what a layer really costs, not its file's bytes:
+onnxruntime packs block weights again at load (scales and block sums beside the codes),
+1.4-3x the weights.
+
+Each kind of layer (same weight and file bytes, same window) is measured once, in a process of
+its own: the layer is loaded LOADS times and the resident set's growth after the first load,
+averaged, is its cost (the first also pays for onnxruntime's one-time state, which is the
+process's baseline, not the layer's); then a prompt chunk of SCRATCH_CHUNK tokens runs through it and the peak
+above that is its scratch. The embedding and the head are measured the same way, with the peak
+of their load (widening a large table's scales takes a transient: the 1 B head holds 175 MiB,
+289 while it loads).
+
+    python -m edgelite_export.resident EXPORT_DIR PIECE    (PIECE: a layer index, embed, head)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from edgelite import heap
+from edgelite import manifest as mf
+from edgelite.config import RuntimeConfig
+from edgelite.errors import EdgeliteError
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+LOADS = 3  # the piece is loaded this often; the growth after the first, averaged, is its cost
+MEASURE_TIMEOUT_S = 600.0  # one piece's measurement (an 8 B layer loads in seconds)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def _peak() -> int:
+    """The resident set's peak since the last reset (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # (Linux 4.0+: the peak starts again from now)
+    except OSError:
+        return False
+    return True
+
+
+def measure_piece(m: mf.Manifest, piece: str) -> tuple[int, int]:
+    """(resident, scratch) bytes of a layer, or (resident, load peak) of the embedding or
+    the head, in this process (see the module's note)."""
+    from edgelite.engine.layers import LayerRange, export_files
+    from edgelite.engine.runtime import Embedding, Head
+
+    heap.give_back_large_blocks()
+    cfg = RuntimeConfig(threads=1, verify_hashes=False)
+    files = export_files(m, verify=False)
+    held: list[object] = []
+    if piece in ("embed", "head"):
+        hidden = np.zeros((1, 1, m.hidden_size), np.float32)
+        peak = 0
+        for i in range(LOADS):
+            if i == 1:
+                before = _rss()
+                measured = _reset_peak()
+            p = Embedding(m, cfg, files) if piece == "embed" else Head(m, cfg, files)
+            if isinstance(p, Embedding):
+                p.run(np.zeros((1, 1), np.int64))
+            else:
+                p.run(hidden)
+            held.append(p)
+            if i == 1 and measured:  # loading widens its scales in memory: a transient on top
+                peak = _peak() - before
+        return max(0, _rss() - before) // (LOADS - 1), peak
+    j = int(piece)
+    for i in range(LOADS):
+        if i == 1:
+            before = _rss()
+        lr = LayerRange(m, j, j, cfg, files)
+        slot = lr.pool.acquire()
+        lr.step(slot, np.zeros((1, 1, m.hidden_size), np.float32))
+        held.append(lr)
+    resident = max(0, _rss() - before) // (LOADS - 1)
+    scratch, now = 0, _rss()
+    if _reset_peak():
+        n = min(mf.SCRATCH_CHUNK, lr.pool.max_length - slot.length)  # (a tiny model's context)
+        lr.step(slot, np.full((1, n, m.hidden_size), 0.01, np.float32))
+        scratch = max(0, _peak() - now)
+    return resident, scratch
+
+
+def _kind(e: mf.FileEntry) -> tuple[int, ...]:
+    return (e.param_bytes, sum(d.bytes for d in e.data), e.window)
+
+
+def measured(m: mf.Manifest) -> mf.Manifest:
+    """The manifest with resident_bytes (and layers' scratch_bytes) measured; unchanged where
+    this platform cannot tell (no /proc)."""
+    if not Path("/proc/self/statm").is_file():
+        return m
+    cache: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def run(piece: str) -> tuple[int, int]:
+        res = subprocess.run([sys.executable, "-m", "edgelite_export.resident", str(m.root), piece],
+                             capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+        if res.returncode != 0:
+            raise EdgeliteError(f"measuring {piece} of the export failed: "
+                                f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
+        out = json.loads(res.stdout)
+        return int(out["resident"]), int(out["scratch"])
+
+    layers = []
+    for j, e in enumerate(m.layers):
+        k = _kind(e)
+        if k not in cache:
+            cache[k] = run(str(j))
+        resident, scratch = cache[k]
+        layers.append(replace(e, resident_bytes=resident, scratch_bytes=scratch))
+    embed, head = ((replace(e, resident_bytes=held, load_peak_bytes=peak)
+                    for e, (held, peak) in ((m.embed, run("embed")), (m.head, run("head")))))
+    log.info("resident once loaded: layers %.1f-%.1f MiB (%d kinds; weights %.1f MiB at most; "
+             "a %d-token chunk %.1f MiB more), embedding %.1f, head %.1f MiB (%.1f loading)",
+             min(e.resident_bytes for e in layers) / 2**20, max(e.resident_bytes for e in layers) / 2**20,
+             len(cache), max(e.param_bytes for e in layers) / 2**20, mf.SCRATCH_CHUNK,
+             max(e.scratch_bytes for e in layers) / 2**20, embed.resident_bytes / 2**20,
+             head.resident_bytes / 2**20, head.load_peak_bytes / 2**20)
+    return replace(m, layers=layers, embed=embed, head=head)
+
+
+def main(argv: list[str]) -> int:
+    m = mf.load(Path(argv[0]))
+    resident, scratch = measure_piece(m, argv[1])
+    sys.stdout.write(json.dumps({"resident": resident, "scratch": scratch}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

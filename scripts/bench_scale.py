@@ -1,0 +1,213 @@
+"""A model no device holds, split for real: edgelite against llama.cpp's RPC on the same GGUF.
+
+    python scripts/bench_scale.py --cache DIR [--gguf FILE] [--llama-cpp BIN_DIR]
+        [--nodes 3] [--node-mb 400] [--client-mb 400] [--tokens 128] [--rounds 3]
+
+The GGUF defaults to a 1 B Llama-shaped Q4_K_M in the cache (random weights: made with
+scripts/random_models.py as F16, then llama.cpp's llama-quantize from --llama-cpp); it is
+exported once (fast, its own width; the exporter measures what each layer holds once loaded).
+Each round, edgelite: `--nodes` node processes on loopback with `--memory-mb NODE_MB`, and
+`edgelite generate` planning over them (probe + HiGHS) with `--client-memory-mb CLIENT_MB`,
+`--tokens` greedy tokens, 1 thread everywhere; llama.cpp (with --llama-cpp): as many
+`ggml-rpc-server -t 1` and `llama-completion --rpc ... -ngl 99 -t 1 --temp 0 --ignore-eos`.
+Rounds interleave the two. Prints one JSON object: the plan, predicted against measured
+ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians, ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+PROMPT = "The history of the city begins in the early years of the twelfth century, when a"
+RUN_TIMEOUT_S = 900.0
+HWM = re.compile(r"^VmHWM:\s+(\d+) kB", re.M)
+# the CLI in a process that reports its own peak RSS (MiB) on its last stderr line
+CLIENT = ("import sys\nfrom edgelite.cli.main import main\nrc = main(sys.argv[1:])\n"
+          "status = open('/proc/self/status').read()\n"
+          "kb = int([x for x in status.splitlines() if x.startswith('VmHWM')][0].split()[1])\n"
+          "sys.stderr.write(f'\\nPEAK_RSS_MIB {kb / 1024:.1f}\\n')\nsys.exit(rc)\n")
+
+
+def peak_mib(pid: int) -> float:
+    m = HWM.search(Path(f"/proc/{pid}/status").read_text())
+    return int(m.group(1)) / 1024 if m else 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_for(cache: Path, llama_cpp: Path | None) -> Path:
+    """The 1 B Q4_K_M GGUF in the cache, made when missing (F16 -> llama-quantize)."""
+    out = cache / "llama-1b-q4_k_m.gguf"
+    if out.is_file():
+        return out
+    if llama_cpp is None:
+        raise SystemExit(f"{out} is missing: pass --llama-cpp BIN_DIR (to make it with llama-quantize)"
+                         f" or --gguf FILE")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import random_models
+
+    f16 = random_models.build(cache, "1b", ["f16"])["f16"]
+    subprocess.run([str(llama_cpp / "llama-quantize"), str(f16), str(out), "Q4_K_M"], check=True,
+                   capture_output=True)
+    return out
+
+
+def export_for(gguf: Path, cache: Path) -> Path:
+    """The GGUF's export (fast, its own width), made once; measured if an older exporter made it."""
+    from edgelite import manifest as mf
+
+    out = cache / f"ex-{gguf.stem.lower()}"
+    if not (out / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "edgelite_export", str(gguf), "--out", str(out)],
+                       check=True)
+    m = mf.load(out)
+    if not all(e.resident_bytes for e in m.layers):
+        from edgelite_export import resident
+
+        mf.write(resident.measured(m), out)
+    return out
+
+
+def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens: int,
+                   context: int) -> dict:
+    from edgelite.cli.localnodes import TOKEN, start_node
+
+    nodes = [start_node(Path(tempfile.mkdtemp()), threads=1, memory_mb=node_mb) for _ in range(n)]
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", CLIENT, "generate", "--model", str(model), "--json", "--raw",
+             "--nodes", ",".join(x.addr for x in nodes), "--token", TOKEN, "--threads", "1",
+             "--no-spin", "--client-memory-mb", str(client_mb), "--max-tokens", str(tokens),
+             "--kv-store-mb", "0", "--context", str(context), PROMPT],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        node_peaks = [round(peak_mib(x.proc.pid), 1) for x in nodes]
+    finally:
+        for x in nodes:
+            x.kill()
+    peak = re.search(r"PEAK_RSS_MIB ([\d.]+)", res.stderr)
+    if res.returncode != 0:
+        err = res.stderr.strip().splitlines()
+        return {"error": next((ln for ln in err if ln.startswith("error")), err[-1] if err else "?"),
+                "node_peak_rss_mib": node_peaks,
+                "client_peak_rss_mib": float(peak.group(1)) if peak else None}
+    out = json.loads(res.stdout)
+    plan = out.get("plan") or {}
+    return {"tokens": len(out["token_ids"]), "decode_tok_s": out["decode_tok_s"],
+            "ttft_ms": out["ttft_ms"], "measured_ms_per_token": out["decode_ms_per_token"],
+            "predicted_ms_per_token": plan.get("expected_ms_per_token"),
+            "plan": [(s["device"], s["first_layer"], s["last_layer"]) for s in plan.get("stages", [])],
+            "node_peak_rss_mib": node_peaks,
+            "client_peak_rss_mib": float(peak.group(1)) if peak else None}
+
+
+def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int) -> dict:
+    ports = [free_port() for _ in range(n)]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(p),
+                                 "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env) for p in ports]
+    try:
+        deadline = time.monotonic() + 30
+        for p in ports:
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", p), 1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        t0 = time.perf_counter()
+        res = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(gguf), "--rpc",
+                              ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-t", "1",
+                              "-n", str(tokens), "--temp", "0", "--ignore-eos", "-no-cnv",
+                              "-p", PROMPT], capture_output=True, text=True, env=env,
+                             timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        peaks = [round(peak_mib(s.pid), 1) for s in servers]
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+    text = res.stderr + res.stdout
+    ev = re.search(r"eval time =\s+([\d.]+) ms /\s+(\d+) runs.*?([\d.]+) tokens per second", text.split(
+        "prompt eval time")[-1]) if "prompt eval time" in text else None
+    pe = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", text)
+    if res.returncode != 0 or ev is None or pe is None:
+        return {"error": (text.strip().splitlines() or ["?"])[-1], "rpc_server_peak_rss_mib": peaks}
+    return {"tokens": int(ev.group(2)), "decode_tok_s": float(ev.group(3)),
+            "ttft_ms": float(pe.group(1)), "prompt_tokens": int(pe.group(2)), "wall_s": round(wall, 2),
+            "rpc_server_peak_rss_mib": peaks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--llama-cpp", type=Path,
+                    help="llama.cpp's build/bin (ggml-rpc-server, llama-completion)")
+    ap.add_argument("--context", type=int, default=2048, help="edgelite generate --context")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--node-mb", type=float, default=400)
+    ap.add_argument("--client-mb", type=float, default=400)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    gguf = args.gguf or gguf_for(args.cache, args.llama_cpp)
+    model = export_for(gguf, args.cache)
+    runs: dict[str, list[dict]] = {"edgelite": [], "llama_cpp_rpc": []}
+    for _ in range(args.rounds):
+        runs["edgelite"].append(edgelite_round(model, args.nodes, args.node_mb, args.client_mb,
+                                               args.tokens, args.context))
+        if args.llama_cpp is not None:
+            runs["llama_cpp_rpc"].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens))
+
+    def med(side: str, key: str) -> float | None:
+        vals = [r[key] for r in runs[side] if key in r and r[key] is not None]
+        return round(statistics.median(vals), 2) if vals else None
+
+    summary: dict = {"gguf": str(gguf), "gguf_mb": round(gguf.stat().st_size / 1e6, 1),
+                     "export_mb": round(sum(p.stat().st_size for p in model.iterdir()) / 1e6, 1),
+                     "node_budget_mib": args.node_mb, "client_budget_mib": args.client_mb,
+                     "nodes": args.nodes, "context": args.context,
+                     "edgelite": {k: med("edgelite", k) for k in ("decode_tok_s", "ttft_ms",
+                                                                   "measured_ms_per_token",
+                                                                   "predicted_ms_per_token")}}
+    ok = [r for r in runs["edgelite"] if "error" not in r]
+    if ok:
+        summary["edgelite"]["max_node_peak_rss_mib"] = max(max(r["node_peak_rss_mib"]) for r in ok)
+        summary["edgelite"]["max_client_peak_rss_mib"] = max(r["client_peak_rss_mib"] or 0 for r in ok)
+        p, mm = summary["edgelite"]["predicted_ms_per_token"], summary["edgelite"]["measured_ms_per_token"]
+        if p and mm:
+            summary["edgelite"]["predicted_over_measured"] = round(p / mm, 3)
+    if runs["llama_cpp_rpc"]:
+        summary["llama_cpp_rpc"] = {k: med("llama_cpp_rpc", k) for k in ("decode_tok_s", "ttft_ms")}
+        good = [r for r in runs["llama_cpp_rpc"] if "error" not in r]
+        if good:
+            summary["llama_cpp_rpc"]["max_rpc_server_peak_rss_mib"] = max(
+                max(r["rpc_server_peak_rss_mib"]) for r in good)
+        e, c = summary["edgelite"], summary["llama_cpp_rpc"]
+        summary["ratio_edgelite_over_llama_cpp"] = {
+            k: round(e[k] / c[k], 3) for k in ("decode_tok_s", "ttft_ms") if e.get(k) and c.get(k)}
+    print(json.dumps({"summary": summary, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
