@@ -114,6 +114,9 @@ class NodeConfig:
     session_ttl_s: float = 1800.0  # a session unused this long frees its KV
     owner_grace_s: float = 2.0  # a client's plans and sessions go this long after it disconnects
     max_sessions_per_client: int = 64  # sessions holding KV, over a client's plans
+    # the clients of one address may hold at most this share of the KV budget together
+    # (client keys are chosen freely; the rest stays for others)
+    max_address_kv_share: float = 0.75
     max_plans_per_client: int = 16
     max_file_bytes: int = 4 * 1024**3  # the largest model file an upload may declare
     disk_quota_bytes: int = 16 * 1024**3  # deployed files (and partial uploads) in all
@@ -151,6 +154,7 @@ class DiscoveryConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     connect_timeout_s: float = 2.0
+    local_host: str | None = None  # the address connections to nodes go from (None: any)
     step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
     prefill_timeout_s: float = 60.0  # a long prompt on a slow phone may take this long
     deploy_timeout_s: float = 120.0
@@ -178,15 +182,18 @@ class HttpConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
-    max_body_bytes: int = 1024 * 1024  # a request body larger than this is refused (413)
+    # a request body larger than this is refused (413), before it is parsed: the largest
+    # prompt the gateway takes (max_prompt_chars, 32,000) is at most ~200 KB of JSON
+    max_body_bytes: int = 256 * 1024
     # a refused body up to this size is read (and dropped) before the 413 is sent, within the
     # time below: a client that writes its whole body before reading (urllib, requests) then
     # gets the answer, not a connection reset by a close with its bytes unread
-    refused_body_drain_bytes: int = 8 * 1024 * 1024
+    refused_body_drain_bytes: int = 512 * 1024  # (one declared larger is not read at all)
     refused_body_drain_s: float = 5.0
     sse_keepalive_s: float = 5.0  # a streamed reply with nothing new this long gets a comment
     keep_alive_s: int = 5  # an idle HTTP/1.1 connection is closed after this
     max_connections: int = 256  # open HTTP connections; more are closed as they come
+    max_connections_per_address: int = 32  # of them from one address
     header_timeout_s: float = 10.0  # a request's headers must be in this soon (else: closed)
     body_timeout_s: float = 30.0  # and its body this soon after them (else: 408)
 

@@ -23,7 +23,7 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
 from edgelite.client.cluster import Cluster
-from edgelite.config import RuntimeConfig, WireLimits
+from edgelite.config import ClientConfig, RuntimeConfig, WireLimits
 from edgelite.engine.generate import LocalBackend
 from edgelite.errors import EdgeliteError, ManifestError, NodeError, ProtocolError
 from edgelite.ids import NodeAddr, new_session_id
@@ -780,3 +780,42 @@ def test_a_refusal_echoes_only_an_id_the_schema_takes(node_factory) -> None:
     replies = asyncio.run(main())
     assert all(isinstance(r, m.Error) for r in replies), replies
     assert [r.id for r in replies] == [None, None, 2**53]
+
+
+def test_one_address_with_many_keys_leaves_kv_for_others(exported, node_factory) -> None:
+    """Client keys are chosen freely, so the KV budget is shared by address: two clients from
+    127.0.0.2 (two keys) hold at most max_address_kv_share (0.75) of a node's KV between them,
+    and a client from another address still starts a session."""
+    model = exported["llama"]
+    m0 = mf.load(model)
+    per_session = m0.kv_bytes(0, m0.num_layers - 1, 16)  # a short session's first bucket
+    node = node_factory(kv_budget_mb=4 * per_session / 2**20,
+                        extra=("--kv-buckets", "16,32,64,128,256"))
+    ids = np.array([[5, 6, 7]], np.int64)
+
+    async def fill(be, tag: str) -> int:
+        n = 0
+        for i in range(8):
+            try:
+                await be.step(f"{tag}{i}" + "0" * 28, ids)
+            except NodeError as exc:
+                assert "max_address_kv_share" in str(exc) or "left" in str(exc), exc
+                break
+            n += 1
+        return n
+
+    async def main() -> tuple[int, int, int]:
+        far = ClientConfig(local_host="127.0.0.2")
+        hogs = [await _cluster(model, [node.addr], [(0, m0.num_layers - 1)], far) for _ in range(2)]
+        victim = await _cluster(model, [node.addr], [(0, m0.num_layers - 1)])
+        try:
+            got = [await fill(h, f"h{k}") for k, h in enumerate(hogs)]
+            mine = await fill(victim, "v")
+        finally:
+            for be in (*hogs, victim):
+                await be.close()
+        return got[0], got[1], mine
+
+    first, second, mine = asyncio.run(main())
+    assert first + second == 3, (first, second)  # 0.75 of 4 sessions' KV, two keys or not
+    assert mine >= 1

@@ -125,7 +125,7 @@ def test_curl_streams_server_sent_events(server) -> None:
                           base + "/v1/chat/completions"], capture_output=True, text=True, timeout=30)
     assert bad.stdout.endswith("404") and '"model_not_found"' in bad.stdout
     # hostile bodies: too large, not JSON, a field of the wrong type: one error each
-    for data, code, what in ((b"{" + b" " * (2 << 20) + b"}", 413, "exceeds"),
+    for data, code, what in ((b"{" + b" " * (400 << 10) + b"}", 413, "exceeds"),
                              (b"\xff not json", 400, "not JSON"),
                              (json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": "many"}).encode(), 400, "max_tokens")):
@@ -185,6 +185,24 @@ def test_sixteen_streams_match_solo_runs_and_tiers_show(server) -> None:
     assert m['edgelite_ttft_ms{tier="2",quantile="0.5"}'] < m['edgelite_ttft_ms{tier="0",quantile="0.5"}']
     assert m['edgelite_queue_length{queue="running",tier="0"}'] == 0
     assert m["edgelite_tokens_total"] == (4 + 16) * 16
+
+
+def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(server) -> None:
+    """The HTTP door takes the native door's max_prompt_chars (32,000): a longer prompt, chat or
+    completion, is a 400 naming the limit, at once; the server serves the next request."""
+    base, _ = server
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "x" * 40_000}]}),
+                       ("/v1/completions", {"prompt": "y" * 40_000})):
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={
+            "Authorization": "Bearer t-free", "Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        message = json.loads(err.value.read())["error"]["message"]
+        assert err.value.code == 400 and "max_prompt_chars" in message and "40000" in message
+        assert time.monotonic() - t0 < 2
+    assert _metrics(base)["edgelite_up"] == 1
 
 
 def test_a_client_that_disconnects_frees_its_request(server) -> None:

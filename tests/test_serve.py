@@ -49,7 +49,8 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
                                                                  tmp_path: Path) -> None:
     model = exported["llama"]
     # 81 positions on the 2-layer stage, counted in buckets of 16: sessions grow past them
-    nodes = [node_factory(kv_budget_mb=0.02, extra=("--kv-buckets", "16,32,48,64,128,256"))
+    # (one address, the gateway's, may hold max_address_kv_share of it: 0.02 MiB)
+    nodes = [node_factory(kv_budget_mb=0.02 / 0.75, extra=("--kv-buckets", "16,32,48,64,128,256"))
              for _ in range(2)]
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"users": USERS}))

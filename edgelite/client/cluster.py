@@ -60,7 +60,8 @@ class Cluster:
             if addr not in self.links:
                 self.links[addr] = await NodeLink.open(addr, self.token, self.manifest.fingerprint,
                                                        self.limits, self.cfg.connect_timeout_s,
-                                                       self._lost, self.client_key, self.kv_key)
+                                                       self._lost, self.client_key, self.kv_key,
+                                                       self.cfg.local_host)
 
     def _lost(self, link: NodeLink, reason: str) -> None:
         self.lost[link.addr] = reason
@@ -112,7 +113,8 @@ class Cluster:
         off this event loop for the step plane."""
         try:
             conn, _ = await connect(addr, self.token, self.manifest.fingerprint, self.limits,
-                                    self.cfg.connect_timeout_s, client=self.client_key)
+                                    self.cfg.connect_timeout_s, client=self.client_key,
+                                    local_host=self.cfg.local_host)
         except (ConnectionError, AuthError) as exc:
             raise NodeUnavailable(f"node {exc}", node=str(addr)) from exc
         try:

@@ -99,13 +99,16 @@ def describe_os_error(exc: BaseException) -> str:
 
 async def connect(addr: NodeAddr, token: str, fingerprint: str | None, limits: WireLimits,
                   timeout: float, user: str | None = None,
-                  client: str | None = None, kv: str | None = None) -> tuple[Conn, m.Welcome]:
+                  client: str | None = None, kv: str | None = None,
+                  local_host: str | None = None) -> tuple[Conn, m.Welcome]:
     """Open and authenticate a connection: (conn, the peer's welcome). ConnectionError (with
     the reason in words) when it cannot be reached; AuthError when the handshake fails.
     `client`: this client's key (Auth.client), so that the node counts this connection as
-    one of the plans' owner's."""
+    one of the plans' owner's; `local_host`: the address to connect from (None: the system's
+    choice)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(addr.host, addr.port),
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            addr.host, addr.port, local_addr=None if local_host is None else (local_host, 0)),
                                                 timeout)
     except (TimeoutError, OSError) as exc:
         reason = describe_os_error(exc)

@@ -47,12 +47,13 @@ class NodeLink:
     @classmethod
     async def open(cls, addr: NodeAddr, token: str, fingerprint: str | None, limits: WireLimits,
                    timeout_s: float, on_lost: Callable[[NodeLink, str], None] | None = None,
-                   client: str | None = None, kv: str | None = None) -> NodeLink:
+                   client: str | None = None, kv: str | None = None,
+                   local_host: str | None = None) -> NodeLink:
         """Connect and authenticate (as `client`, see handshake.connect); NodeUnavailable (with
         the reason) when that fails."""
         try:
             conn, welcome = await connect(addr, token, fingerprint, limits, timeout_s,
-                                          client=client, kv=kv)
+                                          client=client, kv=kv, local_host=local_host)
         except ConnectionError as exc:
             raise NodeUnavailable(f"node {exc}", node=str(addr)) from exc
         except AuthError as exc:

@@ -99,7 +99,7 @@ class Node:
         c = self.cfg
         blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
         self.store = StageStore(blobs, c.kv_budget_bytes, c.runtime, c.max_sessions_per_client,
-                                c.memory_budget_bytes)
+                                c.memory_budget_bytes, c.max_address_kv_share)
         self.shelf = Shelf(self.data_dir, blobs)  # model folders pushed here (edgelite push)
         self.data = DataPlane(self.name, self.store, c, self.limits)
         self.kv: KVStore | None = None  # the KV store, opened by start()
@@ -117,6 +117,7 @@ class Node:
         self.strangers: dict[str, int] = {}  # address -> its connections not yet authenticated
         self.refused_strangers = 0  # connections refused before the handshake (their budget)
         self.kv_domains: dict[str, str] = {}  # client key -> its KV domain (stages.kv_domain)
+        self.owner_hosts: dict[str, str] = {}  # client key -> the address it connected from
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         self.loading: dict[str, str] = {}  # plan ids being loaded -> their owners
         # restores under way, each reading a KV store entry into its session's slot
@@ -226,6 +227,7 @@ class Node:
             self.conns.add(conn)
             owner = auth.client or f"connection-{secrets.token_hex(16)}"
             self.kv_domains[owner] = kv_domain(auth.kv or owner)
+            self.owner_hosts[owner] = host
             self.owners[owner] = self.owners.get(owner, 0) + 1
             self.orphaned.pop(owner, None)
             await self._serve(conn, auth.fingerprint, owner)
@@ -243,6 +245,7 @@ class Node:
                 if not self.owners[owner]:
                     del self.owners[owner]
                     self.kv_domains.pop(owner, None)
+                    self.owner_hosts.pop(owner, None)
                     self.exports.drop(owner)
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
@@ -459,7 +462,8 @@ class Node:
         try:
             stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
                                             msg.last, msg.next, owner, msg.next_capability,
-                                            self.kv_domains.get(owner, kv_domain(owner)))
+                                            self.kv_domains.get(owner, kv_domain(owner)),
+                                            self.owner_hosts.get(owner, ""))
             try:
                 await self.data.install(stage)
             except BaseException:

@@ -47,6 +47,7 @@ class Stage:
     next_capability: str | None = None  # what opens the next stage's
     range_key: tuple[str, int, int] = ("", 0, 0)  # its LayerRange in StageStore.ranges
     kv_domain: str = ""  # whose KV its sessions store and restore (kv_domain())
+    address: str = ""  # where its client connected from (its share of the KV budget)
 
     @property
     def kv_layout(self) -> Layout:
@@ -84,6 +85,9 @@ class StageStore:
     max_sessions_per_client: int = 64
     # the most this process may hold (--memory-mb); None: no bound of its own
     memory_budget_bytes: int | None = None
+    # the most of the KV budget the clients of one address may hold together (client keys
+    # are chosen freely: a share per key would let one holder take it all with two keys)
+    max_address_kv_share: float = 1.0
     scratch_bytes: int = 0  # the headroom a prompt chunk needs (the loaded models' largest)
     stages: dict[str, Stage] = field(default_factory=dict)
     sessions: dict[tuple[str, str], Session] = field(default_factory=dict)
@@ -116,7 +120,7 @@ class StageStore:
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
               next_addr: NodeAddr | None, owner: str,
-              next_capability: str | None = None, domain: str = "") -> Stage:
+              next_capability: str | None = None, domain: str = "", address: str = "") -> Stage:
         """Open a stage from deployed blobs (blocking: call in a thread), with a new capability.
         It holds its layer range until `release`d (unload does that)."""
         m = mf.parse(manifest_json, Path(self.blobs.dir))
@@ -143,7 +147,7 @@ class StageStore:
                 self.scratch_bytes = max(self.scratch_bytes, m.scratch)
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
-                     next_capability, key, domain)
+                     next_capability, key, domain, address)
 
     def release(self, stage: Stage) -> None:
         """A stage no longer uses its layer range; the last user closes it."""
@@ -248,6 +252,7 @@ class StageStore:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes, "
                                    f"{self.kv_budget_bytes - used} of the node's "
                                    f"{self.kv_budget_bytes} left")
+        self._address_share(stage, session, grow)
         now = resident_bytes() if self.memory_budget_bytes is not None else None
         if now is not None and now + grow + self.scratch_bytes > self.memory_budget_bytes:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow / MIB:.1f} MiB more; "
@@ -260,6 +265,21 @@ class StageStore:
             if mine >= self.max_sessions_per_client:
                 raise KVBudgetExceeded(f"this client holds {mine} sessions on this node; the "
                                        f"limit is {self.max_sessions_per_client}")
+
+    def _address_share(self, stage: Stage, session: str, grow: int) -> None:
+        """Refuse KV growth that would give the clients of one address more than their share
+        of the budget: the rest stays for others."""
+        if self.max_address_kv_share >= 1.0:
+            return
+        cap = int(self.max_address_kv_share * self.kv_budget_bytes)
+        theirs = (sum(x.stage.layers.pool.bucket_bytes(x.slot.length) for x in self.sessions.values()
+                      if x.stage.address == stage.address)
+                  + sum(r.nbytes for r in self.restoring.values() if r.stage.address == stage.address))
+        if theirs + grow > cap:
+            raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes; the clients "
+                                   f"at {stage.address or 'this address'} hold {theirs} of the "
+                                   f"node's {self.kv_budget_bytes}, at most {cap} "
+                                   f"(max_address_kv_share): the rest stays for others")
 
     def export_kv(self, plan_id: str, session: str, n: int) -> np.ndarray:
         """A copy of a session's KV of its first n positions (layers, 2, kv_heads, n, dim)."""
@@ -394,7 +414,8 @@ class StageStore:
                 "own_sessions": sum(1 for s in sessions if owner is None or s.stage.owner == owner),
                 "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": kv_bytes,
-                "kv_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
+                "kv_budget_bytes": int(self.kv_budget_bytes * min(1.0, self.max_address_kv_share)),
+                "kv_node_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
                 "runs": runs, "slot_moves": self.slot_moves,
                 "ms_per_run": ms / runs if runs else 0.0,

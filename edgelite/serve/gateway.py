@@ -628,6 +628,8 @@ class Gateway:
         return {"queues": {q: len(rs) for q, rs in queues.items()}, "queues_by_tier": per_tier,
                 "cancelled": self.cancelled, "floods": self.floods, "reconnects": self.reconnects,
                 "rejoins": self.rejoins,
+                # recoveries without a node (planned again without it; a failover backend's)
+                "recoveries": len(getattr(self.backend, "recoveries", ())),
                 "reconnect_failures": self.reconnect_failures,
                 "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
                 "tokens_total": self.tokens_total, "tokens_per_s": self.tokens_per_s(),

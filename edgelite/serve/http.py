@@ -53,18 +53,25 @@ class _Server(uvicorn.Server):
 
 
 def _protocol(cfg: HttpConfig) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the bounds it lacks: at most `max_connections` open (more
-    are closed as they come), and a request's headers must be in within `header_timeout_s`
+    """uvicorn's h11 protocol with the bounds it lacks: at most `max_connections` open, and
+    `max_connections_per_address` from one address (more are closed as they come: one
+    stranger cannot fill the server), and a request's headers must be in within `header_timeout_s`
     of the connection (or of the previous reply): a client that opens connections and sends
     nothing, or its headers a byte at a time, holds nothing for long."""
+
+    per_address: dict[str, int] = {}  # open connections by client address
 
     class Bounded(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._deadline: asyncio.TimerHandle | None = None
-            if len(self.connections) > cfg.max_connections:
-                log.info("HTTP connection from %s closed: %d open (max_connections)",
-                         self.client, len(self.connections) - 1)
+            self._host = self.client[0] if self.client else "?"
+            per_address[self._host] = per_address.get(self._host, 0) + 1
+            if (len(self.connections) > cfg.max_connections
+                    or per_address[self._host] > cfg.max_connections_per_address):
+                log.info("HTTP connection from %s closed: %d open, %d from there "
+                         "(max_connections, max_connections_per_address)", self.client,
+                         len(self.connections) - 1, per_address[self._host] - 1)
                 transport.close()
                 return
             self._arm()
@@ -93,6 +100,11 @@ def _protocol(cfg: HttpConfig) -> type[H11Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             if getattr(self, "_deadline", None) is not None:
                 self._deadline.cancel()  # type: ignore[union-attr]
+            host = getattr(self, "_host", None)
+            if host is not None:
+                per_address[host] -= 1
+                if not per_address[host]:
+                    del per_address[host]
             super().connection_lost(exc)
 
     return Bounded
@@ -277,13 +289,14 @@ class HttpApi:
             raise ApiError(400, "Content-Length is not a number") from exc
         parts = request.stream()
         if size > self.cfg.max_body_bytes:
-            await self._drain(parts, 0)
+            if size <= self.cfg.refused_body_drain_bytes:  # (larger: answered unread)
+                await self._drain(parts, 0)
             raise ApiError(413, f"request body of {size} bytes exceeds {self.cfg.max_body_bytes}")
-        raw = b""
+        raw = bytearray()
         try:
             async with asyncio.timeout(self.cfg.body_timeout_s):
                 async for part in parts:
-                    raw += part
+                    raw += part  # (a bytearray grows in place)
                     if len(raw) > self.cfg.max_body_bytes:
                         await self._drain(parts, len(raw))
                         raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
@@ -291,7 +304,7 @@ class HttpApi:
             raise ApiError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s "
                                 f"(body_timeout_s)") from exc
         try:  # (off the event loop: a large body takes a while)
-            body = await asyncio.to_thread(json.loads, raw)
+            body = await asyncio.to_thread(json.loads, bytes(raw))
         except ValueError as exc:
             raise ApiError(400, f"the body is not JSON: {exc}") from exc
         except RecursionError as exc:
@@ -501,6 +514,10 @@ class HttpApi:
         metric("requests_done_total", "counter", "requests finished",
                [(f'{{tier="{t}"}}', ts["done"]) for t, ts in st["tiers"].items()])
         metric("tokens_total", "counter", "tokens generated", [("", st["tokens_total"])])
+        metric("node_losses_total", "counter", "plans made again without a node taken for lost",
+               [("", st["reconnects"] + st["recoveries"])])
+        metric("rejoins_total", "counter", "times nodes left out were planned in again",
+               [("", st["rejoins"])])
         metric("tokens_per_second", "gauge", f"tokens generated per second over the last "
                f"{gw.cfg.rate_window_s:g} s", [("", st["tokens_per_s"])])
         metric("kv_tokens_used", "gauge", "KV positions held by running requests",
