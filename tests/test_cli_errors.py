@@ -82,8 +82,8 @@ def test_unreachable_nodes_are_named_with_the_reason(exported, netns) -> None:
     assert res.returncode == 0, res.stderr
     err = " ".join(res.stderr.split())
     assert "Traceback" not in res.stderr
-    assert ("left out of the plan: node 127.0.0.1:1: cannot connect: connection refused (is the "
-            "node running on that port?)") in err, err
+    assert ("left out of the plan: node 127.0.0.1:1: cannot connect: connection refused (nothing "
+            "listens on that port: is it running there?)") in err, err
     assert "left out of the plan: node 10.9.0.2:7070: cannot connect: no answer within 2 s" in err
     assert "left out of the plan: node 10.1.2.3:7070: cannot connect: network is unreachable" in err
     assert "no node could be reached: every layer runs on this device" in err
@@ -130,3 +130,14 @@ def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
         last = err.splitlines()[-1] if err else ""  # (argparse prints its usage first)
         assert res.returncode == code and words in last, (args, res.returncode, err)
         assert "Traceback" not in err and (code == 2 or err.count("\n") == 0), err
+
+
+def test_a_what_if_plan_over_cluster_json_says_what_its_table_shows(smollm2_int4) -> None:
+    """cluster.json devices have no address: a plan that gives them layers is still a split
+    (the table and the words agree), and the summary says what QoS and complexity are."""
+    res = _cli("plan", "--model", str(smollm2_int4), "--cluster", "examples/phones.json")
+    assert "│ 2 " in res.stdout, res.stdout  # (a split: SmolLM2 does not fit on one phone)
+    text = " ".join(res.stdout.split())
+    assert res.returncode == 0, res.stderr
+    assert "every layer on this device" not in text, text
+    assert "not time" in text and "QoS" in text, text

@@ -203,6 +203,11 @@ def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(serve
         assert err.value.code == 400 and "max_prompt_chars" in message and "40000" in message
         assert time.monotonic() - t0 < 2
     assert _metrics(base)["edgelite_up"] == 1
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
+        health = json.loads(r.read())
+    # /health says where the layers run (a gateway in the background shows its plan there)
+    assert [st["layers"] for st in health["plan"]] == [[0, 0], [1, 2]], health
+    assert all(st["addr"] for st in health["plan"]), health
 
 
 def test_a_client_that_disconnects_frees_its_request(server) -> None:

@@ -60,7 +60,9 @@ async def chat(args: argparse.Namespace) -> int:
         if addrs:
             token = options.token(args, required=True)
             assert token is not None
-            reprobe = lambda: edgelite.probe(addrs, token, llm.manifest)  # noqa: E731
+            budget = options.client_memory(args)  # (/probe shows it, as the first probe did)
+            reprobe = lambda: edgelite.probe(addrs, token, llm.manifest,  # noqa: E731
+                                             client_memory_bytes=budget)
         shown = views.labelled_plan(llm.plan, llm.probed)
         return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session,
                                            label=views.labeller(llm.probed)),

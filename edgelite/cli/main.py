@@ -30,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(getattr(args, "verbose", 0), 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verbose = min(getattr(args, "verbose", 0), 2)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][verbose]
+    # (without -v a warning is a line for the user, e.g. in the middle of a chat: no time
+    # stamp nor logger name)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+                        if verbose else "%(levelname)s: %(message)s")
     heap.give_back_large_blocks()  # loading a model frees large buffers: back to the system
     try:
         return args.func(args)

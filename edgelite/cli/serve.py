@@ -15,6 +15,7 @@ from edgelite.cli import options, runner, views
 from edgelite.client.llm import LLM
 from edgelite.config import GatewayConfig, HttpConfig, RuntimeConfig, SchedulerConfig
 from edgelite.errors import EdgeliteError, MissingDependency
+from edgelite.planner.model import Plan
 from edgelite.serve.gateway import Gateway, load_users
 from edgelite.serve.scheduler import Scheduler
 
@@ -112,6 +113,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("scheduler: %d KV tokens (cluster %d), %d requests at once", kv, cluster_kv,
                  args.max_requests)
         gw = Gateway(llm.backend, llm.tokenizer, users or {}, sched, gateway_cfg, llm.generation)
+        print(f"plan: {plan_line(llm.plan)}", flush=True)  # (for a gateway run in the background)
         if not args.no_native:
             await gw.start()
             print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
@@ -119,6 +121,13 @@ async def serve(args: argparse.Namespace) -> int:
             api.gateway = gw  # /health turns 200
         await gw.run()
     return 0
+
+
+def plan_line(plan: Plan) -> str:
+    """The plan in one line: which layers run where."""
+    return ", ".join(f"layers {s.first}-{s.last} on {s.device}"
+                     + (f" ({s.addr})" if s.addr is not None and str(s.addr) != s.device else "")
+                     for s in plan.stages)
 
 
 @contextlib.asynccontextmanager

@@ -44,7 +44,8 @@ def plan_view(out: dict[str, Any]) -> Group:
     summary = Text(f"objective {p['total']:.2f} ms = compute {p['compute']:.2f} + data "
                    f"{p['data']:.2f} + QoS {p['qos']:.2f} + complexity {p['complexity']:.2f}; "
                    f"expected {out['expected_ms_per_token']:.2f} ms/token (compute + data + "
-                   f"embedding and head on the client)")
+                   f"embedding and head on the client; QoS and complexity are what the planner "
+                   f"charges for jittery or lossy links and for each extra stage, not time)")
     if "with_nodes_ms_per_token" not in out:
         return Group(t, summary)
     return Group(t, summary, Text(only_client(out), style="yellow"))
@@ -56,6 +57,11 @@ def only_client(out: dict[str, Any]) -> str:
     if other is None:
         return ("the plan runs every layer on this device: no node can hold a layer "
                 "(their free memory is too small)")
+    if other < alone:  # faster on average, but the objective prices more than the average
+        return (f"the plan runs every layer on this device: predicted {alone:.2f} ms/token alone vs "
+                f"{other:.2f} ms/token at best with the nodes, whose links' jitter and loss and the "
+                f"extra stages (the objective's QoS and complexity terms) outweigh the "
+                f"{alone - other:.2f} ms they would save")
     return (f"the plan runs every layer on this device: predicted {alone:.2f} ms/token alone vs "
             f"{other:.2f} ms/token at best with the nodes (their links and speed cost more than "
             f"they save)")

@@ -91,7 +91,7 @@ def describe_os_error(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
     if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is the node running on that port?)"
+        return "connection refused (nothing listens on that port: is it running there?)"
     if isinstance(exc, OSError) and exc.errno is not None:
         return f"{exc.strerror or exc}".lower()
     return str(exc) or type(exc).__name__

@@ -129,8 +129,8 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
     them or as cluster.json describes them). Reads only the manifest."""
     p = room_for_layer_0(problem_from(manifest, cluster, objective, weights, client_first, kv_tokens))
     best = solve(p, solver)
-    if best.remote or p.m == 1:
-        return best
+    if p.m == 1 or any(s.device != p.devices[0].name for s in best.stages):
+        return best  # (the nodes run layers: by name, cluster.json devices have no address)
     return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
 
 

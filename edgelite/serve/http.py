@@ -231,7 +231,11 @@ class HttpApi:
         if not gw.ready:
             return JSONResponse({"status": "unavailable", "detail": "a node was lost; the plan "
                                  "is being deployed again"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.model_id})
+        plan = getattr(gw.backend, "plan", None)  # (where the layers run now, after failovers)
+        stages = [{"device": st.device, "layers": [st.first, st.last],
+                   "addr": None if st.addr is None else str(st.addr)}
+                  for st in (plan.stages if plan is not None else ())]
+        return JSONResponse({"status": "ok", "model": self.model_id, "plan": stages})
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(self.prometheus(), media_type="text/plain; version=0.0.4")
