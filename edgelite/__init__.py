@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 # edgelite opts out (ORT_DISABLE_TELEMETRY=0 in the environment opts back in).
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"  # (pyproject.toml reads it from here)
 
 _EXPORTS = {
     "connect": "edgelite.client.llm", "LLM": "edgelite.client.llm",

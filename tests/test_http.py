@@ -208,6 +208,16 @@ def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(serve
     # /health says where the layers run (a gateway in the background shows its plan there)
     assert [st["layers"] for st in health["plan"]] == [[0, 0], [1, 2]], health
     assert all(st["addr"] for st in health["plan"]), health
+    # streams read to [DONE] (one ended by a stop string) are not disconnects
+    for extra in ({}, {"stop": ["e"]}):
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                           "max_tokens": 6, **extra}).encode()
+        req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
+            "Authorization": "Bearer t-free", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.read().rstrip().endswith(b"data: [DONE]")
+    time.sleep(0.3)
+    assert _metrics(base)["edgelite_http_disconnects_total"] == 0
 
 
 def test_a_client_that_disconnects_frees_its_request(server) -> None:

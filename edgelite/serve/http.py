@@ -133,6 +133,7 @@ class HttpSink:
     user: User
     peer: str
     gone: bool = False
+    done: bool = False  # its reply ended (a client that leaves after that did not cut it short)
     queue: asyncio.Queue[Message | None] = field(default_factory=asyncio.Queue)
 
     def post(self, msg: Message) -> None:
@@ -401,10 +402,12 @@ class HttpApi:
                     if text:
                         yield text, None
                     if stopped:
+                        sink.done = True
                         yield "", m.Done(id=msg.id, token_ids=ids, tier=sink.user.tier, finish="stop",
                                          preemptions=0)
                         return
                 elif isinstance(msg, m.Done):
+                    sink.done = True
                     if tail := stops.flush():
                         yield tail, None
                     yield "", msg
@@ -426,7 +429,7 @@ class HttpApi:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 break
-        if not sink.gone:
+        if not sink.gone and not sink.done:
             self.disconnects += 1
             log.info("%s (%s) disconnected; its request is cancelled", sink.peer, sink.user.name)
             sink.gone = True
