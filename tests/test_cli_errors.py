@@ -75,10 +75,16 @@ def test_unreachable_nodes_are_named_with_the_reason(exported, netns) -> None:
                 ["neigh", "add", "10.9.0.2", "lladdr", "02:00:00:00:00:99", "dev", "va",
                  "nud", "permanent"]):
         subprocess.run([*ip, *cmd], check=True)
-    res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "edgelite", "generate",
-                          "--model", str(exported["llama"]), "--max-tokens", "4", "--token", "t" * 32,
-                          "--nodes", "127.0.0.1:1,10.9.0.2:7070,10.1.2.3:7070", "hello"],
-                         capture_output=True, text=True, timeout=60)
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "edgelite", "generate",
+           "--model", str(exported["llama"]), "--max-tokens", "4", "--token", "t" * 32,
+           "--nodes", "127.0.0.1:1,10.9.0.2:7070,10.1.2.3:7070", "hello"]
+    # nodes asked for and none usable: an error, unless --allow-local
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    err = res.stderr.strip()
+    assert res.returncode == 1 and err.count("\n") == 0, err
+    assert err.startswith("error: no node could be used (") and err.endswith(
+        "--allow-local runs on this device alone") and "connection refused" in err, err
+    res = subprocess.run([*cmd, "--allow-local"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     err = " ".join(res.stderr.split())
     assert "Traceback" not in res.stderr

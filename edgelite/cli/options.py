@@ -73,6 +73,9 @@ def route_flag(p: argparse.ArgumentParser) -> None:
 def planning_flags(p: argparse.ArgumentParser) -> None:
     o = PlanOptions
     route_flag(p)
+    p.add_argument("--allow-local", action="store_true",
+                   help="when --nodes are given and none can be used, answer on this device "
+                        "alone (else that is an error)")
     p.add_argument("--client-memory-mb", type=float,
                    help="the most this process may hold, in MiB (what it holds already counts; "
                         "default: the device's free memory)")
@@ -216,7 +219,8 @@ def client_memory(args: argparse.Namespace) -> int | None:
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(objective=args.objective, solver=args.solver,
                        client_first=not args.no_client_first,
-                       client_memory_bytes=client_memory(args), context=args.context)
+                       client_memory_bytes=client_memory(args), context=args.context,
+                       allow_local=args.allow_local)
 
 
 def parse_split(text: str) -> list[tuple[int, int]]:

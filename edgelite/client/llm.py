@@ -68,6 +68,8 @@ class PlanOptions:
     # tokens of KV room each layer is planned with (sessions beyond what a node then has room
     # for are refused there)
     context: int = KV_TOKENS
+    # nodes were asked for and none can be used: run on this device alone (else an error)
+    allow_local: bool = True
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
@@ -216,6 +218,10 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
                              client_memory_bytes=opts.client_memory_bytes,
                              client_threads=runtime_threads,
                              progress=_phase(progress, "probe"), client_cfg=client)
+        gone = [d for d in probed["devices"][1:] if not d.get("reachable", True)]
+        if not opts.allow_local and len(gone) == len(addrs):
+            raise EdgeliteError(f"no node could be used ({'; '.join(d['reason'] for d in gone)}); "
+                                f"--allow-local runs on this device alone")
         plan = solve_plan(manifest, cluster_spec(probed), opts.objective, opts.solver,
                           opts.client_first, opts.context)
     plan = plan or _local_plan(manifest)
