@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from edgelite.engine.profile import meminfo, peak_resident_bytes, resident_bytes
 from edgelite.errors import EdgeliteError
 
 MIB = 1 << 20
@@ -27,47 +28,26 @@ TABLE_COPIES = 1.5  # the embedding (rows read as used) and head (prepacked) as 
 ACTIVATION_MARGIN = 128 * MIB  # hidden states, attention scores, the head's logits blocks
 
 
-def _status(key: str) -> int:
-    """A /proc/self/status figure in bytes (0 where there is none)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def rss_bytes() -> int:
-    return _status("VmRSS")
+    """The process's resident set now (0 where /proc cannot tell)."""
+    return resident_bytes() or 0
 
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set so far (VmHWM; getrusage where /proc is missing)."""
-    peak = _status("VmHWM")
-    if peak:
+    peak = peak_resident_bytes()
+    if peak is not None:
         return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def default_budget_mb() -> int:
     """A sensible share of this machine's memory."""
-    total = _meminfo("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = _meminfo("MemAvailable") or total
+    mem = meminfo()
+    total = mem.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = mem.get("MemAvailable") or total
     return int(min(BUDGET_SHARE * total, AVAILABLE_SHARE * available) // MIB)
 
 

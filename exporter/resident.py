@@ -29,22 +29,11 @@ from edgelite import heap
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError
+from edgelite_export.memory import peak_rss_bytes, rss_bytes
 
 log = logging.getLogger(__name__)
-PAGE = 4096
 LOADS = 3  # the piece is loaded this often; the growth after the first, averaged, is its cost
 MEASURE_TIMEOUT_S = 600.0  # one piece's measurement (an 8 B layer loads in seconds)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def _peak() -> int:
-    """The resident set's peak since the last reset (VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) * 1024
 
 
 def _reset_peak() -> bool:
@@ -71,7 +60,7 @@ def measure_piece(m: mf.Manifest, piece: str) -> tuple[int, int]:
         peak = 0
         for i in range(LOADS):
             if i == 1:
-                before = _rss()
+                before = rss_bytes()
                 measured = _reset_peak()
             p = Embedding(m, cfg, files) if piece == "embed" else Head(m, cfg, files)
             if isinstance(p, Embedding):
@@ -80,22 +69,22 @@ def measure_piece(m: mf.Manifest, piece: str) -> tuple[int, int]:
                 p.run(hidden)
             held.append(p)
             if i == 1 and measured:  # loading widens its scales in memory: a transient on top
-                peak = _peak() - before
-        return max(0, _rss() - before) // (LOADS - 1), peak
+                peak = peak_rss_bytes() - before
+        return max(0, rss_bytes() - before) // (LOADS - 1), peak
     j = int(piece)
     for i in range(LOADS):
         if i == 1:
-            before = _rss()
+            before = rss_bytes()
         lr = LayerRange(m, j, j, cfg, files)
         slot = lr.pool.acquire()
         lr.step(slot, np.zeros((1, 1, m.hidden_size), np.float32))
         held.append(lr)
-    resident = max(0, _rss() - before) // (LOADS - 1)
-    scratch, now = 0, _rss()
+    resident = max(0, rss_bytes() - before) // (LOADS - 1)
+    scratch, now = 0, rss_bytes()
     if _reset_peak():
         n = min(mf.SCRATCH_CHUNK, lr.pool.max_length - slot.length)  # (a tiny model's context)
         lr.step(slot, np.full((1, n, m.hidden_size), 0.01, np.float32))
-        scratch = max(0, _peak() - now)
+        scratch = max(0, peak_rss_bytes() - now)
     return resident, scratch
 
 
@@ -106,7 +95,7 @@ def _kind(e: mf.FileEntry) -> tuple[int, ...]:
 def measured(m: mf.Manifest) -> mf.Manifest:
     """The manifest with resident_bytes (and layers' scratch_bytes) measured; unchanged where
     this platform cannot tell (no /proc)."""
-    if not Path("/proc/self/statm").is_file():
+    if rss_bytes() == 0:
         return m
     cache: dict[tuple[int, ...], tuple[int, int]] = {}
 

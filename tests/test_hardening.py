@@ -40,9 +40,10 @@ LIMITS = WireLimits()
 HIDDEN = 48  # the tiny llama's
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident set (VmRSS), or its peak (field VmHWM), in MiB."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
+        return next(int(x.split()[1]) for x in f if x.startswith(field)) / 1024
 
 
 def _fds(pid: int) -> int:
@@ -743,22 +744,15 @@ def test_large_frames_of_many_connections_wait_for_the_nodes_frame_budget(node_f
     async def main() -> list[m.Message]:
         return await asyncio.gather(*(one() for _ in range(8)))
 
-    before = _hwm_mib(node.proc.pid)
+    before = _rss_mib(node.proc.pid, "VmHWM")
     replies = asyncio.run(main())
     assert all(isinstance(r, m.BulkAck | m.Error) for r in replies), replies
     assert sum(isinstance(r, m.BulkAck) for r in replies) >= 2
-    grew = _hwm_mib(node.proc.pid) - before
+    grew = _rss_mib(node.proc.pid, "VmHWM") - before
     assert grew < 260, grew  # (without the budget: ~8 x 2 x 60 MiB)
-    assert _node_stats_sync(node.port)["frame_budget"]["waited"] > 0
+    assert asyncio.run(_node_stats(node.port))["frame_budget"]["waited"] > 0
 
 
-def _hwm_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
-
-
-def _node_stats_sync(port: int) -> dict[str, Any]:
-    return asyncio.run(_node_stats(port))
 
 
 def test_a_refusal_echoes_only_an_id_the_schema_takes(node_factory) -> None:

@@ -107,7 +107,7 @@ class LayerRange:
             if f"cos_cache{suffix}" in inputs:
                 cos, sin = rope.tables(m, self.pool.capacity, local)
                 self.ropes |= {f"cos_cache{suffix}": cos, f"sin_cache{suffix}": sin}
-        self.hidden_in, self.hidden_out = f"hidden_{self.first}", f"hidden_{self.last + 1}"
+        self.hidden_in = f"hidden_{self.first}"
         self._check_shapes()
 
     def _open(self, lo: int, hi: int) -> Any:

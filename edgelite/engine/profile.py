@@ -39,6 +39,16 @@ def resident_bytes() -> int | None:
         return None
 
 
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident set (VmHWM: since it started, or since the peak was last
+    reset through /proc/self/clear_refs); None where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def battery() -> dict[str, Any]:
     """Battery level/charging/temperature where the kernel exposes them (Android does); else {}."""
     base = Path("/sys/class/power_supply/battery")

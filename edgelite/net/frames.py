@@ -74,20 +74,14 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, body_timeout_
         await budget.take(n)
     try:
         return await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
-    except asyncio.IncompleteReadError as exc:
-        _give(budget, n)
-        raise StreamError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
-    except TimeoutError as exc:
-        _give(budget, n)
-        raise StreamError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
-    except BaseException:
-        _give(budget, n)
+    except BaseException as exc:
+        if budget is not None:  # the frame will not be held: its bytes go back
+            budget.give(n)
+        if isinstance(exc, asyncio.IncompleteReadError):
+            raise StreamError(f"connection closed mid-frame ({len(exc.partial)} of {n} bytes)") from exc
+        if isinstance(exc, TimeoutError):
+            raise StreamError(f"a frame of {n} bytes did not arrive within {body_timeout_s:g} s") from exc
         raise
-
-
-def _give(budget: ByteBudget | None, n: int) -> None:
-    if budget is not None:
-        budget.give(n)
 
 
 def detach(writer: asyncio.StreamWriter) -> socket.socket:

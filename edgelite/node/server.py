@@ -87,6 +87,14 @@ def probe_config(raw: dict[str, Any], cfg: NodeConfig) -> ProbeConfig:
     return ProbeConfig(**values)
 
 
+@dataclass(frozen=True)
+class Client:
+    """A connected client key, as the node knows it."""
+
+    kv_domain: str  # whose KV its sessions store and restore (stages.kv_domain)
+    address: str  # where it connected from (its address's share of the KV budget)
+
+
 @dataclass
 class Node:
     cfg: NodeConfig
@@ -116,8 +124,7 @@ class Node:
         self.frame_budget = ByteBudget(c.max_held_frame_bytes)  # requests' frames, all connections
         self.strangers: dict[str, int] = {}  # address -> its connections not yet authenticated
         self.refused_strangers = 0  # connections refused before the handshake (their budget)
-        self.kv_domains: dict[str, str] = {}  # client key -> its KV domain (stages.kv_domain)
-        self.owner_hosts: dict[str, str] = {}  # client key -> the address it connected from
+        self.clients: dict[str, Client] = {}  # client key -> whose KV, from where
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         self.loading: dict[str, str] = {}  # plan ids being loaded -> their owners
         # restores under way, each reading a KV store entry into its session's slot
@@ -226,8 +233,7 @@ class Node:
             stranger = False
             self.conns.add(conn)
             owner = auth.client or f"connection-{secrets.token_hex(16)}"
-            self.kv_domains[owner] = kv_domain(auth.kv or owner)
-            self.owner_hosts[owner] = host
+            self.clients[owner] = Client(kv_domain(auth.kv or owner), host)
             self.owners[owner] = self.owners.get(owner, 0) + 1
             self.orphaned.pop(owner, None)
             await self._serve(conn, auth.fingerprint, owner)
@@ -244,8 +250,7 @@ class Node:
                 self.owners[owner] -= 1
                 if not self.owners[owner]:
                     del self.owners[owner]
-                    self.kv_domains.pop(owner, None)
-                    self.owner_hosts.pop(owner, None)
+                    self.clients.pop(owner, None)
                     self.exports.drop(owner)
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
@@ -442,9 +447,14 @@ class Node:
                                        msg.total, msg.data)
         return m.UploadAck(id=msg.id, held=held, complete=held == msg.total)
 
+    def _client(self, owner: str) -> Client:
+        """Whose KV a client's is, and where it connected from (a request can only come from a
+        connected client; its connection's own key otherwise)."""
+        return self.clients.get(owner) or Client(kv_domain(owner), "")
+
     async def _model_put(self, msg: m.ModelPut, owner: str) -> m.ModelStored:
         path = await asyncio.to_thread(self.shelf.put, msg.name, msg.files,
-                                       self.kv_domains.get(owner, kv_domain(owner)))
+                                       self._client(owner).kv_domain)
         return m.ModelStored(id=msg.id, path=str(path), files=len(msg.files))
 
     async def _load(self, msg: m.Load, owner: str) -> m.Loaded:
@@ -459,11 +469,11 @@ class Node:
         if (msg.next is None) != (msg.next_capability is None):
             raise ProtocolError("load: next and next_capability go together")
         self.loading[pid] = owner
+        who = self._client(owner)
         try:
             stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
                                             msg.last, msg.next, owner, msg.next_capability,
-                                            self.kv_domains.get(owner, kv_domain(owner)),
-                                            self.owner_hosts.get(owner, ""))
+                                            who.kv_domain, who.address)
             try:
                 await self.data.install(stage)
             except BaseException:

@@ -198,8 +198,14 @@ class StageStore:
     def kv_bytes(self) -> int:
         """KV held by all sessions, by capacity bucket (what they may come to hold), and by
         the slots being filled from the KV store."""
-        return (sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in self.sessions.values())
-                + sum(r.nbytes for r in self.restoring.values()))
+        return self.kv_bytes_of(None)
+
+    def kv_bytes_of(self, address: str | None) -> int:
+        """kv_bytes of the clients at one address (None: of all)."""
+        return (sum(s.stage.layers.pool.bucket_bytes(s.slot.length) for s in self.sessions.values()
+                    if address is None or s.stage.address == address)
+                + sum(r.nbytes for r in self.restoring.values()
+                      if address is None or r.stage.address == address))
 
     def prepare(self, stage: Stage, session: str, start: int, n: int) -> Session:
         """The session a step of n tokens at `start` continues (made at start 0), after
@@ -272,9 +278,7 @@ class StageStore:
         if self.max_address_kv_share >= 1.0:
             return
         cap = int(self.max_address_kv_share * self.kv_budget_bytes)
-        theirs = (sum(x.stage.layers.pool.bucket_bytes(x.slot.length) for x in self.sessions.values()
-                      if x.stage.address == stage.address)
-                  + sum(r.nbytes for r in self.restoring.values() if r.stage.address == stage.address))
+        theirs = self.kv_bytes_of(stage.address)
         if theirs + grow > cap:
             raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes; the clients "
                                    f"at {stage.address or 'this address'} hold {theirs} of the "
