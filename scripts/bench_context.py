@@ -42,15 +42,20 @@ class DynamicCache:
     def step(self, hidden: np.ndarray) -> np.ndarray:
         r, n = self.r, hidden.shape[1]
         past = next(iter(self.kv.values()))[0].shape[2]
-        feed = {r.hidden_in: hidden, "seqlens_k": np.array([past + n - 1], np.int32),
-                "total_seq": np.array(past + n, np.int32), **r.ropes}
-        for j, (k, v) in self.kv.items():
-            feed[f"past_key_{j}"], feed[f"past_value_{j}"] = k, v
-        names = [r.hidden_out] + [f"present_{x}_{j}" for j in self.kv for x in ("key", "value")]
-        out = r.session.run(names, feed)
-        for i, j in enumerate(self.kv):
-            self.kv[j] = [out[1 + 2 * i], out[2 + 2 * i]]
-        return out[0]
+        common = {"seqlens_k": np.array([past + n - 1], np.int32),
+                  "total_seq": np.array(past + n, np.int32), **r.ropes}
+        for session, (lo, hi) in zip(r.sessions, r.groups, strict=True):
+            wants = {i.name for i in session.get_inputs()}
+            feed = {k: v for k, v in common.items() if k in wants} | {f"hidden_{lo}": hidden}
+            for j in range(lo, hi + 1):
+                feed[f"past_key_{j}"], feed[f"past_value_{j}"] = self.kv[j]
+            names = [f"hidden_{hi + 1}"] + [f"present_{x}_{j}" for j in range(lo, hi + 1)
+                                            for x in ("key", "value")]
+            out = session.run(names, feed)
+            for i, j in enumerate(range(lo, hi + 1)):
+                self.kv[j] = [out[1 + 2 * i], out[2 + 2 * i]]
+            hidden = out[0]
+        return hidden
 
 
 def decode_ms(layers, kind: str, context: int, steps: int, rng: np.random.Generator) -> float:
