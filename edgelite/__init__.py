@@ -34,7 +34,7 @@ __version__ = "0.3.0"  # (pyproject.toml reads it from here)
 
 _EXPORTS = {
     "connect": "edgelite.client.llm", "LLM": "edgelite.client.llm",
-    "Reply": "edgelite.client.llm", "Piece": "edgelite.client.llm",
+    "Reply": "edgelite.client.llm", "Piece": "edgelite.engine.reply",
     "PlanOptions": "edgelite.client.llm",
     "discover": "edgelite.net.discovery", "probe": "edgelite.prober.cluster",
     "cluster_spec": "edgelite.prober.cluster", "plan": "edgelite.planner.solve",
@@ -70,8 +70,9 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from edgelite.client.llm import LLM, Piece, PlanOptions, Reply, connect
+    from edgelite.client.llm import LLM, PlanOptions, Reply, connect
     from edgelite.config import ClientConfig, GenerationConfig, NodeConfig, RuntimeConfig
+    from edgelite.engine.reply import Piece
     from edgelite.errors import (
         EdgeliteError,
         ManifestError,

@@ -206,6 +206,9 @@ class GatewayConfig:
     idle_timeout_s: float = 600.0  # a client connection silent this long is closed
     max_prompt_chars: int = 32_000
     max_tokens_limit: int = 2048  # the most a request may ask for
+    max_temperature: float = 2.0  # (OpenAI's bound)
+    max_stops: int = 4  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
     max_requests_per_user: int = 8  # waiting + running at once; more are refused
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped

@@ -95,7 +95,7 @@ async def aggregate_tok_s(backend, prompts: list[list[int]], n: int) -> float:
     cfg = GenerationConfig(max_tokens=n)
 
     async def one(p: list[int]) -> int:
-        return len([t async for t in generate(backend, p, cfg)])
+        return len([t async for t in generate(backend, p, cfg) if t.token_id is not None])
 
     done = await asyncio.gather(*(one(p) for p in prompts))
     return sum(done) / (time.perf_counter() - t0)

@@ -53,8 +53,8 @@ async def _cluster(model: Path, addrs: list[str], split: list[tuple[int, int]],
 
 
 async def _tokens(backend, prompt: list[int], n: int = 12, session: str | None = None) -> list[int]:
-    return [t async for t in generate(backend, prompt, GenerationConfig(max_tokens=n),
-                                      session=session)]
+    return [p.token_id async for p in generate(backend, prompt, GenerationConfig(max_tokens=n),
+                                               session=session) if p.token_id is not None]
 
 
 def test_concurrent_sessions_interleave_and_free_kv(exported, node_factory) -> None:

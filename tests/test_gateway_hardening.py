@@ -207,7 +207,8 @@ def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
     posting never waits (the scheduling loop calls it)."""
     from edgelite.config import GatewayConfig, WireLimits
     from edgelite.net.frames import Conn
-    from edgelite.serve.gateway import Client, User
+    from edgelite.serve.native import Client
+    from edgelite.serve.users import User
 
     async def client(cfg: GatewayConfig) -> tuple[Client, socket.socket, asyncio.Task[None]]:
         ours, theirs = socket.socketpair()

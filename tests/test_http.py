@@ -17,7 +17,8 @@ import pytest
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import HttpConfig
-from edgelite.serve.http import HttpApi, StopMatcher, served
+from edgelite.engine.reply import StopMatcher
+from edgelite.serve.http import HttpApi, served
 
 pytestmark = pytest.mark.e2e
 USERS = [{"name": "free", "token": "t-free", "tier": 0}, {"name": "pro", "token": "t-pro", "tier": 2}]

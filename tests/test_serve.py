@@ -163,8 +163,9 @@ def _computed(model: Path, messages: list[dict]) -> list[int]:
     async def run() -> list[int]:
         backend = LocalBackend(m)
         try:
-            return [t async for t in generate(backend, Tokenizer(m).chat_prompt(messages),
-                                              GenerationConfig(max_tokens=12), reuse=False)]
+            return [p.token_id async for p in generate(backend, Tokenizer(m).chat_prompt(messages),
+                                                       GenerationConfig(max_tokens=12), reuse=False)
+                    if p.token_id is not None]
         finally:
             await backend.close()
 

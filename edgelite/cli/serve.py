@@ -16,8 +16,10 @@ from edgelite.client.llm import LLM
 from edgelite.config import GatewayConfig, HttpConfig, RuntimeConfig, SchedulerConfig
 from edgelite.errors import EdgeliteError, MissingDependency
 from edgelite.planner.model import Plan
-from edgelite.serve.gateway import Gateway, load_users
+from edgelite.serve.gateway import Gateway
+from edgelite.serve.native import NativeDoor
 from edgelite.serve.scheduler import Scheduler
+from edgelite.serve.users import load_users
 
 if TYPE_CHECKING:
     from edgelite.serve.http import HttpApi
@@ -115,8 +117,10 @@ async def serve(args: argparse.Namespace) -> int:
         gw = Gateway(llm.backend, llm.tokenizer, users or {}, sched, gateway_cfg, llm.generation)
         print(f"plan: {plan_line(llm.plan)}", flush=True)  # (for a gateway run in the background)
         if not args.no_native:
-            await gw.start()
-            print(f"edgelite gateway listening on {gw.cfg.host}:{gw.port}", flush=True)
+            door = NativeDoor(gw, users or {}, gateway_cfg)
+            await door.start()
+            stack.callback(door.close)
+            print(f"edgelite gateway listening on {gateway_cfg.host}:{door.port}", flush=True)
         if api is not None:
             api.gateway = gw  # /health turns 200
         await gw.run()

@@ -26,7 +26,8 @@ import numpy as np
 from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.client.failover import FailoverBackend, Recovery, Replan
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
-from edgelite.engine.generate import Backend, Stats, generate
+from edgelite.engine.generate import Backend, generate
+from edgelite.engine.reply import Piece, Stats
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError
 from edgelite.ids import NodeAddr, SessionId
@@ -46,15 +47,6 @@ log = logging.getLogger(__name__)
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 Progress = Callable[[str, str, int, int], None]  # (phase: probe | deploy, what, done, total)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One generated token and the text it adds (may be empty while UTF-8 is incomplete or
-    the text could begin a stop string). A last piece without a token flushes held text."""
-
-    text: str
-    token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -88,41 +80,20 @@ class Reply:
         return self.stats.token_ids
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
-        dec, stop = StreamDecoder(self.llm.tokenizer), self.cfg.stop
-        pending = ""  # text held back while it could still be the start of a stop string
-        gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session, self.reuse)
+        gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session,
+                       self.reuse, StreamDecoder(self.llm.tokenizer))
         try:
-            async for tok in gen:
-                pending += dec.push(tok)
-                hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    self.stats.finish = "stop"
-                    self.text += pending[:hit]
-                    if hit:
-                        yield Piece(pending[:hit], tok)
-                    return
-                safe = len(pending) - _held_back(pending, stop)
-                out, pending = pending[:safe], pending[safe:]
-                self.text += out
-                yield Piece(out, tok)
+            async for piece in gen:
+                self.text += piece.text
+                yield piece
         finally:
             await gen.aclose()
-        full = self.llm.tokenizer.decode(self.stats.token_ids)  # incl. a trailing partial char
-        if rest := full[len(self.text):]:
-            self.text = full
-            yield Piece(rest, None)
 
     async def collect(self) -> str:
         """Run to the end; the reply's text."""
         async for _ in self:
             pass
         return self.text
-
-
-def _held_back(text: str, stop: Sequence[str]) -> int:
-    """How many characters at the end of `text` could begin a stop string."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1)
-                if text.endswith(s[:k])), default=0)
 
 
 class LLM:

@@ -1,4 +1,4 @@
-"""Generation: a model backend (local chain or remote cluster) + sampling, streaming tokens.
+"""Generation: a model backend (local chain or remote cluster) driven by the reply loop.
 
 A backend maps (session, new token ids) -> logits of the last position, keeping the session's
 KV cache wherever its layers live. The engine owns no UI.
@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
 from edgelite.engine.kvstore import restore_into
+from edgelite.engine.reply import Piece, ReplyLoop, Stats
 from edgelite.engine.runtime import ClientPart, LocalChain
-from edgelite.engine.sampling import sample
+from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError, NodeError, NodeUnavailable
 from edgelite.manifest import Manifest
 
@@ -141,71 +140,47 @@ def stored_kv_failed(exc: BaseException) -> bool:
     return isinstance(exc, NodeError) and not isinstance(exc, NodeUnavailable)
 
 
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    reused_tokens: int = 0  # prompt tokens whose KV came from the KV stores
-    ttft_ms: float = 0.0
-    decode_s: float = 0.0
-    finish: str = "length"
-
-    @property
-    def decode_tok_s(self) -> float:
-        n = len(self.token_ids) - 1  # the first token comes from prefill
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-
 async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
-                   stats: Stats | None = None, session: str | None = None,
-                   reuse: bool = True) -> AsyncIterator[int]:
-    """Yield generated token ids until EOS or max_tokens; fills `stats` as it goes. With
-    `reuse`, the prompt's longest stored prefix is imported from the KV stores instead of
-    computed, and the conversation's KV is stored when the reply ends."""
+                   stats: Stats | None = None, session: str | None = None, reuse: bool = True,
+                   decoder: StreamDecoder | None = None) -> AsyncIterator[Piece]:
+    """Yield the reply's pieces (engine/reply.py: its rules end it); fills `stats` as it goes.
+    `decoder` gives the pieces text (None: ids only). With `reuse`, the prompt's longest stored
+    prefix is imported from the KV stores instead of computed, and the conversation's KV is
+    stored when the reply ends."""
     if not prompt:
         raise EdgeliteError("the prompt is empty (no tokens to start from)")
-    stats = stats if stats is not None else Stats()
+    reply = ReplyLoop(cfg, backend.manifest.eos_token_ids, decoder, stats=stats)
+    stats = reply.stats
     stats.prompt_tokens = len(prompt)
     session = session or secrets.token_hex(16)
-    eos = set(backend.manifest.eos_token_ids)
-    rng = np.random.default_rng(cfg.seed if cfg.seed is not None else secrets.randbits(64))
-    t0 = time.perf_counter()
     fed: list[int] = []  # the ids the session holds KV for
     ok = False
     try:
         if reuse and len(prompt) > 1:
             stats.reused_tokens = await backend.restore(session, prompt[:-1])
             fed = prompt[:stats.reused_tokens]
-        ids = np.array([prompt[len(fed):]], np.int64)
-        for i in range(cfg.max_tokens):
+        ids = prompt[len(fed):]
+        while not reply.done:
             try:
-                logits = await backend.step(session, ids)
+                logits = await backend.step(session, np.array([ids], np.int64))
             except NodeError as exc:
-                if i or not fed or not stored_kv_failed(exc):
+                if stats.token_ids or not fed or not stored_kv_failed(exc):
                     raise
                 # a stage could not use its stored KV after all (an entry failed its checks
                 # when read): the prompt is computed instead
                 log.warning("the stored KV of the prompt's first %d tokens was not usable (%s); "
                             "computing them", len(fed), exc)
                 await backend.end(session)
-                stats.reused_tokens, fed = 0, []
-                ids = np.array([prompt], np.int64)
-                logits = await backend.step(session, ids)
-            fed += ids[0].tolist()
-            tok = sample(logits, cfg.temperature, cfg.top_p, rng)
-            now = time.perf_counter()
-            if tok in eos:
-                stats.finish = "eos"
-                ok = True
-                return
-            if i == 0:
-                stats.ttft_ms, t_first = (now - t0) * 1e3, now
-            stats.decode_s = now - t_first
-            stats.token_ids.append(tok)
-            yield tok
-            ids = np.array([[tok]], np.int64)
+                stats.reused_tokens, fed, ids = 0, [], prompt
+                logits = await backend.step(session, np.array([ids], np.int64))
+            fed += ids
+            piece = reply.next(logits)
+            if piece is not None:
+                yield piece
+            if piece is not None and piece.token_id is not None:
+                ids = [piece.token_id]
         ok = True
-    except GeneratorExit:  # the caller stopped reading (a stop string, Ctrl-C): KV is sound
+    except GeneratorExit:  # the caller stopped reading (Ctrl-C): the KV is sound
         ok = True
         raise
     finally:

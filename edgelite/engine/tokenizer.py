@@ -77,3 +77,9 @@ class StreamDecoder:
             return ""
         new, self.sent = text[self.sent:], len(text)
         return new
+
+    def flush(self) -> str:
+        """The text not returned yet (an incomplete character at the end, as U+FFFD)."""
+        text = self.tok.decode(self.ids)
+        new, self.sent = text[self.sent:], len(text)
+        return new

@@ -379,20 +379,24 @@ class Result(Message):
 # ---- gateway -----------------------------------------------------------------------------
 @record
 class ChatMessage:
-    role: Literal["system", "user", "assistant"]
+    role: str = bounds(max_len=64)  # (which roles a gateway takes: serve/ask.py)
     content: str = bounds(max_len=MAX_ROLE_TEXT)
 
 
 @message("generate")
 class GenerateRequest(Message):
+    """A reply asked of a gateway. Types and sizes are the wire's; the rules on the values
+    (serve/ask.py) are the gateway's, the same as over HTTP."""
+
     id: int = bounds(-RID, RID)
     messages: list[ChatMessage] | None = bounds(max_len=1024, default=None)
     prompt: str | None = bounds(max_len=MAX_ROLE_TEXT, default=None)
     # None: the gateway's defaults (`edgelite serve --max-tokens ...`)
-    max_tokens: int | None = bounds(1, 1 << 20, default=None)
-    temperature: float | None = bounds(0.0, 100.0, default=None)
-    top_p: float | None = bounds(0.0, 1.0, default=None)
-    seed: int | None = bounds(0, 2**63 - 1, default=None)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = bounds(-(2**63), 2**64 - 1, default=None)
+    stop: list[str] | None = bounds(max_len=64, default=None)  # the reply ends before any of these
 
 
 @message("generate_cancel")
@@ -418,6 +422,8 @@ class Done(Message):
     preemptions: int
     ttft_ms: float | None = None
     decode_tok_s: float = 0.0
+    text: str = bounds(max_len=4096, default="")  # text held back until the end (after the last piece)
+    prompt_tokens: int = 0
 
 
 @message("gateway_stats")

@@ -41,7 +41,8 @@ class GatewayClient:
         rid = next(self.ids)
         await self.conn.send(m.GenerateRequest(
             id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
-            max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed))
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            stop=list(cfg.stop) or None))
         done = False
         try:
             while True:
@@ -52,6 +53,8 @@ class GatewayClient:
                     yield msg.text
                 elif isinstance(msg, m.Done):
                     self.last, done = msg, True
+                    if msg.text:  # held back until the end
+                        yield msg.text
                     return
                 else:
                     done = True

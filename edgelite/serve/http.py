@@ -33,15 +33,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from edgelite.config import GenerationConfig, HttpConfig
+from edgelite.config import HttpConfig
 from edgelite.errors import ProtocolError, QueueFull
 from edgelite.net import messages as m
 from edgelite.net.frames import listen_error
 from edgelite.net.schema import Message
-from edgelite.serve.gateway import Gateway, User
+from edgelite.serve.ask import Ask, AskError
+from edgelite.serve.gateway import Gateway
+from edgelite.serve.metrics import prometheus
+from edgelite.serve.users import ANONYMOUS, User
 
 log = logging.getLogger(__name__)
-ANONYMOUS = User("anonymous", "", 0)
 
 
 class _Server(uvicorn.Server):
@@ -143,38 +145,12 @@ class HttpSink:
 
 @dataclass
 class Call:
-    """A parsed completion request."""
+    """A completion request as this door reads it."""
 
-    prompt: list[int]
-    gen: GenerationConfig
+    ask: Ask
     stream: bool
     include_usage: bool
     chat: bool
-
-
-class StopMatcher:
-    """Streams text while holding back what could be the start of a stop string."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops, self.held = stops, ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """-> (text that may be sent now, whether a stop string was reached)."""
-        self.held += text
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.held = self.held[:cut], ""
-            return out, True
-        if self.hold == 0:
-            out, self.held = self.held, ""
-            return out, False
-        out, self.held = self.held[:-self.hold], self.held[-self.hold:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
 
 
 class HttpApi:
@@ -239,7 +215,8 @@ class HttpApi:
         return JSONResponse({"status": "ok", "model": self.model_id, "plan": stages})
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(self.prometheus(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus(self.gateway, self.requests_total, self.disconnects),
+                                 media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -252,15 +229,15 @@ class HttpApi:
             user = self._user(request)
             body = await self._body(request)
             gw = self._gateway()
-            # (off the event loop: tokenizing a long prompt takes a while, and the loop also
-            # serves every other request and the nodes' heartbeats)
-            call = await asyncio.to_thread(self._parse, body, gw, chat)
+            call = self._parse(body, chat)
             sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
             rid = secrets.randbits(48)
             try:
-                gw.submit(sink, rid, call.prompt, call.gen)
+                await gw.submit(sink, rid, call.ask)
             except QueueFull as exc:
                 raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from exc
+            except AskError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from exc
             except ProtocolError as exc:
                 raise ApiError(400, str(exc)) from exc
         except ApiError as exc:
@@ -335,7 +312,9 @@ class HttpApi:
                                 "again); retry shortly", "server_error", code="unavailable")
         return self.gateway
 
-    def _parse(self, body: dict[str, Any], gw: Gateway, chat: bool) -> Call:
+    def _parse(self, body: dict[str, Any], chat: bool) -> Call:
+        """The request in OpenAI's JSON: its types and this door's own fields are checked
+        here, the values' rules by the gateway (serve/ask.py)."""
         model = body.get("model", self.model_id)
         if model != self.model_id:
             raise ApiError(404, f"model {model!r} is not served here; this server has "
@@ -343,50 +322,34 @@ class HttpApi:
         n = body.get("n", 1)
         if n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
+        messages, text = None, None
         if chat:
             messages = _messages(body.get("messages"))
-            _check_size(sum(len(c["content"]) for c in messages), gw.cfg.max_prompt_chars, "messages")
-            prompt = gw.tok.chat_prompt(messages)
         else:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1:
                 text = text[0]
             if not isinstance(text, str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
-            _check_size(len(text), gw.cfg.max_prompt_chars, "prompt")
-            prompt = gw.tok.text_prompt(text)
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        d = gw.defaults
         if "max_completion_tokens" in body:
             body["max_tokens"] = body["max_completion_tokens"]
-
-        def pick(name: str, kind: type, lo: float, hi: float, default: Any) -> Any:
-            return default if body.get(name) is None else _number(body[name], name, kind, lo, hi)
-
-        gen = GenerationConfig(
-            max_tokens=pick("max_tokens", int, 1, gw.cfg.max_tokens_limit, d.max_tokens),
-            temperature=pick("temperature", float, 0.0, 2.0, d.temperature),
-            top_p=pick("top_p", float, 0.0, 1.0, d.top_p),
-            seed=pick("seed", int, 0, 2**63 - 1, d.seed),
-            stop=_stops(body.get("stop")))
+        ask = Ask(messages=messages, text=text, max_tokens=_number(body, "max_tokens", int),
+                  temperature=_number(body, "temperature", float),
+                  top_p=_number(body, "top_p", float), seed=_number(body, "seed", int),
+                  stop=_stops(body.get("stop")))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be true or false", param="stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
-        return Call(prompt, gen, stream, bool(options.get("include_usage", True)), chat)
+        return Call(ask, stream, bool(options.get("include_usage", True)), chat)
 
     # ---- replies -------------------------------------------------------------------------
-    async def _pieces(self, request: Request, sink: HttpSink, call: Call
-                      ) -> AsyncIterator[tuple[str, m.Done | None]]:
-        """(text, None) per piece as it may be sent (stop strings held back), then ("", Done)
-        with `finish` set to "stop" when a stop string ended it. Raises ApiError if the
-        request failed. The request is cancelled if the client goes or the caller stops."""
+    async def _pieces(self, request: Request, sink: HttpSink) -> AsyncIterator[tuple[str, m.Done | None]]:
+        """(text, None) per piece, then ("", Done). Raises ApiError if the request failed.
+        The request is cancelled if the client goes or the caller stops."""
         watcher = asyncio.get_running_loop().create_task(self._watch(request, sink))
-        stops = StopMatcher(call.gen.stop)
-        ids: list[int] = []
         try:
             while True:
                 try:
@@ -397,26 +360,19 @@ class HttpApi:
                 if msg is None:  # the client went away
                     return
                 if isinstance(msg, m.TokenPiece):
-                    ids.append(msg.token_id)
-                    text, stopped = stops.push(msg.text)
-                    if text:
-                        yield text, None
-                    if stopped:
-                        sink.done = True
-                        yield "", m.Done(id=msg.id, token_ids=ids, tier=sink.user.tier, finish="stop",
-                                         preemptions=0)
-                        return
+                    if msg.text:
+                        yield msg.text, None
                 elif isinstance(msg, m.Done):
                     sink.done = True
-                    if tail := stops.flush():
-                        yield tail, None
+                    if msg.text:
+                        yield msg.text, None
                     yield "", msg
                     return
                 elif isinstance(msg, m.Error):
                     raise ApiError(503 if self.gateway is None or not self.gateway.ready else 500,
                                    msg.message, "server_error")
         finally:
-            if not sink.gone:  # ended early (a stop string, an error, the client left)
+            if not sink.gone:  # ended early (an error, the client left)
                 sink.gone = True
                 if self.gateway is not None:
                     self.gateway.wake.set()
@@ -441,7 +397,7 @@ class HttpApi:
         parts: list[str] = []
         done: m.Done | None = None
         try:
-            async for text, end in self._pieces(request, sink, call):
+            async for text, end in self._pieces(request, sink):
                 parts.append(text)
                 done = end or done
         except ApiError as exc:
@@ -458,7 +414,7 @@ class HttpApi:
         return JSONResponse({
             "id": name, "object": "chat.completion" if call.chat else "text_completion",
             "created": int(time.time()), "model": self.model_id, "choices": [choice],
-            "usage": _usage(call, done), "edgelite": _extra(done)})
+            "usage": _usage(done), "edgelite": _extra(done)})
 
     async def _events(self, request: Request, sink: HttpSink, call: Call, name: str
                       ) -> AsyncIterator[bytes]:
@@ -477,9 +433,9 @@ class HttpApi:
         if call.chat:
             yield chunk({"role": "assistant", "content": ""})
         try:
-            async for text, done in self._pieces(request, sink, call):
+            async for text, done in self._pieces(request, sink):
                 if done is not None:
-                    extra = {"usage": _usage(call, done)} if call.include_usage else {}
+                    extra = {"usage": _usage(done)} if call.include_usage else {}
                     yield chunk({} if call.chat else "", _finish(done.finish), **extra,
                                 edgelite=_extra(done))
                     yield b"data: [DONE]\n\n"
@@ -491,49 +447,6 @@ class HttpApi:
         except ApiError as exc:
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
-
-    # ---- metrics -------------------------------------------------------------------------
-    def prometheus(self) -> str:
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, helptext: str, values: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP edgelite_{name} {helptext}")
-            lines.append(f"# TYPE edgelite_{name} {kind}")
-            lines.extend(f"edgelite_{name}{labels} {value:g}" for labels, value in values)
-
-        gw = self.gateway
-        metric("up", "gauge", "1 when the plan is deployed and requests can run",
-               [("", 1.0 if gw is not None and gw.ready else 0.0)])
-        metric("http_requests_total", "counter", "completion requests accepted over HTTP",
-               [("", self.requests_total)])
-        metric("http_disconnects_total", "counter", "HTTP requests whose client left before the end",
-               [("", self.disconnects)])
-        if gw is None:
-            return "\n".join(lines) + "\n"
-        st = gw.stats()
-        metric("queue_length", "gauge", "requests per queue and tier",
-               [(f'{{queue="{q}",tier="{t}"}}', n) for t, qs in st["queues_by_tier"].items()
-                for q, n in qs.items()])
-        metric("requests_cancelled_total", "counter", "requests whose client went away",
-               [("", st["cancelled"])])
-        metric("preemptions_total", "counter", "requests preempted (KV dropped)",
-               [(f'{{tier="{t}"}}', ts["preemptions"]) for t, ts in st["tiers"].items()])
-        metric("requests_done_total", "counter", "requests finished",
-               [(f'{{tier="{t}"}}', ts["done"]) for t, ts in st["tiers"].items()])
-        metric("tokens_total", "counter", "tokens generated", [("", st["tokens_total"])])
-        metric("node_losses_total", "counter", "plans made again without a node taken for lost",
-               [("", st["reconnects"] + st["recoveries"])])
-        metric("rejoins_total", "counter", "times nodes left out were planned in again",
-               [("", st["rejoins"])])
-        metric("tokens_per_second", "gauge", f"tokens generated per second over the last "
-               f"{gw.cfg.rate_window_s:g} s", [("", st["tokens_per_s"])])
-        metric("kv_tokens_used", "gauge", "KV positions held by running requests",
-               [("", st["kv_tokens"]["used"])])
-        for what, key in (("ttft", "ttft_ms"), ("inter_token", "itl_ms")):
-            metric(f"{what}_ms", "summary", f"{what.replace('_', '-')} latency per tier (recent)",
-                   [(f'{{tier="{t}",quantile="{q}"}}', ts[f"{key}_p{p}"])
-                    for t, ts in st["tiers"].items() for q, p in (("0.5", 50), ("0.99", 99))])
-        return "\n".join(lines) + "\n"
 
 
 def _messages(raw: Any) -> list[dict[str, str]]:
@@ -556,18 +469,13 @@ def _messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
-def _check_size(chars: int, limit: int, param: str) -> None:
-    """The same cap on a prompt's characters as the gateway's native door (before tokenizing)."""
-    if chars > limit:
-        raise ApiError(400, f"the prompt has {chars} characters; this server takes at most {limit} "
-                            f"(max_prompt_chars)", param=param)
-
-
-def _number(value: Any, name: str, kind: type, lo: float, hi: float) -> Any:
+def _number(body: dict[str, Any], name: str, kind: type) -> Any:
+    """A numeric field of the body (None: absent); its range is the gateway's rule."""
+    value = body.get(name)
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
-    if not lo <= value <= hi:
-        raise ApiError(400, f"{name} must be within {lo:g}..{hi:g}", param=name)
     return kind(value)
 
 
@@ -575,9 +483,8 @@ def _stops(raw: Any) -> tuple[str, ...]:
     if raw is None:
         return ()
     stops = [raw] if isinstance(raw, str) else raw
-    if (not isinstance(stops, list) or len(stops) > 4
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     return tuple(stops)
 
 
@@ -585,10 +492,10 @@ def _finish(finish: str) -> str:
     return "length" if finish == "length" else "stop"  # eos and stop strings: "stop"
 
 
-def _usage(call: Call, done: m.Done) -> dict[str, int]:
+def _usage(done: m.Done) -> dict[str, int]:
     n = len(done.token_ids)
-    return {"prompt_tokens": len(call.prompt), "completion_tokens": n,
-            "total_tokens": len(call.prompt) + n}
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": n,
+            "total_tokens": done.prompt_tokens + n}
 
 
 def _extra(done: m.Done) -> dict[str, Any]:

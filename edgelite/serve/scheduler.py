@@ -24,7 +24,7 @@ resume preempted requests as KV memory allows. Decoding needs one more KV token 
 request; when that does not fit, the lowest-priority running request below the preemption cap is
 preempted. A request that reached the cap is never preempted again.
 
-Fair shares (beyond DESIGN.md), within a tier (between tiers, priority decides): with several
+Fair shares, within a tier (between tiers, priority decides): with several
 users of a tier active (holding waiting, running or preempted requests, or having had one
 within `fair_window_s`), a user may run at most max_requests // active users of its tier;
 its other waiting requests are passed over meanwhile (they keep their place). When every slot

@@ -1,0 +1,139 @@
+"""One reply's token loop: the rules every way of asking the model shares.
+
+The logits of a reply's next position go in; a `Piece` comes out: the token sampled
+(temperature and top-p, from the reply's own seeded generator) and the text it adds, once its
+UTF-8 characters are whole and nothing of it could still be the start of a stop string. The
+loop also decides where the reply ends: at an end-of-sequence token ("eos": the token is not
+part of the reply), at a stop string ("stop": the text ends before it; the token that completed
+it is the last id), or after `max_tokens` tokens ("length"); and it keeps the reply's figures
+(time to first token, decode speed). `engine/generate.py` drives one for a session on a backend
+(the library, `generate` and `chat`); the gateway drives one per request in its batched steps
+(both of its front doors). Nothing else samples, matches stop strings or tests for EOS.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgelite.config import GenerationConfig
+from edgelite.engine.sampling import sample
+from edgelite.engine.tokenizer import StreamDecoder
+from edgelite.errors import EdgeliteError
+
+FINISHES = ("eos", "stop", "length")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it adds (may be empty while UTF-8 is incomplete or
+    the text could begin a stop string). A last piece without a token flushes held text."""
+
+    text: str
+    token_id: int | None
+
+
+@dataclass
+class Stats:
+    """A reply's figures; `finish` is one of FINISHES."""
+
+    prompt_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens whose KV came from the KV stores
+    ttft_ms: float = 0.0  # from the start given to the ReplyLoop to the first token
+    decode_s: float = 0.0  # from the first token to the last
+    finish: str = "length"
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.token_ids) - 1  # the first token comes from prefill
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class StopMatcher:
+    """Passes text on while holding back what could be the start of a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """-> (text that may be shown now, whether a stop string was reached)."""
+        self.held += text
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.held = self.held[:cut], ""
+            return out, True
+        keep = _could_begin(self.held, self.stops, self.hold)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def _could_begin(text: str, stops: tuple[str, ...], hold: int) -> int:
+    """How many characters at the end of `text` could begin a stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text), hold), 0, -1)
+                if text.endswith(s[:k])), default=0)
+
+
+class ReplyLoop:
+    """The token loop of one reply; `next` per position until `done`.
+
+    `decoder` turns ids into text (None: no text, ids only); `started` is when the reply was
+    asked for (time.monotonic(); the time to first token counts from it)."""
+
+    def __init__(self, cfg: GenerationConfig, eos: Collection[int],
+                 decoder: StreamDecoder | None = None, started: float | None = None,
+                 stats: Stats | None = None) -> None:
+        if cfg.max_tokens < 1:
+            raise EdgeliteError(f"max_tokens must be at least 1 (got {cfg.max_tokens})")
+        self.cfg, self.eos, self.decoder = cfg, frozenset(eos), decoder
+        self.started = time.monotonic() if started is None else started
+        self.stats = stats if stats is not None else Stats()
+        self.rng = np.random.default_rng(cfg.seed if cfg.seed is not None else secrets.randbits(64))
+        self.stops = StopMatcher(cfg.stop)
+        self.finish: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def next(self, logits: np.ndarray) -> Piece | None:
+        """The next token from its logits (vocab,): the piece to show (None: nothing, the
+        reply ended at EOS with no text held back). Check `done` afterwards."""
+        if self.done:
+            raise EdgeliteError(f"the reply already ended ({self.finish})")
+        tok = sample(logits, self.cfg.temperature, self.cfg.top_p, self.rng)
+        if tok in self.eos:
+            tail = self._end("eos")
+            return Piece(tail, None) if tail else None
+        st, now = self.stats, time.monotonic()
+        if not st.token_ids:
+            st.ttft_ms = (now - self.started) * 1e3
+        st.token_ids.append(tok)
+        st.token_times.append(now)
+        st.decode_s = now - st.token_times[0]
+        text, stopped = self.stops.push(self.decoder.push(tok) if self.decoder else "")
+        if stopped:
+            self._set("stop")
+        elif len(st.token_ids) >= self.cfg.max_tokens:
+            text += self._end("length")
+        return Piece(text, tok)
+
+    def _set(self, finish: str) -> None:
+        self.finish = self.stats.finish = finish
+
+    def _end(self, finish: str) -> str:
+        """End the reply (`finish`, unless its last text completes a stop string): the text
+        held back until now (an incomplete character, what could have begun a stop string)."""
+        tail, stopped = self.stops.push(self.decoder.flush() if self.decoder else "")
+        self._set("stop" if stopped else finish)
+        return tail + self.stops.flush()

@@ -1,0 +1,79 @@
+"""What a client asks the gateway for, the same whichever front door it came through.
+
+Each door turns its own format into an `Ask` (`serve/native.py`: a GenerateRequest frame;
+`serve/http.py`: an OpenAI JSON body) and checks only what its format cannot say (JSON types,
+the door's own fields). Every rule on the values lives here, and `Gateway.submit` applies it
+once: a request refused through one door is refused through the other with the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from edgelite.config import GatewayConfig, GenerationConfig
+from edgelite.errors import ProtocolError
+
+ROLES = ("system", "user", "assistant")
+
+
+class AskError(ProtocolError):
+    """A request out of bounds; `param` names the field (OpenAI's error JSON carries it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request: chat `messages` (rendered with the model's chat template) or raw `text`
+    (continued as it is), and its sampling settings (None: the gateway's defaults)."""
+
+    messages: list[dict[str, str]] | None = None  # [{"role", "content"}]
+    text: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+
+
+def check(ask: Ask, cfg: GatewayConfig) -> None:
+    """Raise AskError naming the first rule `ask` breaks."""
+    if (ask.messages is None) == (ask.text is None):
+        raise AskError("a request needs messages [{role, content}] or a prompt, not both",
+                       "messages")
+    if ask.messages is not None:
+        if not ask.messages:
+            raise AskError("messages must be a non-empty list of {role, content}", "messages")
+        for i, msg in enumerate(ask.messages):
+            if msg["role"] not in ROLES:
+                raise AskError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
+                               f"(got {msg['role'][:32]!r})", "messages")
+    chars = (sum(len(c["content"]) for c in ask.messages) if ask.messages is not None
+             else len(ask.text or ""))
+    if chars > cfg.max_prompt_chars:
+        raise AskError(f"the prompt has {chars} characters; this server takes at most "
+                       f"{cfg.max_prompt_chars} (max_prompt_chars)",
+                       "messages" if ask.messages is not None else "prompt")
+    _within(ask.max_tokens, "max_tokens", 1, cfg.max_tokens_limit)
+    _within(ask.temperature, "temperature", 0.0, cfg.max_temperature)
+    _within(ask.top_p, "top_p", 0.0, 1.0)
+    _within(ask.seed, "seed", 0, 2**63 - 1)
+    if (len(ask.stop) > cfg.max_stops
+            or not all(0 < len(s) <= cfg.max_stop_chars for s in ask.stop)):
+        raise AskError(f"stop must be a string or a list of up to {cfg.max_stops} non-empty "
+                       f"strings of at most {cfg.max_stop_chars} characters", "stop")
+
+
+def _within(value: float | None, name: str, lo: float, hi: float) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise AskError(f"{name} must be within {lo:g}..{hi:g} (got {value:g})", name)
+
+
+def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
+    """The reply loop's settings: the request's, else the gateway's defaults."""
+    given = {k: v for k, v in (("max_tokens", ask.max_tokens), ("temperature", ask.temperature),
+                               ("top_p", ask.top_p), ("seed", ask.seed)) if v is not None}
+    return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

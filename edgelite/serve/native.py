@@ -1,0 +1,197 @@
+"""The gateway's native front door: the wire protocol (`edgelite chat --gateway`), beside
+`serve/http.py`'s OpenAI door.
+
+Clients authenticate as a user of users.json (HMAC with that user's own token); the user's
+tier comes from the file, never from the client. A GenerateRequest becomes an `Ask` for
+`Gateway.submit`; the gateway streams TokenPiece frames and ends with Done or an Error.
+
+Each connection has its own writer task fed through a bounded queue: the scheduling loop never
+waits on a client's socket, so a client that stops reading holds up nobody (it is dropped once
+its queue is full or a send stalls). A client's requests end when it disconnects, and it may
+stop one of its own with `generate_cancel`. A client whose requests keep being refused is cut
+off and its user may not connect again for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from edgelite.config import GatewayConfig, WireLimits
+from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
+from edgelite.net import messages as m
+from edgelite.net.frames import Conn, bound_port, listen
+from edgelite.net.handshake import server_handshake
+from edgelite.net.schema import Message
+from edgelite.serve.ask import Ask
+from edgelite.serve.gateway import Gateway
+from edgelite.serve.users import User
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """One connected client: its user, and a bounded queue of frames its writer task sends."""
+
+    def __init__(self, conn: Conn, user: User, cfg: GatewayConfig) -> None:
+        self.conn, self.user, self.cfg = conn, user, cfg
+        self.peer = conn.peer
+        self.queue: asyncio.Queue[Message | None] = asyncio.Queue(cfg.client_queue_frames)
+        self.gone = False
+        self.refused = 0  # requests refused in a row (a flood is disconnected)
+        self.closing = False  # the writer sends what is queued, then the connection ends
+
+    def post(self, msg: Message) -> None:
+        """Queue a frame without waiting; a client this far behind is dropped."""
+        if self.gone:
+            return
+        try:
+            self.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.warning("%s (%s) reads nothing: %d frames queued; dropping the client",
+                        self.conn.peer, self.user.name, self.queue.qsize())
+            self.drop()
+
+    def drop(self) -> None:
+        self.gone = True
+        self.conn.writer.close()
+
+    def finish(self, last: Message) -> None:
+        """Send `last` after what is queued, then end the connection (the writer's last act)."""
+        self.post(last)
+        self.closing = True
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(None)
+
+    async def write(self) -> None:
+        """The writer task: send queued frames; a send that stalls drops the client."""
+        while not self.gone:
+            msg = await self.queue.get()
+            if msg is None:
+                return
+            try:
+                await asyncio.wait_for(self.conn.send(msg), self.cfg.client_send_timeout_s)
+            except (TimeoutError, ConnectionError, OSError):
+                log.info("%s: a send stalled or failed; dropping the client", self.conn.peer)
+                self.drop()
+
+
+def ask_of(msg: m.GenerateRequest) -> Ask:
+    """The request a frame carries (a bare prompt is one user message)."""
+    if (msg.messages is None) == (msg.prompt is None):
+        raise ProtocolError("generate needs messages [{role, content}] or a prompt string, "
+                            "not both")
+    messages = ([{"role": c.role, "content": c.content} for c in msg.messages]
+                if msg.messages is not None else [{"role": "user", "content": str(msg.prompt)}])
+    return Ask(messages=messages, max_tokens=msg.max_tokens, temperature=msg.temperature,
+               top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()))
+
+
+class NativeDoor:
+    """The wire protocol's listener in front of `gateway`."""
+
+    def __init__(self, gateway: Gateway, users: dict[str, User], cfg: GatewayConfig,
+                 limits: WireLimits | None = None) -> None:
+        self.gateway, self.users, self.cfg = gateway, users, cfg
+        self.limits = limits or WireLimits()
+        self.server: asyncio.Server | None = None
+        self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
+        self.floods = 0
+
+    @property
+    def port(self) -> int:
+        return bound_port(self.server)
+
+    async def start(self) -> None:
+        self.server = await listen(self._handle, self.cfg.host, self.cfg.port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        conn = Conn(reader, writer, self.limits, peer)
+        client: Client | None = None
+        try:
+            auth = await asyncio.wait_for(
+                server_handshake(conn, self._secret, "edgelite-gateway",
+                                 [self.gateway.backend.manifest.fingerprint]),
+                self.cfg.handshake_timeout_s)
+            client = Client(conn, self.users[str(auth.user)], self.cfg)
+            writing = asyncio.get_running_loop().create_task(client.write(), name=f"to {peer}")
+            try:
+                await self._read(client)
+                if client.closing:  # its last frames go out first (bounded by the send timeout)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(writing), self.cfg.client_send_timeout_s)
+            finally:
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
+        except (AuthError, ProtocolError) as exc:
+            log.warning("%s: %s; closing", peer, exc)
+            with contextlib.suppress(ConnectionError, OSError):
+                await conn.send(m.Error(message=str(exc)))
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            log.debug("%s: connection ended: %r", peer, exc)
+        finally:
+            if client is not None:
+                client.gone = True  # the scheduling loop cancels its requests
+                self.gateway.wake.set()
+            await conn.close()
+
+    async def _read(self, client: Client) -> None:
+        while not client.gone:
+            frame: dict[str, Any] = {}
+            try:
+                try:
+                    frame = await asyncio.wait_for(client.conn.recv_frame(), self.cfg.idle_timeout_s)
+                except asyncio.IncompleteReadError:
+                    return
+                msg = m.parse(frame, self.limits)
+                if isinstance(msg, m.GatewayStatsRequest):
+                    client.post(m.GatewayStats(id=msg.id, stats={**self.gateway.stats(),
+                                                                 "floods": self.floods}))
+                elif isinstance(msg, m.GenerateRequest):
+                    await self.gateway.submit(client, msg.id, ask_of(msg))
+                elif isinstance(msg, m.GenerateCancel):
+                    self.gateway.cancel(client, msg.id)
+                else:
+                    raise ProtocolError(f"{msg.TYPE} is not a gateway request")
+            except StreamError:
+                raise  # the stream cannot be followed: the client goes
+            except EdgeliteError as exc:  # a bad request: refused, the connection stays
+                client.post(m.Error(message=str(exc), id=m.reply_id(frame)))
+                client.refused += 1
+                if client.refused > self.cfg.max_refused_in_a_row:
+                    self._flooded(client)
+                    return
+            else:
+                client.refused = 0
+
+    def _flooded(self, client: Client) -> None:
+        """A client whose requests keep being refused is cut off, and its user may not connect
+        again for `flood_cooldown_s` (a flood costs one handshake per cooldown, no more)."""
+        name = client.user.name
+        self.cooldown[name] = time.monotonic() + self.cfg.flood_cooldown_s
+        self.floods += 1
+        log.warning("%s (%s): %d requests refused in a row; disconnected, the user may "
+                    "reconnect in %g s", client.conn.peer, name, client.refused,
+                    self.cfg.flood_cooldown_s)
+        client.finish(m.Error(message=f"{client.refused} requests refused in a row; disconnected "
+                                      f"for {self.cfg.flood_cooldown_s:g} s"))
+
+    def _secret(self, auth: m.Auth) -> str | None:
+        """The user's token (None: unknown user); a user cooling down after a flood is refused
+        before the handshake completes."""
+        user = self.users.get(auth.user) if auth.user is not None else None
+        if user is None:
+            return None
+        wait = self.cooldown.get(user.name, 0.0) - time.monotonic()
+        if wait > 0:
+            raise AuthError(f"user {user.name} sent a flood of refused requests; it may connect "
+                            f"again in {wait:.1f} s")
+        return user.token

@@ -1,0 +1,118 @@
+"""The gateway's two front doors, the wire protocol (serve/native.py) and the OpenAI API
+(serve/http.py), in front of one gateway over real sockets: the same invalid requests are
+refused by the same rule in the same words, and the same valid request (stop strings
+included) gives the same reply."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from edgelite.config import GatewayConfig, GenerationConfig, HttpConfig, SchedulerConfig
+from edgelite.engine.generate import LocalBackend
+from edgelite.engine.tokenizer import Tokenizer
+from edgelite.ids import NodeAddr
+from edgelite.manifest import load
+from edgelite.net import messages as m
+from edgelite.serve.client import GatewayClient
+from edgelite.serve.gateway import Gateway
+from edgelite.serve.http import HttpApi, served
+from edgelite.serve.native import NativeDoor
+from edgelite.serve.scheduler import Scheduler
+from edgelite.serve.users import User
+
+USERS = {"u": User("u", "t-u", 1)}
+HI = [{"role": "user", "content": "hello there"}]
+# (what is wrong, the request's fields as both doors take them)
+INVALID: list[tuple[str, dict[str, Any]]] = [
+    ("temperature", {"messages": HI, "temperature": 5.0}),
+    ("top_p", {"messages": HI, "top_p": 1.5}),
+    ("max_tokens low", {"messages": HI, "max_tokens": 0}),
+    ("max_tokens high", {"messages": HI, "max_tokens": 100_000}),
+    ("seed", {"messages": HI, "seed": -1}),
+    ("role", {"messages": [{"role": "robot", "content": "beep"}]}),
+    ("no messages", {"messages": []}),
+    ("too long", {"messages": [{"role": "user", "content": "x" * 600}]}),
+    ("five stops", {"messages": HI, "stop": ["a", "b", "c", "d", "e"]}),
+    ("empty stop", {"messages": HI, "stop": [""]}),
+]
+
+
+def _post(base: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": "Bearer t-u"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def _native(client: GatewayClient, rid: int, body: dict[str, Any]) -> m.Message:
+    fields = {k: v for k, v in body.items() if k != "messages"}
+    await client.conn.send(m.GenerateRequest(
+        id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in body["messages"]],
+        **fields))
+    while True:
+        msg = await asyncio.wait_for(client.conn.recv(), 30)
+        if getattr(msg, "id", None) == rid and isinstance(msg, m.Error | m.Done):
+            return msg
+
+
+@pytest.mark.e2e
+def test_both_doors_refuse_alike_and_answer_alike(exported) -> None:
+    manifest = load(exported["llama"])
+    cfg = GatewayConfig(port=0, max_prompt_chars=500)
+
+    async def main() -> None:
+        backend = LocalBackend(manifest)
+        sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096))
+        gw = Gateway(backend, Tokenizer(manifest), USERS, sched, cfg, GenerationConfig(max_tokens=8))
+        door = NativeDoor(gw, USERS, cfg)
+        await door.start()
+        api = HttpApi(manifest.name, USERS, HttpConfig(port=0))
+        api.gateway = gw
+        running = asyncio.get_running_loop().create_task(gw.run())
+        try:
+            async with served(api) as port:
+                base = f"http://127.0.0.1:{port}"
+                client = await GatewayClient.connect(NodeAddr("127.0.0.1", door.port), "u", "t-u")
+                try:
+                    for i, (what, body) in enumerate(INVALID):
+                        status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name,
+                                                                               **body})
+                        native = await _native(client, i, body)
+                        assert status == 400, (what, status, answer)
+                        assert isinstance(native, m.Error), (what, native)
+                        assert answer["error"]["message"] == native.message, what
+                    # one valid request with a stop string, through both doors
+                    ask = {"messages": HI, "max_tokens": 12, "temperature": 0.0}
+                    status, whole = await asyncio.to_thread(_post, base, {"model": manifest.name, **ask})
+                    assert status == 200, whole
+                    text = whole["choices"][0]["message"]["content"]
+                    assert len(text) >= 4, text
+                    stop = text[2:4]
+                    status, cut = await asyncio.to_thread(
+                        _post, base, {"model": manifest.name, **ask, "stop": [stop]})
+                    native = await _native(client, 99, {**ask, "stop": [stop]})
+                    assert isinstance(native, m.Done) and native.finish == "stop"
+                    assert cut["choices"][0]["finish_reason"] == "stop"
+                    assert cut["edgelite"]["token_ids"] == list(native.token_ids)
+                    assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
+                    pieces = "".join([p async for p in client.generate(HI, GenerationConfig(
+                        max_tokens=12, stop=(stop,)))])
+                    assert pieces == text[:text.find(stop)]
+                finally:
+                    await client.close()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            door.close()
+            await backend.close()
+
+    asyncio.run(main())
