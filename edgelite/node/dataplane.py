@@ -92,9 +92,9 @@ class DataPlane(FrameThread):
         self.waiting: dict[tuple[str, str], list[Ready]] = {}
         # sessions whose restore failed before any step came: the next step is told why
         self.unrestored: dict[tuple[str, str], str] = {}
-        # `in` connections whose steps passed check_forward: the stage and the plan id and
-        # decode dims as bytes, for the decode lane (on_lone_step)
-        self.lanes: dict[socket.socket, tuple[Stage, bytes, bytes]] = {}
+        # `in` connections whose steps passed check_forward: the stage and the plan id as
+        # bytes, for the decode lane (on_lone_step)
+        self.lanes: dict[socket.socket, tuple[Stage, bytes]] = {}
         self.lane_steps = 0  # decode steps run by the lane
         self.batches = 0  # batched runs, and the steps in them
         self.batched_steps = 0
@@ -178,36 +178,19 @@ class DataPlane(FrameThread):
         lane = self.lanes.get(sock)
         if lane is None or self.ready or self.waiting or self.unrestored or self.store.restoring:
             return False
-        stage, plan, fixed = lane
-        (_, kind, flags, n_trace, step, start, n_plan, n_session, n_error, code, rank) = \
-            sf.HEAD.unpack_from(body)
-        ids_end = sf.HEAD.size + n_plan + n_session
-        ints_end = ids_end + 4 * (3 + 2 * n_trace)
-        pos = ints_end + -ints_end % 4
-        hidden = stage.manifest.hidden_size
-        if (kind != 1 or flags != sf.HIDDEN or code != sf.F32 or rank != 3 or n_error
-                or n_trace >= m.MAX_STAGES - 1 or step > m.RID or start > m.MAX_START
-                or len(body) != pos + 4 * hidden or body[sf.HEAD.size:ids_end - n_session] != plan
-                or body[ids_end:ids_end + 12] != fixed or self.store.stages.get(stage.plan_id) is not stage):
+        stage, plan = lane
+        got = sf.lone_step(body, plan, stage.manifest.hidden_size, stage.next_addr is not None)
+        if got is None or self.store.stages.get(stage.plan_id) is not stage:
             return False
-        try:
-            session = bytes(body[ids_end - n_session:ids_end]).decode()
-        except UnicodeDecodeError:
-            return False
+        session, start, prefix, tensor, tail = got
         sess = self.store.sessions.get((stage.plan_id, session))
         dest = (self.outbound if stage.next_addr else self.sinks).get(stage.plan_id)
         if (sess is None or sess.stage is not stage or sess.slot.length != start or start < 1
                 or dest is None or stage.layers.pool.bucket(start) <= start):
             return False  # (no KV growth beyond its bucket: no budget to check)
-        # all of the next frame that does not depend on the output, while what it is made of
-        # is still in the caches (after the layers, every object touched is cold again)
-        prefix = b"".join((sf.LEN.pack(pos + 8 + 4 * hidden),
-                           sf.HEAD.pack(sf.MAGIC, 1 if stage.next_addr else 2, flags, n_trace + 1,
-                                        step, start, n_plan, n_session, 0, code, 3),
-                           body[sf.HEAD.size:ints_end]))
         t0 = time.perf_counter()
         try:
-            out = stage.layers.decode_bytes(sess.slot, body[pos:])
+            out = stage.layers.decode_bytes(sess.slot, tensor)
         except (EdgeliteError, RuntimeError, ValueError) as exc:  # as `_forward` answers it
             log.info("plan %s session %s: %s", stage.plan_id, session[:12], exc)
             msg = sf.parse(body, self.limits)
@@ -216,9 +199,7 @@ class DataPlane(FrameThread):
             return True
         ms = (time.perf_counter() - t0) * 1e3
         self.lane_steps += 1
-        frame = b"".join((prefix, sf.PAIR.pack(round(ms * 1e3), round((time.perf_counter() - t_in) * 1e6)),
-                          body[ints_end:pos], out))
-        if not self._write(dest, frame, "step"):
+        if not self._write(dest, sf.lane_frame(prefix, tail, ms, t_in, out), "step"):
             self.close_conn(dest, "broken while sending")
         self.store.add_run(ms, sess)  # (the bookkeeping after the send)
         return True
@@ -233,8 +214,7 @@ class DataPlane(FrameThread):
                                      start=msg.start, error=f"{self.name}: {exc}"))
             return
         if sock not in self.lanes:  # its later decode steps may take the lane
-            self.lanes[sock] = (stage, msg.plan_id.encode(),
-                                sf.DIMS.pack(1, 1, stage.manifest.hidden_size))
+            self.lanes[sock] = (stage, msg.plan_id.encode())
         key = (msg.plan_id, msg.session)
         why = self.unrestored.pop(key, None)
         if why is None and (key in self.store.restoring or key in self.waiting):  # still read
@@ -296,7 +276,7 @@ class DataPlane(FrameThread):
 
     def on_idle(self) -> None:
         """Run the steps read this round: decode steps of one stage together (up to the batch
-        size; from wave_split_min steps on, as two halves: `_halves`), everything else one by
+        size; from wave_split_min steps on, as two halves: `halves`), everything else one by
         one, in arrival order otherwise. A step never joins a
         batch ahead of an earlier step of its own session (a prompt's last chunk may be one
         token: it must not run before the chunks it follows)."""
@@ -315,24 +295,12 @@ class DataPlane(FrameThread):
                     waiting.add(r.msg.session)
             self.ready = rest
             if len(group) >= self.cfg.wave_split_min > 0:
-                group, back = self._halves(first.stage, group)
+                group, back = halves(self.store, first.stage, group)
                 self.ready = back + rest
             if len(group) == 1:
                 self._forward(first.stage, first.msg, first.t_in)
             else:
                 self._forward_batch(group)
-
-    def _halves(self, stage: Stage, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
-        """A batch's two waves (wave_split_min), each of sessions with neighbouring KV slots:
-        a batch runs over the span of its slots, and a wave once formed stays one (its
-        results reach the client together, and its next steps leave together)."""
-        def place(r: Ready) -> tuple[int, int]:
-            sess = self.store.sessions.get((stage.plan_id, r.msg.session))
-            return (0, -1) if sess is None else (id(sess.slot.slab), sess.slot.index)
-
-        group = sorted(group, key=place)
-        half = (len(group) + 1) // 2
-        return group[:half], group[half:]
 
     def _forward_batch(self, group: list[Ready]) -> None:
         """Run and pass on decode steps of several sessions: those whose KV slots share a slab
@@ -404,3 +372,16 @@ class DataPlane(FrameThread):
             log.warning("plan %s: no connection onward; %d step(s) dropped", plan_id, len(outs))
         elif not self.send(dest, *outs):
             self.close_conn(dest, "broken while sending")
+
+
+def halves(store: StageStore, stage: Stage, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
+    """A batch's two waves (wave_split_min), each of sessions with neighbouring KV slots:
+    a batch runs over the span of its slots, and a wave once formed stays one (its
+    results reach the client together, and its next steps leave together)."""
+    def place(r: Ready) -> tuple[int, int]:
+        sess = store.sessions.get((stage.plan_id, r.msg.session))
+        return (0, -1) if sess is None else (id(sess.slot.slab), sess.slot.index)
+
+    group = sorted(group, key=place)
+    half = (len(group) + 1) // 2
+    return group[:half], group[half:]

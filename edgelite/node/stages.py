@@ -27,11 +27,10 @@ from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
 from edgelite.engine.profile import resident_bytes
-from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError, ProtocolError
+from edgelite.errors import EdgeliteError, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.node.blobs import BlobStore
-
-MIB = 2**20
+from edgelite.node.memory import Limits
 
 
 @dataclass
@@ -80,14 +79,8 @@ class Restoring:
 @dataclass
 class StageStore:
     blobs: BlobStore
-    kv_budget_bytes: int
+    limits: Limits  # memory.py: the memory and KV budgets
     runtime: RuntimeConfig
-    max_sessions_per_client: int = 64
-    # the most this process may hold (--memory-mb); None: no bound of its own
-    memory_budget_bytes: int | None = None
-    # the most of the KV budget the clients of one address may hold together (client keys
-    # are chosen freely: a share per key would let one holder take it all with two keys)
-    max_address_kv_share: float = 1.0
     scratch_bytes: int = 0  # the headroom a prompt chunk needs (the loaded models' largest)
     stages: dict[str, Stage] = field(default_factory=dict)
     sessions: dict[tuple[str, str], Session] = field(default_factory=dict)
@@ -136,10 +129,11 @@ class StageStore:
         with self.ranges_lock:  # loads take turns: one range is never opened twice
             layers = self.ranges.get(key)
             if layers is None:
-                self._fits(m, first, last)
+                scratch = max(self.scratch_bytes, m.scratch)
+                self.limits.fits(m, first, last, self._resident(), scratch)
                 layers = LayerRange(m, first, last, self.runtime, self.files(m))
                 try:
-                    self._held(m, first, last)
+                    self.limits.held(m, first, last, self._resident(), scratch)
                 except EdgeliteError:
                     layers.close()
                     raise
@@ -224,66 +218,18 @@ class StageStore:
                 sess = self.sessions[key] = Session(stage, pool.acquire(), time.monotonic())
         return sess
 
-    def _fits(self, m: mf.Manifest, first: int, last: int) -> None:
-        """Refuse, before loading, layers that would take this process over its memory budget:
-        what they hold once loaded (as the exporter measured it) and a prompt chunk's scratch,
-        on top of what the process holds now."""
-        budget, now = self.memory_budget_bytes, resident_bytes()
-        if budget is None or now is None:
-            return
-        need, scratch = m.resident(first, last), max(self.scratch_bytes, m.scratch)
-        if now + need + scratch > budget:
-            raise EdgeliteError(
-                f"load: layers {first}-{last} of {m.name} hold {need / MIB:.0f} MiB once loaded "
-                f"and a prompt chunk {scratch / MIB:.0f} MiB more; this node holds "
-                f"{now / MIB:.0f} MiB and its --memory-mb is {budget / MIB:.0f}: "
-                f"{(now + need + scratch - budget) / MIB:.0f} MiB short")
-
-    def _held(self, m: mf.Manifest, first: int, last: int) -> None:
-        """After loading: the same bound on what the process holds now (the measured figure
-        came from another machine)."""
-        budget, now = self.memory_budget_bytes, resident_bytes()
-        scratch = max(self.scratch_bytes, m.scratch)
-        if budget is not None and now is not None and now + scratch > budget:
-            raise EdgeliteError(
-                f"load: with layers {first}-{last} of {m.name} loaded this node holds "
-                f"{now / MIB:.0f} MiB, and a prompt chunk needs {scratch / MIB:.0f} MiB more: "
-                f"over its --memory-mb of {budget / MIB:.0f}; they were unloaded")
+    def _resident(self) -> int | None:
+        """What this process holds now, when a memory budget asks for it."""
+        return resident_bytes() if self.limits.memory_budget_bytes is not None else None
 
     def _admit(self, stage: Stage, session: str, grow: int, new: bool) -> None:
-        """Refuse KV growth beyond the node's KV budget or its memory budget, or a new session
-        beyond the client's."""
-        used = self.kv_bytes
-        if used + grow > self.kv_budget_bytes:
-            raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes, "
-                                   f"{self.kv_budget_bytes - used} of the node's "
-                                   f"{self.kv_budget_bytes} left")
-        self._address_share(stage, session, grow)
-        now = resident_bytes() if self.memory_budget_bytes is not None else None
-        if now is not None and now + grow + self.scratch_bytes > self.memory_budget_bytes:
-            raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow / MIB:.1f} MiB more; "
-                                   f"this node holds {now / MIB:.0f} MiB of its --memory-mb "
-                                   f"{self.memory_budget_bytes / MIB:.0f} (a prompt chunk needs "
-                                   f"{self.scratch_bytes / MIB:.0f} MiB of room)")
+        """Refuse KV growth beyond the node's budgets (memory.py), or a new session beyond
+        the client's."""
+        self.limits.admit(session, grow, self.kv_bytes, stage.address,
+                          self.kv_bytes_of(stage.address), self._resident(), self.scratch_bytes)
         if new:
-            mine = sum(1 for s in (*self.sessions.values(), *self.restoring.values())
-                       if s.stage.owner == stage.owner)
-            if mine >= self.max_sessions_per_client:
-                raise KVBudgetExceeded(f"this client holds {mine} sessions on this node; the "
-                                       f"limit is {self.max_sessions_per_client}")
-
-    def _address_share(self, stage: Stage, session: str, grow: int) -> None:
-        """Refuse KV growth that would give the clients of one address more than their share
-        of the budget: the rest stays for others."""
-        if self.max_address_kv_share >= 1.0:
-            return
-        cap = int(self.max_address_kv_share * self.kv_budget_bytes)
-        theirs = self.kv_bytes_of(stage.address)
-        if theirs + grow > cap:
-            raise KVBudgetExceeded(f"session {session[:12]}: KV needs {grow} more bytes; the clients "
-                                   f"at {stage.address or 'this address'} hold {theirs} of the "
-                                   f"node's {self.kv_budget_bytes}, at most {cap} "
-                                   f"(max_address_kv_share): the rest stays for others")
+            self.limits.admit_session(sum(1 for s in (*self.sessions.values(), *self.restoring.values())
+                                          if s.stage.owner == stage.owner))
 
     def export_kv(self, plan_id: str, session: str, n: int) -> np.ndarray:
         """A copy of a session's KV of its first n positions (layers, 2, kv_heads, n, dim)."""
@@ -418,8 +364,9 @@ class StageStore:
                 "own_sessions": sum(1 for s in sessions if owner is None or s.stage.owner == owner),
                 "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": kv_bytes,
-                "kv_budget_bytes": int(self.kv_budget_bytes * min(1.0, self.max_address_kv_share)),
-                "kv_node_budget_bytes": self.kv_budget_bytes, "kv_buckets": list(self.runtime.kv_buckets),
+                "kv_budget_bytes": self.limits.address_budget_bytes,
+                "kv_node_budget_bytes": self.limits.kv_budget_bytes,
+                "kv_buckets": list(self.runtime.kv_buckets),
                 "provider": self.runtime.provider,
                 "runs": runs, "slot_moves": self.slot_moves,
                 "ms_per_run": ms / runs if runs else 0.0,
