@@ -37,6 +37,62 @@ T = TypeVar("T")
 QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux (and Android) only
 
 
+class Outbox:
+    """Frames on their way out of a thread's connections: written at once when the kernel
+    takes them, else queued per connection and written as the peer reads (POLLOUT), each such
+    connection with a deadline to move on. While queued work runs (`corked`), the frames it
+    sends wait and go out in one write per connection after it."""
+
+    def __init__(self, poller: select.poll, send_timeout_s: float, name: str) -> None:
+        self.poller, self.send_timeout_s, self.name = poller, send_timeout_s, name
+        # frames not yet taken by the kernel, and when each such connection must have moved on
+        self.queued: dict[socket.socket, deque[memoryview]] = {}
+        self.deadline: dict[socket.socket, float] = {}
+        self.corked: dict[socket.socket, list[bytes]] | None = None
+
+    def write(self, sock: socket.socket, frames: bytes, what: str) -> bool:
+        """False: the connection is broken."""
+        data = memoryview(frames)
+        if (pending := self.queued.get(sock)) is not None:
+            pending.append(data)  # frames stay in order
+            return True
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            log.warning("%s: could not send a %s: %r", self.name, what, exc)
+            return False
+        if sent < len(data):
+            self.queued[sock] = deque([data[sent:]])
+            self.deadline[sock] = time.monotonic() + self.send_timeout_s
+            self.poller.modify(sock, select.POLLIN | select.POLLOUT)
+        return True
+
+    def flush(self, sock: socket.socket) -> str | None:
+        """Write what the peer takes now; the reason the connection broke, if it did."""
+        pending = self.queued[sock]
+        try:
+            while pending:
+                n = sock.send(pending[0])
+                pending[0] = pending[0][n:]
+                self.deadline[sock] = time.monotonic() + self.send_timeout_s
+                if len(pending[0]):
+                    return None
+                pending.popleft()
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            return f"broken while sending: {exc!r}"
+        del self.queued[sock], self.deadline[sock]
+        self.poller.modify(sock, select.POLLIN)
+        return None
+
+    def forget(self, sock: socket.socket) -> None:
+        self.queued.pop(sock, None)
+        self.deadline.pop(sock, None)
+
+
 class FrameThread:
     RECV_BYTES = 64 * 1024  # per read; below malloc's mmap threshold
     LONE_STEPS = False  # whether on_lone_step may take steps (subclasses that handle them)
@@ -57,20 +113,15 @@ class FrameThread:
         self._todo: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.roles: dict[socket.socket, str] = {}  # open connections (a plain dict: hot path)
         self.buffers: dict[socket.socket, bytearray] = {}  # bytes of frames not complete yet
-        # frames not yet taken by the kernel, and when each such connection must have moved on
-        self.outq: dict[socket.socket, deque[memoryview]] = {}
-        self.out_deadline: dict[socket.socket, float] = {}
+        self.out = Outbox(self.poller, send_timeout_s, name)
         self.partial_since: dict[socket.socket, float] = {}  # when a frame began and is not whole
-        # while queued work runs, the frames it sends (one write per connection after it:
-        # several sessions' steps queued together reach the next stage in one read)
-        self._corked: dict[socket.socket, list[bytes]] | None = None
         self.bad_frames = 0
         self.failures = 0  # frames or idle work whose handler raised (a bug; the thread went on)
         self._stop = False
         self._rbuf = bytearray(self.RECV_BYTES)  # each read lands here, then is taken at once
         self._rview = memoryview(self._rbuf)
         self._lone = False  # the current wait brought input on one connection only
-        self.acks_due: list[socket.socket] = []  # read this round (see _delay_acks)
+        self.acks_due: list[socket.socket] = []  # read this round (see delay_acks)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- for subclasses ------------------------------------------------------------------
@@ -163,52 +214,19 @@ class FrameThread:
 
     def send_frames(self, sock: socket.socket, data: bytes, what: str) -> bool:
         """`send` of frames already packed (`what` names them in a log line)."""
-        if self._corked is not None:  # queued work is running: its frames go out together
-            self._corked.setdefault(sock, []).append(data)
+        if self.out.corked is not None:  # queued work is running: its frames go out together
+            self.out.corked.setdefault(sock, []).append(data)
             return True
         return self._write(sock, data, what)
 
     def _write(self, sock: socket.socket, frames: bytes, what: str) -> bool:
-        data = memoryview(frames)
-        if (pending := self.outq.get(sock)) is not None:
-            pending.append(data)  # frames stay in order
-            return True
-        try:
-            sent = sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            log.warning("%s: could not send a %s: %r", self.thread.name, what, exc)
-            return False
-        if sent < len(data):
-            self.outq[sock] = deque([data[sent:]])
-            self.out_deadline[sock] = time.monotonic() + self.send_timeout_s
-            self.poller.modify(sock, select.POLLIN | select.POLLOUT)
-        return True
-
-    def _flush(self, sock: socket.socket) -> None:
-        pending = self.outq[sock]
-        try:
-            while pending:
-                n = sock.send(pending[0])
-                pending[0] = pending[0][n:]
-                self.out_deadline[sock] = time.monotonic() + self.send_timeout_s
-                if len(pending[0]):
-                    return
-                pending.popleft()
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self.close_conn(sock, f"broken while sending: {exc!r}")
-            return
-        del self.outq[sock], self.out_deadline[sock]
-        self.poller.modify(sock, select.POLLIN)
+        return self.out.write(sock, frames, what)
 
     def _wait_s(self) -> float | None:
         waits = [w for w in (self.next_timeout(),) if w is not None]
         now = time.monotonic()
-        if self.out_deadline:
-            waits.append(max(0.0, min(self.out_deadline.values()) - now))
+        if self.out.deadline:
+            waits.append(max(0.0, min(self.out.deadline.values()) - now))
         if self.partial_since:
             body_s = self.limits.frame_body_timeout_s
             waits.append(max(0.0, min(self.partial_since.values()) + body_s - now))
@@ -217,7 +235,7 @@ class FrameThread:
     def _expire(self) -> None:
         """Close connections whose peer stopped reading our frames, or stopped mid-frame."""
         now = time.monotonic()
-        for sock in [s for s, t in self.out_deadline.items() if t <= now]:
+        for sock in [s for s, t in self.out.deadline.items() if t <= now]:
             self.close_conn(sock, f"peer took nothing for {self.send_timeout_s:g} s")
         body_s = self.limits.frame_body_timeout_s
         for sock in [s for s, t in self.partial_since.items() if t + body_s <= now]:
@@ -225,7 +243,8 @@ class FrameThread:
             self.close_conn(sock, f"a frame stayed incomplete for {body_s:g} s")
 
     def close_conn(self, sock: socket.socket, reason: str = "closed here") -> None:
-        frames = self._corked.pop(sock, None) if self._corked is not None else None
+        corked = self.out.corked
+        frames = corked.pop(sock, None) if corked is not None else None
         if frames and self.role(sock) is not None:  # what was sent before the close goes first
             self._write(sock, b"".join(frames), "frame")
         if self.roles.pop(sock, None) is None:
@@ -237,8 +256,7 @@ class FrameThread:
             self.poller.unregister(fd)
         self.buffers.pop(sock, None)
         self.partial_since.pop(sock, None)
-        self.outq.pop(sock, None)
-        self.out_deadline.pop(sock, None)
+        self.out.forget(sock)
         sock.close()
         self.on_closed(sock, reason)
 
@@ -258,15 +276,16 @@ class FrameThread:
                     if events & select.POLLNVAL:  # closed elsewhere while registered here
                         self.close_conn(sock, "closed outside the thread")
                         continue
-                    if events & ~select.POLLIN and sock in self.outq:  # writable, or failed
-                        self._flush(sock)
+                    if events & ~select.POLLIN and sock in self.out.queued:  # writable, or failed
+                        if (broken := self.out.flush(sock)) is not None:
+                            self.close_conn(sock, broken)
                     if events & ~select.POLLOUT and sock in self.roles:  # readable, or closed
                         self._read(sock)
-                if self.out_deadline or self.partial_since:
+                if self.out.deadline or self.partial_since:
                     self._expire()
                 self._guarded(self.on_idle, "idle work")
                 if self.acks_due:
-                    self._delay_acks()
+                    delay_acks(self.acks_due, self.roles)
         except Exception:
             log.exception("%s failed", self.thread.name)
             raise
@@ -276,20 +295,6 @@ class FrameThread:
             self.cleanup()
             self._wake_r.close()
             self._wake_w.close()
-
-    def _delay_acks(self) -> None:
-        """After the round's work (its sends are out): the connections read this round ack
-        their next data late, with the peer's next ack or the kernel's delayed-ack timer,
-        instead of at once. Steps flow one way on a data connection, so each step would
-        otherwise cost a bare ack packet, handled inside the receiver's read on the hop's
-        path (the mode does not last: it is set again after every read)."""
-        for sock in self.acks_due:
-            if sock in self.roles:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 0)  # type: ignore[arg-type]
-                except OSError:  # not TCP (a socketpair in tests), or closing
-                    pass
-        self.acks_due.clear()
 
     @property
     def stopping(self) -> bool:
@@ -314,29 +319,15 @@ class FrameThread:
                 pass
         except BlockingIOError:
             pass
-        self._corked = {}
+        self.out.corked = {}
         try:
             while not self._todo.empty():
                 self._guarded(self._todo.get(), "queued work")
         finally:
-            corked, self._corked = self._corked, None
+            corked, self.out.corked = self.out.corked, None
             for sock, frames in corked.items():
                 if self.role(sock) is not None and not self._write(sock, b"".join(frames), "frame"):
                     self.close_conn(sock, "broken while sending")
-
-    def _parse(self, buf: bytearray, n: int) -> tuple[Message, None] | tuple[None, ProtocolError]:
-        """The frame at the head of buf (n bytes after its length) as a message, without
-        copying it. The views on buf are released before returning, even when the error's
-        traceback still refers to them (buf is resized next)."""
-        whole = memoryview(buf)
-        body = whole[4:4 + n]
-        try:
-            return decode(body, self.limits), None
-        except ProtocolError as exc:
-            return None, exc
-        finally:
-            body.release()
-            whole.release()
 
     def _read(self, sock: socket.socket) -> None:
         """Take what has arrived and handle each complete frame."""
@@ -379,7 +370,7 @@ class FrameThread:
                 self.partial_since.setdefault(sock, time.monotonic())
                 return
             self.partial_since.pop(sock, None)
-            msg, bad = self._parse(buf, n)
+            msg, bad = parse_head(buf, n, self.limits)
             del buf[:4 + n]
             if bad is not None:  # a whole frame that is wrong: refuse it, read on
                 self.on_bad_frame(sock, bad, fatal=False)
@@ -388,3 +379,34 @@ class FrameThread:
                 self.on_frame(sock, msg, t_in)
             except Exception as exc:  # noqa: BLE001 - see _guarded
                 self._failed(f"a {msg.TYPE} frame", exc)
+
+
+def parse_head(buf: bytearray, n: int,
+               limits: WireLimits) -> tuple[Message, None] | tuple[None, ProtocolError]:
+    """The frame at the head of buf (n bytes after its length) as a message, without
+    copying it. The views on buf are released before returning, even when the error's
+    traceback still refers to them (buf is resized next)."""
+    whole = memoryview(buf)
+    body = whole[4:4 + n]
+    try:
+        return decode(body, limits), None
+    except ProtocolError as exc:
+        return None, exc
+    finally:
+        body.release()
+        whole.release()
+
+
+def delay_acks(socks: list[socket.socket], open_: dict[socket.socket, str]) -> None:
+    """After the round's work (its sends are out): the connections read this round ack
+    their next data late, with the peer's next ack or the kernel's delayed-ack timer,
+    instead of at once. Steps flow one way on a data connection, so each step would
+    otherwise cost a bare ack packet, handled inside the receiver's read on the hop's
+    path (the mode does not last: it is set again after every read)."""
+    for sock in socks:
+        if sock in open_:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 0)  # type: ignore[arg-type]
+            except OSError:  # not TCP (a socketpair in tests), or closing
+                pass
+    socks.clear()

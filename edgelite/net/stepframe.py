@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 
 import numpy as np
 
@@ -127,6 +128,47 @@ def parse(body: bytes | bytearray | memoryview, limits: WireLimits) -> m.Forward
     t = texts[3 + rank:]
     return KINDS[kind](plan_id=plan, session=session, step=step, start=start, hidden=hidden,
                        error=error, trace=list(zip(t[::2], t[1::2], strict=True)))
+
+
+Lone = tuple[str, int, bytes, memoryview, memoryview]
+
+
+def lone_step(body: memoryview, plan: bytes, hidden: int, onward: bool) -> Lone | None:
+    """The decode lane's reading of a step (node/dataplane.py): a forward of plan `plan`
+    (its id's UTF-8) carrying one float32 token (1, 1, `hidden`), with no error, that may pass
+    one more stage, read in place. -> (session, start, the next frame's bytes before its new
+    trace entry, the tensor's bytes, the bytes between that entry and the output), with the
+    next frame a forward (`onward`) or the result; None: not such a step (it goes the general
+    way, `parse`). Checked in the same terms as `parse`."""
+    (_, kind, flags, n_trace, step, start, n_plan, n_session, n_error, code, rank) = \
+        HEAD.unpack_from(body)
+    ids_end = HEAD.size + n_plan + n_session
+    ints_end = ids_end + 4 * (3 + 2 * n_trace)
+    pos = ints_end + -ints_end % 4
+    if (kind != 1 or flags != HIDDEN or code != F32 or rank != 3 or n_error
+            or n_trace >= m.MAX_STAGES - 1 or step > m.RID or start > m.MAX_START
+            or len(body) != pos + 4 * hidden or body[HEAD.size:ids_end - n_session] != plan
+            or body[ids_end:ids_end + 12] != DIMS.pack(1, 1, hidden)):
+        return None
+    try:
+        session = bytes(body[ids_end - n_session:ids_end]).decode()
+    except UnicodeDecodeError:
+        return None
+    # all of the next frame that does not depend on the output (an entry longer trace, the
+    # same padding: 8 bytes more)
+    prefix = b"".join((LEN.pack(pos + 8 + 4 * hidden),
+                       HEAD.pack(MAGIC, 1 if onward else 2, flags, n_trace + 1, step, start,
+                                 n_plan, n_session, 0, code, 3),
+                       body[HEAD.size:ints_end]))
+    return session, start, prefix, body[pos:], body[ints_end:pos]
+
+
+def lane_frame(prefix: bytes, tail: memoryview, compute_ms: float, since_s: float,
+               out: bytes | memoryview) -> bytes:
+    """The whole next frame of a `lone_step`: its trace entry (this stage's compute and its
+    time since the step came in, `since_s` a perf_counter() reading), then the output."""
+    entry = PAIR.pack(round(compute_ms * 1e3), round((time.perf_counter() - since_s) * 1e6))
+    return b"".join((prefix, entry, tail, out))
 
 
 def _header_error(head: tuple[int, ...], size: int, limits: WireLimits) -> ProtocolError:
