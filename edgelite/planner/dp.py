@@ -23,7 +23,7 @@ INF = math.inf
 def solve(p: Problem, general: bool = False) -> Solution:
     """general=True forces the (small-m) general DP even where the fast path applies."""
     t0 = time.perf_counter()
-    if p.identical and p.objective == "latency" and not general:
+    if p.identical and p.objective.sums and not general:
         stages = solve_identical_latency(p)
     else:
         stages = solve_general(p)
@@ -38,7 +38,7 @@ def _range_ok(p: Problem, d: int, a: int, b: int, mem_prefix: list[int]) -> bool
 
 
 def solve_general(p: Problem) -> list[Span]:
-    n, m, lat = p.n, p.m, p.objective == "latency"
+    n, m, lat = p.n, p.m, p.objective.sums
     mem = [0]
     for L in p.layers:
         mem.append(mem[-1] + L.mem_bytes)

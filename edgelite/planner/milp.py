@@ -105,7 +105,7 @@ def _finish(p: Problem, h: Any, solver: str, t0: float, stages_fn) -> Solution:
 def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Solution:
     t0 = time.perf_counter()
     h = _highs(time_limit_s)
-    n, m, lat = p.n, p.m, p.objective == "latency"
+    n, m, lat = p.n, p.m, p.objective.sums
     unit = max(L.mem_bytes for L in p.layers)
     x = {(i, j): _binary(h, p.compute_ms(i, j) if lat else 0.0) for i in range(m) for j in range(n)}
     u = {i: _binary(h, p.weights.w_c if lat else 0.0) for i in range(m)}
@@ -183,7 +183,7 @@ def solve_aggregated(p: Problem, time_limit_s: float = 10.0) -> Solution:
         raise ValueError("the aggregated MILP needs identical layers")
     t0 = time.perf_counter()
     h = _highs(time_limit_s)
-    n, m, lat = p.n, p.m, p.objective == "latency"
+    n, m, lat = p.n, p.m, p.objective.sums
     layer = p.layers[0]
     unit_ms = [p.compute_ms(i, 0) for i in range(m)]
     fit = [max(0, min(n, int(p.capacity(i) // layer.mem_bytes))) for i in range(m)]

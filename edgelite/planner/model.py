@@ -3,18 +3,45 @@
 Pure functions over data (no I/O, no clock). Time unit: milliseconds. A plan is a sequence of
 stages, each a distinct device with a contiguous layer range; the client (device 0) holds a prefix
 of the layers or none, and runs embedding and head, so a token travels
-client -> stage 1 -> ... -> stage k -> client. See shared/DESIGN.md "The planner".
+client -> stage 1 -> ... -> stage k -> client (docs/architecture.md, Contracts: Plan).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
+from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 
-OBJECTIVES = ("latency", "throughput")
+
+class Objective(StrEnum):
+    """What a plan minimises: its one definition, which every solver reads (milp.py, dp.py)."""
+
+    LATENCY = "latency"  # one token's time: the sum of its stages, hops and the QoS and complexity terms
+    THROUGHPUT = "throughput"  # the slowest stage: the pipeline's rate with sessions in flight
+
+    @classmethod
+    def parse(cls, name: str) -> Objective:
+        try:
+            return cls(name)
+        except ValueError:
+            raise EdgeliteError(f"objective {name!r}: one of {', '.join(OBJECTIVES)}") from None
+
+    @property
+    def sums(self) -> bool:
+        """True: the cost adds up along the pipeline (each term priced where it is spent);
+        False: it is the pipeline's bottleneck (every stage's time bounded)."""
+        return self is Objective.LATENCY
+
+    def of(self, pr: Prediction) -> float:
+        """The objective's value of a predicted plan, in ms."""
+        return pr.total if self.sums else pr.bottleneck
+
+
+OBJECTIVES = tuple(o.value for o in Objective)
 
 
 @dataclass(frozen=True)
@@ -68,9 +95,12 @@ class Problem:
     weights: Weights = Weights()
     client_first: bool = True  # the client holds layer 0 (privacy), as in the source method
     client_reserved_bytes: int = 0  # embedding + head live on the client
-    objective: str = "latency"
+    objective: Objective = Objective.LATENCY  # (a name is taken too)
     client_fixed_flops: float = 0.0  # embedding + head per token: the same in every plan
     scratch_bytes: int = 0  # what running a prompt chunk takes beyond the layers, on any device
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objective", Objective.parse(self.objective))
 
     @property
     def n(self) -> int:
@@ -180,8 +210,7 @@ def predict(p: Problem, stages: list[Span]) -> Prediction:
 
 
 def value(p: Problem, stages: list[Span]) -> float:
-    pr = predict(p, stages)
-    return pr.total if p.objective == "latency" else pr.bottleneck
+    return p.objective.of(predict(p, stages))
 
 
 @dataclass(frozen=True)
