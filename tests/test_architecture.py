@@ -129,3 +129,71 @@ def test_examples_use_only_the_public_api_and_the_standard_library() -> None:
                 assert not node.module.startswith("edgelite"), (path, node.module)
             if isinstance(node, ast.Import):
                 assert all(a.name == "edgelite" or "." not in a.name for a in node.names), path
+
+
+def _calls_and_names(path: Path) -> set[str]:
+    """Every name a module calls or reads, bare or as an attribute's last part."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+    return out
+
+
+def test_sampling_stops_and_eos_live_in_the_reply_loop_only() -> None:
+    """One home for the reply's rules (engine/reply.py): no other module samples, matches stop
+    strings or tests for EOS; the library, generate, chat and both gateway doors reach it."""
+    home = "edgelite.engine.reply"
+    for module, path in MODULES.items():
+        if module == home:
+            continue
+        assert "edgelite.engine.sampling" not in GRAPH[module] or module == "edgelite.engine.sampling", \
+            f"{module} samples"
+        used = _calls_and_names(path)
+        assert not used & {"StopMatcher", "sample"}, (module, used & {"StopMatcher", "sample"})
+        # the EOS ids go from the manifest to a ReplyLoop, nowhere else
+        if "eos_token_ids" in used and module != "edgelite.manifest":
+            assert home in GRAPH[module] and "ReplyLoop" in used, module
+        text = path.read_text()
+        assert ".find(s) for s in" not in text and "endswith(s[:" not in text, (module, "stop matching")
+    drivers = {m for m, deps in GRAPH.items() if home in deps and "ReplyLoop" in _calls_and_names(MODULES[m])}
+    assert drivers == {"edgelite.engine.generate", "edgelite.serve.gateway"}, drivers
+    for module in ("edgelite.client.llm", "edgelite.serve.native", "edgelite.serve.http",
+                   "edgelite.cli.generate", "edgelite.cli.chat"):
+        assert _closure(module) & {"edgelite.engine.generate", "edgelite.serve.gateway"}, module
+
+
+def test_the_step_layout_is_defined_in_stepframe_only() -> None:
+    """Outside net/stepframe.py, step frames are built and read only through its functions
+    (the frame's length prefix and its first byte aside): no module packs or reads the
+    header's fields by hand."""
+    import edgelite.net.stepframe as sf
+
+    public = {n for n, v in vars(sf).items() if callable(v) and getattr(v, "__module__", "") == sf.__name__
+              and not n.startswith("_")}
+    allowed = public | {"LEN", "MAGIC"}
+    for module, path in MODULES.items():
+        if module == "edgelite.net.stepframe":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "edgelite.net.stepframe":
+                assert {a.name for a in node.names} <= allowed, (module, [a.name for a in node.names])
+            if isinstance(node, ast.ImportFrom) and node.module == "edgelite.net":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "stepframe"}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases):
+                assert node.attr in allowed, (module, node.attr)
+
+
+def test_no_class_is_over_300_lines() -> None:
+    root = PKG.parent
+    for path in [*PKG.rglob("*.py"), *(root / "exporter").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                assert size <= 300, f"{path.relative_to(root)}: class {node.name} has {size} lines"
