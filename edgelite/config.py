@@ -47,7 +47,9 @@ class RuntimeConfig:
     # (a chunk of 4 costs 1.96 ms a token per 10 int4 layers at context 1,000, one of 16 1.42)
     pipeline_min_chunk: int = 16
     # KV is accounted per session in these capacities (positions); the largest caps the context
-    kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    # up to the model's own context (a range holds min(max_positions, the largest bucket));
+    # the memory is reserved, not committed, until positions are written
+    kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
     # consecutive layers join one onnxruntime session up to this many MiB of weights (fewer
     # calls); loading a session widens its compact scales in memory at once, so this bounds
     # that transient (engine/layers.py)
@@ -65,6 +67,10 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None  # sampling seed (None: a fresh one each reply)
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
+    # speculative decoding (engine/speculate.py): off, lookup (drafts from the prompt and the
+    # reply), draft (a draft model's, loaded with the model: `--speculate DIR`)
+    speculate: str = "off"
+    draft_tokens: int = 0  # drafts a round (0: chosen each round from the measured figures)
 
 
 @dataclass(frozen=True)
@@ -182,8 +188,8 @@ class HttpConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
-    # a request body larger than this is refused (413), before it is parsed: the largest
-    # prompt the gateway takes (max_prompt_chars, 32,000) is at most ~200 KB of JSON
+    # a request body larger than this is refused (413), before it is parsed: it holds the
+    # largest prompt the gateway takes (max_prompt_chars, 131,072) as plain JSON text
     max_body_bytes: int = 256 * 1024
     # a refused body up to this size is read (and dropped) before the 413 is sent, within the
     # time below: a client that writes its whole body before reading (urllib, requests) then
@@ -204,7 +210,7 @@ class GatewayConfig:
     port: int = 7080
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # a client connection silent this long is closed
-    max_prompt_chars: int = 32_000
+    max_prompt_chars: int = 131_072  # (about 30,000 tokens of English: the cheap guard before tokenizing)
     max_tokens_limit: int = 2048  # the most a request may ask for
     max_temperature: float = 2.0  # (OpenAI's bound)
     max_stops: int = 4  # stop strings per request

@@ -40,6 +40,7 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("too long", {"messages": [{"role": "user", "content": "x" * 600}]}),
     ("five stops", {"messages": HI, "stop": ["a", "b", "c", "d", "e"]}),
     ("empty stop", {"messages": HI, "stop": [""]}),
+    ("speculate", {"messages": HI, "speculate": "draft"}),
 ]
 
 
@@ -107,8 +108,79 @@ def test_both_doors_refuse_alike_and_answer_alike(exported) -> None:
                     pieces = "".join([p async for p in client.generate(HI, GenerationConfig(
                         max_tokens=12, stop=(stop,)))])
                     assert pieces == text[:text.find(stop)]
+                    # prompt lookup in the gateway: the same greedy ids, drafts verified
+                    echo = {"messages": [{"role": "user", "content": "a b c d e f g " * 6}],
+                            "max_tokens": 24, "temperature": 0.0}
+                    plain = await _native(client, 100, echo)
+                    fast = await _native(client, 101, {**echo, "speculate": "lookup"})
+                    status, http = await asyncio.to_thread(
+                        _post, base, {"model": manifest.name, **echo, "speculate": "lookup"})
+                    assert isinstance(plain, m.Done) and isinstance(fast, m.Done)
+                    assert list(fast.token_ids) == list(plain.token_ids) == http["edgelite"]["token_ids"]
+                    assert gw.pacer.measured and gw.pacer.accepted, "no drafts were verified"
                 finally:
                     await client.close()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            door.close()
+            await backend.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.e2e
+def test_context_limits_are_named_and_long_prompts_are_chunked(exported) -> None:
+    """A prompt past the model's context (256 positions here) is refused at once through both
+    doors and by `generate`, naming the model's limit; one that fits gets its max_tokens cut
+    to what is left (finish "length"); a prompt longer than the scheduler's step budget is
+    prefilled over several steps instead of refused."""
+    from edgelite.engine.generate import generate
+    from edgelite.errors import EdgeliteError
+
+    manifest = load(exported["llama"])
+    cfg = GatewayConfig(port=0)
+    words = " ".join(f"w{i}" for i in range(400))
+
+    async def main() -> None:
+        backend = LocalBackend(manifest)
+        sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096,
+                                          max_step_tokens=64))
+        gw = Gateway(backend, Tokenizer(manifest), USERS, sched, cfg, GenerationConfig(max_tokens=8))
+        door = NativeDoor(gw, USERS, cfg)
+        await door.start()
+        api = HttpApi(manifest.name, USERS, HttpConfig(port=0))
+        api.gateway = gw
+        running = asyncio.get_running_loop().create_task(gw.run())
+        try:
+            async with served(api) as port:
+                base = f"http://127.0.0.1:{port}"
+                client = await GatewayClient.connect(NodeAddr("127.0.0.1", door.port), "u", "t-u")
+                try:
+                    long = {"messages": [{"role": "user", "content": words}]}
+                    status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name, **long})
+                    native = await _native(client, 1, long)
+                    assert status == 400 and isinstance(native, m.Error)
+                    assert answer["error"]["message"] == native.message
+                    assert "the model's context" in native.message and "256" in native.message
+                    tok = Tokenizer(manifest)
+                    fits = " ".join(words.split()[:60])
+                    n = len(tok.chat_prompt([{"role": "user", "content": fits}]))
+                    assert 64 < n < 250, n  # over the step budget, within the context
+                    done = await _native(client, 2, {"messages": [{"role": "user", "content": fits}],
+                                                     "max_tokens": 2000, "temperature": 0.0})
+                    assert isinstance(done, m.Done), done
+                    assert len(done.token_ids) <= 256 - n
+                finally:
+                    await client.close()
+            ids = tok.text_prompt(words)
+            assert len(ids) > 256
+            with pytest.raises(EdgeliteError, match="model's context"):
+                async for _ in generate(backend, ids, GenerationConfig(max_tokens=4), reuse=False):
+                    pass
+            short = ids[:250]
+            got = [p async for p in generate(backend, short, GenerationConfig(max_tokens=50), reuse=False)]
+            assert len([p for p in got if p.token_id is not None]) <= 6
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)

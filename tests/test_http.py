@@ -189,19 +189,19 @@ def test_sixteen_streams_match_solo_runs_and_tiers_show(server) -> None:
 
 
 def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(server) -> None:
-    """The HTTP door takes the native door's max_prompt_chars (32,000): a longer prompt, chat or
-    completion, is a 400 naming the limit, at once; the server serves the next request."""
+    """The HTTP door takes the native door's max_prompt_chars (131,072): a longer prompt, chat
+    or completion, is a 400 naming the limit, at once; the server serves the next request."""
     base, _ = server
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user",
-                                                               "content": "x" * 40_000}]}),
-                       ("/v1/completions", {"prompt": "y" * 40_000})):
+                                                               "content": "x" * 140_000}]}),
+                       ("/v1/completions", {"prompt": "y" * 140_000})):
         req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={
             "Authorization": "Bearer t-free", "Content-Type": "application/json"})
         t0 = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=30)
         message = json.loads(err.value.read())["error"]["message"]
-        assert err.value.code == 400 and "max_prompt_chars" in message and "40000" in message
+        assert err.value.code == 400 and "max_prompt_chars" in message and "140000" in message
         assert time.monotonic() - t0 < 2
     assert _metrics(base)["edgelite_up"] == 1
     with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:

@@ -54,7 +54,15 @@ class Chat:
 
 def _figures(stats: Stats) -> dict[str, Any]:
     return {"tokens": len(stats.token_ids), "ttft_ms": stats.ttft_ms,
-            "decode_tok_s": stats.decode_tok_s, "reused_tokens": stats.reused_tokens}
+            "decode_tok_s": stats.decode_tok_s, "reused_tokens": stats.reused_tokens,
+            **_speculation(stats)}
+
+
+def _speculation(stats: Stats) -> dict[str, Any]:
+    """Speculation's figures (none when no drafts were offered)."""
+    if not stats.drafted:
+        return {}
+    return {"acceptance": round(stats.acceptance, 3), "tokens_per_step": round(stats.tokens_per_step, 2)}
 
 
 async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> None:
@@ -66,6 +74,9 @@ async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> Non
             console.file.flush()
         chat.last = _figures(stats)
         reused = f", {stats.reused_tokens} prompt tokens from the KV store" if stats.reused_tokens else ""
+        if stats.drafted:
+            reused += (f", drafts {stats.acceptance:.0%} accepted, {stats.tokens_per_step:.2f} "
+                       f"tokens per step")
         console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} "
                            f"tok/s{reused}]\n")
         return

@@ -50,6 +50,10 @@ async def generate(args: argparse.Namespace, stream: TextIO | None) -> dict[str,
     out: dict[str, Any] = {"text": reply.text, "token_ids": st.token_ids,
                            "prompt_tokens": st.prompt_tokens, "ttft_ms": round(st.ttft_ms, 2),
                            "decode_tok_s": round(st.decode_tok_s, 2), "finish": st.finish}
+    if st.drafted:
+        out["speculation"] = {"drafted": st.drafted, "accepted": st.accepted,
+                              "acceptance": round(st.acceptance, 3),
+                              "tokens_per_step": round(st.tokens_per_step, 2)}
     if st.decode_s > 0 and len(st.token_ids) > 1:
         out["decode_ms_per_token"] = round(st.decode_s / (len(st.token_ids) - 1) * 1e3, 3)
     if llm.plan is not None and llm.plan.solver != "local":

@@ -62,6 +62,26 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=g.top_p,
                    help="sample from the most likely tokens up to this total probability")
     p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (default: a fresh one)")
+    p.add_argument("--speculate", default=g.speculate, metavar="lookup|DIR|off",
+                   help="speculative decoding: verify drafts of the next tokens in one step "
+                        "(the output is the same): lookup drafts from the prompt and the reply, "
+                        "DIR is a draft model's export with the same tokenizer (default: off)")
+    p.add_argument("--draft-tokens", type=draft_tokens, default=g.draft_tokens, metavar="K|auto",
+                   help="drafts per step (default auto: chosen each step from the acceptance "
+                        "rate and the measured step times)")
+
+
+def draft_tokens(text: str) -> int:
+    """argparse type for --draft-tokens: auto (0) or 1-15."""
+    if text == "auto":
+        return 0
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if not 1 <= k <= 15:
+        raise argparse.ArgumentTypeError(f"{text!r}: auto or 1-15")
+    return k
 
 
 def route_flag(p: argparse.ArgumentParser) -> None:
@@ -207,8 +227,22 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    spec = getattr(args, "speculate", "off")
     return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.seed,
+                            speculate=spec if spec in ("off", "lookup") else "draft",
+                            draft_tokens=getattr(args, "draft_tokens", 0))
+
+
+def draft_folder(args: argparse.Namespace) -> Path | None:
+    """--speculate DIR: the draft model's folder."""
+    spec = getattr(args, "speculate", "off")
+    if spec in ("off", "lookup"):
+        return None
+    if not (Path(spec) / "manifest.json").is_file():
+        raise EdgeliteError(f"--speculate {spec!r}: off, lookup, or a draft model's export folder "
+                            f"(no manifest.json there)")
+    return Path(spec)
 
 
 def client_memory(args: argparse.Namespace) -> int | None:
@@ -241,4 +275,4 @@ def connect_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "split": parse_split(args.split) if getattr(args, "split", None) else None,
             "planning": plan_options(args), "routes": parse_routes(getattr(args, "route", None)),
             "runtime": runtime_config(args), "client": client_config(args),
-            "generation": generation_config(args)}
+            "generation": generation_config(args), "draft": draft_folder(args)}

@@ -94,6 +94,9 @@ async def serve(args: argparse.Namespace) -> int:
                             "add --http [HOST:]PORT --no-native")
     if args.no_native and not args.http:
         raise EdgeliteError("--no-native leaves nothing to serve without --http")
+    if args.speculate not in ("off", "lookup"):
+        raise EdgeliteError("serve speculates by prompt lookup only: --speculate lookup or off "
+                            "(a draft model runs on a client: generate or chat --speculate DIR)")
     users = load_users(args.users) if args.users is not None else None
     gateway_cfg = GatewayConfig(**{"host": args.host, "port": args.port,
                                    **options.config_overrides(args.set, GatewayConfig)})

@@ -106,6 +106,8 @@ def footer(gen: dict[str, Any], stages: list[dict[str, Any]], health: dict[str, 
     t.append(f" · TTFT {gen.get('ttft_ms', 0.0):.0f} ms · {gen.get('tokens', 0)} tokens")
     if gen.get("reused_tokens"):
         t.append(f" · {gen['reused_tokens']} prompt tokens from the KV store")
+    if "acceptance" in gen:
+        t.append(f" · drafts {gen['acceptance']:.0%} accepted, {gen['tokens_per_step']:.2f} tokens/step")
     if stages:
         t.append(" · stages ")
         t.append(" | ".join(f"{s['name']} {s['ms_per_run']:.1f} ms" for s in stages))

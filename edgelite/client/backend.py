@@ -120,14 +120,41 @@ class ClusterBackend:
         return self.plane.traces
 
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
-        lost = [a for a in (s.addr for s in self.cluster.stages) if a in self.cluster.lost]
-        if lost:
-            raise NodeUnavailable(f"node {lost[0]} is gone ({self.cluster.lost[lost[0]]})",
-                                  node=str(lost[0]))
+        self._check_lost()
         try:
             return await self.plane.step(SessionId(session), ids)
         except StepTimeout as exc:
             raise await self._diagnose(exc) from None
+
+    @property
+    def context(self) -> int:
+        """The model's context, or less where the client's own layers hold less (a node that
+        holds less refuses the step that would go past it)."""
+        part = self.plane.part
+        m = part.manifest
+        return min(m.max_positions, part.prefix.pool.max_length if part.prefix else m.max_positions)
+
+    @property
+    def step_compute_ms(self) -> float | None:
+        """The node stages' compute in the last step (its trace)."""
+        traces = self.plane.traces
+        return sum(c for c, _ in traces[-1].stages) / 1e3 if traces else None
+
+    async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
+        self._check_lost()
+        try:
+            return await self.plane.step(SessionId(session), ids, every=True)
+        except StepTimeout as exc:
+            raise await self._diagnose(exc) from None
+
+    async def rollback(self, session: str, n: int) -> None:
+        await self.plane.rollback(SessionId(session), n)
+
+    def _check_lost(self) -> None:
+        lost = [a for a in (s.addr for s in self.cluster.stages) if a in self.cluster.lost]
+        if lost:
+            raise NodeUnavailable(f"node {lost[0]} is gone ({self.cluster.lost[lost[0]]})",
+                                  node=str(lost[0]))
 
     async def _diagnose(self, timeout: StepTimeout) -> NodeUnavailable:
         """Name the first stage that does not answer a ping."""

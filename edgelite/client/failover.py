@@ -61,11 +61,20 @@ class Recovery:
                 f"{self.deploy_ms:.0f} ms)")
 
 
+@dataclass(frozen=True)
+class Past:
+    """One thing a session did to its KV, replayed in order on new stages."""
+
+    ids: np.ndarray | None  # a step's ids (None: a rollback)
+    every: bool = False  # the step was a verification (Backend.verify: one run, every position)
+    keep: int = 0  # a rollback's positions kept
+
+
 @dataclass
 class _Sessions:
-    # the steps each session has run (their ids), replayed step by step on new stages: the same
-    # shapes give the same KV to the last bit, so the ids go on exactly as they would have
-    history: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # what each session has run, replayed in order on new stages: the same shapes give the
+    # same KV to the last bit, so the ids go on exactly as they would have
+    history: dict[str, list[Past]] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)  # KV to rebuild at their next step
 
 
@@ -93,12 +102,39 @@ class FailoverBackend:
     def healthy(self) -> bool:
         return self.inner.healthy
 
+    @property
+    def step_compute_ms(self) -> float | None:
+        return self.inner.step_compute_ms
+
+    @property
+    def context(self) -> int:
+        return self.inner.context
+
     async def reopen(self) -> None:
         """(The gateway after a loss it saw between steps.) Recover now; every session's KV
         is rebuilt from its history at its next step."""
         await self._recover(self.generation, "the gateway found the backend unhealthy")
 
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+        return await self._run(session, Past(ids))
+
+    async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
+        return await self._run(session, Past(ids, every=True))
+
+    async def rollback(self, session: str, n: int) -> None:
+        if session not in self.s.stale:  # (a stale one is rolled back in its replay)
+            await self.inner.rollback(session, n)
+        self.s.history.setdefault(session, []).append(Past(None, keep=n))
+
+    async def _replay(self, session: str, past: Past) -> np.ndarray | None:
+        if past.ids is None:
+            await self.inner.rollback(session, past.keep)
+            return None
+        if past.every:
+            return await self.inner.verify(session, past.ids)
+        return await self.inner.step(session, past.ids)
+
+    async def _run(self, session: str, now: Past) -> np.ndarray:
         failovers = 0
         pending: Recovery | None = None
         while True:
@@ -107,9 +143,10 @@ class FailoverBackend:
             try:
                 if session in self.s.stale:
                     for past in self.s.history.get(session, []):
-                        await self.inner.step(session, past)
+                        await self._replay(session, past)
                     self.s.stale.discard(session)
-                logits = await self.inner.step(session, ids)
+                logits = await self._replay(session, now)
+                assert logits is not None
             except NodeError as exc:
                 if not self.cfg.failover or failovers >= self.cfg.max_failovers:
                     raise
@@ -123,7 +160,7 @@ class FailoverBackend:
                 continue
             if pending is not None:  # this step ran the session again on the new stages
                 pending.rebuild_ms = (time.perf_counter() - t0) * 1e3
-            self.s.history.setdefault(session, []).append(ids)
+            self.s.history.setdefault(session, []).append(now)
             return logits
 
     async def _lost_something(self) -> bool:
@@ -201,7 +238,7 @@ class FailoverBackend:
     async def restore(self, session: str, tokens: list[int]) -> int:
         n = await self.inner.restore(session, tokens)
         if n:  # rebuilt by computing them, should the stages go
-            self.s.history[session] = [np.array([tokens[:n]], np.int64)]
+            self.s.history[session] = [Past(np.array([tokens[:n]], np.int64))]
         return n
 
     async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:

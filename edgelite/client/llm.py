@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
@@ -26,8 +27,9 @@ import numpy as np
 from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.client.failover import FailoverBackend, Recovery, Replan
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
-from edgelite.engine.generate import Backend, generate
+from edgelite.engine.generate import Backend, LocalBackend, generate
 from edgelite.engine.reply import Piece, Stats
+from edgelite.engine.speculate import DraftModel, Pacer, Speculation
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError
 from edgelite.ids import NodeAddr, SessionId
@@ -81,7 +83,7 @@ class Reply:
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         gen = generate(self.llm.backend, self.prompt, self.cfg, self.stats, self.session,
-                       self.reuse, StreamDecoder(self.llm.tokenizer))
+                       self.reuse, StreamDecoder(self.llm.tokenizer), self.llm.speculation(self.cfg))
         try:
             async for piece in gen:
                 self.text += piece.text
@@ -104,6 +106,25 @@ class LLM:
                  generation: GenerationConfig) -> None:
         self.manifest, self.backend, self.tokenizer = manifest, backend, tokenizer
         self._plan, self.probed, self.generation = plan, probed, generation
+        self.draft: DraftModel | None = None  # a draft model (open_llm's `draft`)
+        self.pacers: dict[str, Pacer] = {}  # speculation mode -> its pacer (learns across replies)
+
+    def speculation(self, cfg: GenerationConfig) -> Speculation | None:
+        """How a reply with these settings speculates (None: it does not)."""
+        if cfg.speculate == "off":
+            return None
+        if cfg.speculate not in ("lookup", "draft"):
+            raise EdgeliteError(f"speculate={cfg.speculate!r}: one of off, lookup, draft")
+        if cfg.speculate == "draft" and self.draft is None:
+            raise EdgeliteError("speculate=draft needs a draft model: connect(..., draft=DIR) "
+                                "(--speculate DIR)")
+        pacer = self.pacers.get(cfg.speculate)
+        if pacer is None:
+            pr = self._plan.predicted if self._plan is not None else None
+            pacer = self.pacers[cfg.speculate] = (
+                Pacer(pr.expected, pr.compute) if pr is not None and math.isfinite(pr.expected)
+                else Pacer())
+        return Speculation(pacer, self.draft if cfg.speculate == "draft" else None)
 
     @property
     def plan(self) -> Plan | None:
@@ -126,23 +147,27 @@ class LLM:
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
              stop: Sequence[str] | None = None, session: SessionId | None = None,
-             reuse: bool = True) -> Reply:
+             reuse: bool = True, speculate: str | None = None) -> Reply:
         """The assistant's next reply to `messages`, rendered with the model's chat template.
         `reuse`: the KV of the prompt's longest stored prefix is imported from the KV stores
-        (e.g. the conversation so far), and the conversation's KV is stored afterwards."""
+        (e.g. the conversation so far), and the conversation's KV is stored afterwards.
+        `speculate`: off, lookup or draft (GenerationConfig.speculate)."""
         prompt = self.tokenizer.chat_prompt(list(messages))
         return Reply(self, prompt, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                             top_p=top_p, seed=seed, stop=stop), session, reuse)
+                                             top_p=top_p, seed=seed, stop=stop,
+                                             speculate=speculate), session, reuse)
 
     def complete(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: Sequence[str] | None = None,
-                 session: SessionId | None = None, reuse: bool = True) -> Reply:
-        """A continuation of raw text (or token ids), without the chat template (`reuse`: as
-        for chat)."""
+                 session: SessionId | None = None, reuse: bool = True,
+                 speculate: str | None = None) -> Reply:
+        """A continuation of raw text (or token ids), without the chat template (`reuse`,
+        `speculate`: as for chat)."""
         ids = self.tokenizer.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop), session, reuse)
+                                          top_p=top_p, seed=seed, stop=stop, speculate=speculate),
+                     session, reuse)
 
     @property
     def cluster(self) -> ClusterBackend | None:
@@ -157,6 +182,8 @@ class LLM:
 
     async def close(self) -> None:
         await self.backend.close()
+        if self.draft is not None:
+            await self.draft.close()
 
     async def __aenter__(self) -> LLM:
         return self
@@ -170,10 +197,13 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
                    plan: Plan | None = None, planning: PlanOptions | None = None,
                    routes: Routes | None = None, runtime: RuntimeConfig | None = None,
                    client: ClientConfig | None = None, generation: GenerationConfig | None = None,
-                   progress: Progress | None = None) -> LLM:
-    """Load the manifest, plan (probe + solve, unless `split` or `plan` is given), deploy."""
+                   progress: Progress | None = None, draft: str | Path | None = None) -> LLM:
+    """Load the manifest, plan (probe + solve, unless `split` or `plan` is given), deploy.
+    `draft`: a draft model's folder, for speculative decoding (GenerationConfig.speculate
+    "draft"): a small export with the same tokenizer, run on this device."""
     manifest = model if isinstance(model, Manifest) else load_manifest(model)
     tokenizer = Tokenizer(manifest)
+    drafter = open_draft(draft, manifest, tokenizer, runtime) if draft is not None else None
     token = token or os.environ.get("EDGELITE_TOKEN")
     addrs = await node_addrs(nodes, token, client or ClientConfig())
     probed = None
@@ -206,7 +236,21 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     log.info("ready: %s (%s, %s) with %s", manifest.name, manifest.weights, manifest.compute,
              ", ".join(f"layers {s.first}-{s.last} on {s.addr or 'this device'}"
                        for s in plan.stages))
-    return LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+    llm = LLM(manifest, backend, tokenizer, plan, probed, generation or GenerationConfig())
+    llm.draft = drafter
+    return llm
+
+
+def open_draft(folder: str | Path, target: Manifest, tokenizer: Tokenizer,
+               runtime: RuntimeConfig | None) -> DraftModel:
+    """A draft model for `target`: refused unless its tokenizer gives the same ids."""
+    manifest = load_manifest(folder)
+    theirs = Tokenizer(manifest)
+    if (theirs.tok.get_vocab() != tokenizer.tok.get_vocab()
+            or set(manifest.eos_token_ids) != set(target.eos_token_ids)):
+        raise EdgeliteError(f"the draft model {manifest.name} ({folder}) has another tokenizer "
+                            f"than {target.name}: its drafts would be other tokens")
+    return DraftModel(LocalBackend(manifest, runtime))
 
 
 def _answers(token: str | None, cfg: ClientConfig) -> Callable[[NodeAddr], Awaitable[bool]]:

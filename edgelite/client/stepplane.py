@@ -64,6 +64,7 @@ class InFlight:
     tokens: int
     fut: asyncio.Future[np.ndarray]
     last: bool  # the prompt's last chunk (its result goes through the head)
+    every: bool  # the head runs at every position (a speculative step's verification)
     t0: float  # perf_counter when sent
     timeout_s: float
     deadline: float  # monotonic
@@ -76,6 +77,7 @@ class Job:
     session: SessionId
     ids: np.ndarray  # (1, seq) int64
     fut: asyncio.Future[np.ndarray]
+    every: bool = False  # one chunk, logits at every position (StepPlane.verify)
 
 
 class StepPlane(FrameThread):
@@ -107,11 +109,12 @@ class StepPlane(FrameThread):
     def attach(self, data_in: socket.socket, sink: socket.socket) -> None:
         self.call(lambda: self._attach(data_in, sink))
 
-    async def step(self, session: SessionId, ids: np.ndarray) -> np.ndarray:
-        """Append ids (1, seq) to the session; the logits (vocab,) of its last position."""
+    async def step(self, session: SessionId, ids: np.ndarray, every: bool = False) -> np.ndarray:
+        """Append ids (1, seq) to the session; the logits (vocab,) of its last position, or
+        (`every`: seq within one chunk, sent as one step) (seq, vocab) of every position."""
         if not self.thread.is_alive():
             raise self.gone or EdgeliteError("this plan's step thread is not running (closed)")
-        job = Job(session, ids, self.loop.create_future())
+        job = Job(session, ids, self.loop.create_future(), every)
         self.asked.append(job)
         if len(self.asked) == 1:  # the steps asked for in this turn of the loop go together
             self.loop.call_soon(self._hand_over)
@@ -134,6 +137,11 @@ class StepPlane(FrameThread):
         came from the KV stores)."""
         await self.submit(lambda: self.sessions.__setitem__(session, SessionState(position, position)))
 
+    async def rollback(self, session: SessionId, n: int) -> None:
+        """The session's next step starts at position n (<= where it is): the stages and the
+        client's layers drop the positions after it when that step comes."""
+        await self.submit(lambda: self._rollback(session, n))
+
     async def end(self, session: SessionId) -> None:
         """Forget the session here (the stages are told by the cluster)."""
         await self.submit(lambda: self._end(session))
@@ -146,6 +154,14 @@ class StepPlane(FrameThread):
         self.data_in = data_in
         self.add(data_in, "in")  # read too: stage 1 answers a malformed step on it
         self.add(sink, "sink")
+
+    def _rollback(self, session: SessionId, n: int) -> None:
+        state = self.sessions.get(session)
+        if state is None or state.broken or state.sent != state.position or n > state.position:
+            why = state.broken if state and state.broken else "not there, or a step in flight"
+            raise EdgeliteError(f"session {session[:12]}: cannot go back to position {n} ({why})")
+        self.part.rollback(session, n)
+        state.position = state.sent = n
 
     def _end(self, session: SessionId) -> None:
         self.sessions.pop(session, None)
@@ -195,8 +211,8 @@ class StepPlane(FrameThread):
             return
         n = int(job.ids.shape[1])
         rt = self.part.cfg
-        bounds = list(chunks_of(n, rt.prefill_chunks, rt.chunk_overhead_tokens, self.stages,
-                                rt.pipeline_min_chunk))
+        bounds = [(0, n)] if job.every else list(chunks_of(
+            n, rt.prefill_chunks, rt.chunk_overhead_tokens, self.stages, rt.pipeline_min_chunk))
         for k, (a, b) in enumerate(bounds):
             try:
                 hidden = self.part.front(job.session, job.ids[:, a:b])
@@ -209,8 +225,8 @@ class StepPlane(FrameThread):
             step = self.steps
             self.steps += 1
             self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
-                                                         b == n, time.perf_counter(), timeout,
-                                                         time.monotonic() + timeout)
+                                                         b == n, job.every, time.perf_counter(),
+                                                         timeout, time.monotonic() + timeout)
             body = stepframe.encode_fields(1, self.plan_id, job.session, step, state.sent, hidden)
             state.sent += b - a
             if not self.send_frames(self.data_in, LEN.pack(len(body)) + body, "forward"):
@@ -247,6 +263,12 @@ class StepPlane(FrameThread):
         done, self.done = self.done, []
         groups: dict[tuple[int, np.dtype], list[tuple[InFlight, np.ndarray]]] = {}
         for w, hidden in done:
+            if w.every:  # (a verification: every position, a run of its own)
+                try:
+                    self._settle(w.fut, self.part.head_all(hidden))
+                except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the caller's
+                    self._settle(w.fut, exc=exc)
+                continue
             groups.setdefault((hidden.shape[-1] if hidden.ndim == 3 else -1, hidden.dtype),
                               []).append((w, hidden))
         for members in groups.values():

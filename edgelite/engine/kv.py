@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgelite.errors import KVBudgetExceeded
+from edgelite.errors import EdgeliteError, KVBudgetExceeded
 
 PAGE = mmap.PAGESIZE
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux and Android (x86 and ARM)
 ITEM = 4  # float32
 RELEASE_POSITIONS = 64  # a windowed layer gives expired positions back this many at a time
+# the most positions a session may take back (`KVPool.rollback`: the drafts a speculative
+# step's verification rejected); windowed layers keep this many more than their window
+MAX_ROLLBACK = 16
 
 
 @dataclass
@@ -68,7 +71,7 @@ class KVPool:
         self.slot_bytes = row * self.capacity  # one layer's K (or V) of one slot
         self.row = row
         self.windows = tuple(windows) if any(windows) else ()
-        self.slack = slack + RELEASE_POSITIONS
+        self.slack = slack + RELEASE_POSITIONS + MAX_ROLLBACK
         self.token_bytes = 2 * layers * row  # what one position costs across the range
         self.context = context or capacity  # the model's own context: no session holds more
         self.slabs: list[Slab] = []
@@ -107,17 +110,18 @@ class KVPool:
 
     def expire(self, slot: Slot) -> None:
         """Give back the pages of windowed layers' positions that no later query reaches (those
-        before length - window), RELEASE_POSITIONS or more at a time."""
+        before length - window, less the positions a rollback may take back),
+        RELEASE_POSITIONS or more at a time."""
         if not self.windows:
             return
-        narrowest = min(w for w in self.windows if w)
+        narrowest = min(w for w in self.windows if w) + MAX_ROLLBACK
         if slot.length - narrowest < slot.released + RELEASE_POSITIONS:
             return
         head = self.capacity * self.head_dim * ITEM  # one head's positions, contiguous
         for layer, window in enumerate(self.windows):
             if not window:
                 continue
-            upto = max(0, slot.length - window)
+            upto = max(0, slot.length - window - MAX_ROLLBACK)
             for kv in range(2):
                 base = ((layer * 2 + kv) * self.slots_per_slab + slot.index) * self.slot_bytes
                 for h in range(self.kv_heads):
@@ -143,6 +147,14 @@ class KVPool:
         slot.index, slot.released = index, 0  # (the copies committed expired pages again)
         if other is not None:
             other.index, other.released = i, 0
+
+    def rollback(self, slot: Slot, n: int) -> None:
+        """The slot keeps its first n positions (at most MAX_ROLLBACK fewer than it holds):
+        the next step writes from there, and attention reads only up to the new length."""
+        if not slot.length - MAX_ROLLBACK <= n <= slot.length:
+            raise EdgeliteError(f"the session holds {slot.length} positions; it may go back to "
+                                   f"{max(0, slot.length - MAX_ROLLBACK)}-{slot.length}, not {n}")
+        slot.length = n
 
     def read(self, slot: Slot, n: int) -> np.ndarray:
         """A copy of the slot's first n positions: (layers, 2, kv_heads, n, head_dim)."""

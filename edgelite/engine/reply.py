@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgelite.config import GenerationConfig
-from edgelite.engine.sampling import sample
+from edgelite.engine.sampling import distribution, sample
 from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError
 
@@ -48,6 +48,18 @@ class Stats:
     decode_s: float = 0.0  # from the first token to the last
     finish: str = "length"
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
+    steps: int = 0  # steps that gave tokens (the prompt's, decode steps, verifications)
+    drafted: int = 0  # draft tokens offered for verification (speculation)
+    accepted: int = 0  # of them accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per round trip through the model (1 without speculation)."""
+        return len(self.token_ids) / self.steps if self.steps else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -111,7 +123,68 @@ class ReplyLoop:
         reply ended at EOS with no text held back). Check `done` afterwards."""
         if self.done:
             raise EdgeliteError(f"the reply already ended ({self.finish})")
-        tok = sample(logits, self.cfg.temperature, self.cfg.top_p, self.rng)
+        self.stats.steps += 1
+        return self._take(sample(logits, self.cfg.temperature, self.cfg.top_p, self.rng))
+
+    def verify(self, logits: np.ndarray, drafts: list[int],
+               q: list[np.ndarray] | None = None) -> tuple[list[Piece], int]:
+        """A speculative step's outcome. `logits` (len(drafts) + 1, vocab): every position of
+        the step that fed the reply's last token and then the drafts. Drafts are taken in
+        order while the rule accepts them (greedy: each must be the most likely token;
+        sampling: drawn with probability min(1, p/q), q the draft's distribution, or 1 for a
+        draft chosen outright), then one token is chosen where the first was refused (from
+        the residual max(0, p - q)) or after the last: the reply's distribution is the model's
+        own. Returns the pieces and the drafts accepted; stops where the reply ends."""
+        if self.done:
+            raise EdgeliteError(f"the reply already ended ({self.finish})")
+        st = self.stats
+        st.steps += 1
+        st.drafted += len(drafts)
+        pieces: list[Piece] = []
+        for i, draft in enumerate([*drafts, None]):
+            tok = self._judge(logits[i], draft, q[i] if q is not None and draft is not None else None)
+            piece = self._take(tok)
+            if piece is not None:
+                pieces.append(piece)
+            if tok == draft:
+                st.accepted += 1
+            if tok != draft or self.done:
+                return pieces, i + (tok == draft)
+        raise AssertionError("unreachable: the last position has no draft")
+
+    def draw(self, logits: np.ndarray, vocab: int) -> tuple[int, np.ndarray | None]:
+        """A draft model's token by this reply's settings: (token, the distribution over the
+        model's `vocab` tokens it was drawn from; None when greedy, chosen outright)."""
+        if self.cfg.temperature <= 0:
+            return int(np.argmax(logits)), None
+        q = distribution(logits, self.cfg.temperature, self.cfg.top_p)
+        if len(q) != vocab:  # (a padded table may differ in size: only common ids are drawn)
+            q = np.pad(q[:vocab], (0, max(0, vocab - len(q))))
+            q /= q.sum()
+        return int(self.rng.choice(len(q), p=q)), q
+
+    def _judge(self, logits: np.ndarray, draft: int | None, q: np.ndarray | None) -> int:
+        """The token at a verified position: `draft` if the rule accepts it (None: no draft
+        here), else the model's choice given that it was refused."""
+        cfg = self.cfg
+        if cfg.temperature <= 0:
+            return int(np.argmax(logits))
+        p = distribution(logits, cfg.temperature, cfg.top_p)
+        if draft is None:
+            return int(self.rng.choice(len(p), p=p))
+        q_draft = 1.0 if q is None else float(q[draft])
+        if self.rng.random() * q_draft < p[draft]:  # (u < p / q, without dividing by 0)
+            return draft
+        rest = np.maximum(p - q, 0.0) if q is not None else p.copy()
+        if q is None:
+            rest[draft] = 0.0
+        total = rest.sum()
+        if total <= 0:  # (p == q: a refusal has probability 0; guard against rounding)
+            rest, total = p, 1.0
+        return int(self.rng.choice(len(rest), p=rest / total))
+
+    def _take(self, tok: int) -> Piece | None:
+        """The reply's next token is `tok`: its piece, and whether the reply ended there."""
         if tok in self.eos:
             tail = self._end("eos")
             return Piece(tail, None) if tail else None

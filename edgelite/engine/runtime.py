@@ -207,6 +207,17 @@ class ClientPart:
         """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""
         return self.head_.run(hidden[:, -1:, :])[0, 0]
 
+    def head_all(self, hidden: np.ndarray) -> np.ndarray:
+        """The last stage's output (1, seq, hidden) -> logits (seq, vocab) at every position
+        (a speculative step's verification)."""
+        return self.head_.run(hidden)[0]
+
+    def rollback(self, session: str, n: int) -> None:
+        """The session keeps its first n positions in this part's layers (kv.MAX_ROLLBACK)."""
+        slot = self.slots.get(session)
+        if self.prefix is not None and slot is not None:
+            self.prefix.pool.rollback(slot, n)
+
     def heads(self, hiddens: list[np.ndarray]) -> np.ndarray:
         """Several sessions' last-stage outputs (1, seq_i, hidden) -> logits (n, vocab) of each
         one's last position, as one run: the head's weights are read once for all of them."""
@@ -278,6 +289,13 @@ class LocalChain:
             hidden = self.part.front(session, ids[:, a:b])
         assert hidden is not None
         return self.part.head(hidden)
+
+    def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, n), n within one chunk, appended in one run -> logits (n, vocab)."""
+        return self.part.head_all(self.part.front(session, ids))
+
+    def rollback(self, session: str, n: int) -> None:
+        self.part.rollback(session, n)
 
     def logits_all(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, n) appended to the session -> logits (n, vocab) at every position."""

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """logits (vocab,) -> token id."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
+def distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """The probabilities (vocab,) float64 a token is drawn from at temperature > 0: softmax
+    of logits / temperature, cut to the smallest set of tokens whose mass reaches top_p."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -18,4 +17,12 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
         mask = np.zeros_like(p)
         mask[keep] = p[keep]
         p = mask / mask.sum()
+    return p
+
+
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """logits (vocab,) -> token id."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    p = distribution(logits, temperature, top_p)
     return int(rng.choice(len(p), p=p))

@@ -397,6 +397,7 @@ class GenerateRequest(Message):
     top_p: float | None = None
     seed: int | None = bounds(-(2**63), 2**64 - 1, default=None)
     stop: list[str] | None = bounds(max_len=64, default=None)  # the reply ends before any of these
+    speculate: str | None = bounds(max_len=32, default=None)  # off | lookup
 
 
 @message("generate_cancel")

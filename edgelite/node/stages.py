@@ -23,7 +23,7 @@ import numpy as np
 
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
-from edgelite.engine.kv import Slot
+from edgelite.engine.kv import MAX_ROLLBACK, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
 from edgelite.engine.profile import resident_bytes
@@ -207,6 +207,11 @@ class StageStore:
         key = (stage.plan_id, session)
         sess = self.sessions.get(key)
         have = sess.slot.length if sess else 0
+        if sess is not None and have - MAX_ROLLBACK <= start < have:
+            # the client took back the positions after `start` (drafts it rejected): they
+            # are written over from there
+            stage.layers.pool.rollback(sess.slot, start)
+            have = start
         if start != have:
             raise EdgeliteError(f"session {session[:12]}: this node holds KV for {have} tokens but "
                                 f"the step starts at {start} (node restarted or session expired?)")

@@ -37,6 +37,7 @@ class Ask:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    speculate: str | None = None  # off | lookup (GenerationConfig.speculate)
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:
@@ -61,6 +62,9 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
     _within(ask.temperature, "temperature", 0.0, cfg.max_temperature)
     _within(ask.top_p, "top_p", 0.0, 1.0)
     _within(ask.seed, "seed", 0, 2**63 - 1)
+    if ask.speculate not in (None, "off", "lookup"):
+        raise AskError(f"speculate must be off or lookup (got {ask.speculate[:16]!r}; a gateway "
+                       f"drafts by prompt lookup only)", "speculate")
     if (len(ask.stop) > cfg.max_stops
             or not all(0 < len(s) <= cfg.max_stop_chars for s in ask.stop)):
         raise AskError(f"stop must be a string or a list of up to {cfg.max_stops} non-empty "
@@ -75,5 +79,6 @@ def _within(value: float | None, name: str, lo: float, hi: float) -> None:
 def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
     """The reply loop's settings: the request's, else the gateway's defaults."""
     given = {k: v for k, v in (("max_tokens", ask.max_tokens), ("temperature", ask.temperature),
-                               ("top_p", ask.top_p), ("seed", ask.seed)) if v is not None}
+                               ("top_p", ask.top_p), ("seed", ask.seed),
+                               ("speculate", ask.speculate)) if v is not None}
     return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

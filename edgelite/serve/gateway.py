@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,10 +34,12 @@ import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.engine.generate import Backend, stored_kv_failed
-from edgelite.engine.reply import ReplyLoop
+from edgelite.engine.reply import Piece, ReplyLoop
+from edgelite.engine.speculate import WIDTHS, Lookup, Pacer
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import EdgeliteError, QueueFull
 from edgelite.ids import SessionId, new_session_id
+from edgelite.manifest import Manifest
 from edgelite.net import messages as m
 from edgelite.net.schema import Message
 from edgelite.serve.ask import Ask, AskError, check, generation
@@ -74,10 +78,21 @@ class Job:
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
     tail: str = ""  # text its reply loop held back until the end (sent with Done)
+    lookup: Lookup | None = None  # its drafts (GenerationConfig.speculate "lookup")
+    pacer: Pacer | None = None  # how many of them pay (its own: Pacer.fork)
+    drafts: list[int] = field(default_factory=list)  # those its step in flight verifies
+    kind: int = 0  # the n-gram its lookup matched for them (the pacer's acceptance is by kind)
 
     @property
     def tokens(self) -> list[int]:
         return self.reply.stats.token_ids
+
+    def emit(self, piece: Piece) -> None:
+        """A piece to the client (text held back to the end goes with Done)."""
+        if piece.token_id is None:
+            self.tail = piece.text
+        else:
+            self.client.post(m.TokenPiece(id=self.rid, text=piece.text, token_id=piece.token_id))
 
 
 class Gateway:
@@ -94,6 +109,8 @@ class Gateway:
         # finished requests' KV being stored, then freed (reuse_prefixes): tasks that run
         # beside the steps, not in the way of the other requests' tokens
         self.finishing: set[asyncio.Task[None]] = set()
+        self.pacer = Pacer()  # how many drafts speculating requests offer (learns as they run)
+        self.tokenizing: Counter[str] = Counter()  # user -> its requests being tokenized
 
     async def run(self) -> None:
         """The scheduling loop, until cancelled."""
@@ -114,16 +131,22 @@ class Gateway:
         if gen.max_tokens > self.cfg.max_tokens_limit:
             raise AskError(f"max_tokens must be within 1..{self.cfg.max_tokens_limit} (got "
                            f"{gen.max_tokens}, the server's default)", "max_tokens")
-        # (off the event loop: tokenizing a long prompt takes a while, and the loop also
-        # serves every other request and the nodes' heartbeats)
-        prompt = await asyncio.to_thread(self._tokens, ask)
-        if not prompt:
-            raise AskError("the prompt is empty", "prompt")
         user = sink.user
-        mine = sum(1 for j in self.jobs.values() if j.client.user is user)
-        if mine >= self.cfg.max_requests_per_user:
+        mine = sum(1 for j in self.jobs.values() if j.client.user is user) + self.tokenizing[user.name]
+        if mine >= self.cfg.max_requests_per_user:  # (before any work: a flood costs little)
             raise QueueFull(f"user {user.name} has {mine} requests queued or running; the "
                             f"limit is {self.cfg.max_requests_per_user}")
+        # (off the event loop: tokenizing a long prompt takes a while, and the loop also
+        # serves every other request and the nodes' heartbeats)
+        self.tokenizing[user.name] += 1
+        try:
+            prompt = await asyncio.to_thread(tokens_of, self.tok, ask)
+        finally:
+            self.tokenizing[user.name] -= 1
+        if not prompt:
+            raise AskError("the prompt is empty", "prompt")
+        gen = fitted(gen, len(prompt), self.backend.manifest, self.sched.cfg.context_limit,
+                     "messages" if ask.messages is not None else "prompt")
         req = Request(new_session_id(), user.tier, len(prompt), gen.max_tokens,
                       time.monotonic(), user=user.name)
         try:
@@ -131,13 +154,10 @@ class Gateway:
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
         reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival)
-        self.jobs[req.rid] = Job(req, sink, rid, prompt, reply)
+        spec = gen.speculate == "lookup"
+        self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
+                                 pacer=self.pacer.fork() if spec else None)
         self.wake.set()
-
-    def _tokens(self, ask: Ask) -> list[int]:
-        if ask.messages is not None:
-            return self.tok.chat_prompt(ask.messages)
-        return self.tok.text_prompt(ask.text or "")
 
     def cancel(self, sink: Sink, rid: int) -> None:
         """A client stops one of its own requests (unknown or finished ids: nothing to do; a
@@ -157,7 +177,7 @@ class Gateway:
         while True:
             await self._cancel_gone()
             if not self.backend.healthy:
-                await self._recover()
+                await recover(self.sched, self.backend, self.figures, self.cfg)
                 continue
             rejoin = getattr(self.backend, "rejoin", None)  # (a failover backend's)
             if rejoin is not None and await rejoin() is not None:  # nodes left out are back
@@ -192,12 +212,14 @@ class Gateway:
                 looking = [self._reuse(job) for job in new]
             await asyncio.gather(*(self._swap_in(job) for job in back))
             skip = {job.req.rid for job in new} if looking else set()
-            work = [(r, next_ids(self.jobs[r.rid], self.cfg.prefill_chunk_tokens))
-                    for r in this_step(d, self.jobs, self.cfg)
-                    if r.rid not in skip]
+            chunk = self.cfg.prefill_chunk_tokens
+            work = [(r, drafted(self.jobs[r.rid], next_ids(self.jobs[r.rid], chunk)))
+                    for r in this_step(d, self.jobs, self.cfg) if r.rid not in skip]
+            t0 = time.perf_counter()
             results = await asyncio.gather(
-                *ends, *looking, *(self.backend.step(self.jobs[r.rid].session, np.array([ids], np.int64))
-                                   for r, (ids, _) in work), return_exceptions=True)
+                *ends, *looking, *(call(self.backend, self.jobs[r.rid], ids) for r, (ids, _) in work),
+                return_exceptions=True)
+            self._paced(work, (time.perf_counter() - t0) * 1e3)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
                     raise x  # (_reuse handles what a lookup may meet: this is a bug)
@@ -213,6 +235,12 @@ class Gateway:
                 job.restored = 0
                 if last or isinstance(logits, BaseException):
                     await self._deliver(job, logits)
+
+    def _paced(self, work: list[tuple[Request, tuple[list[int], bool]]], ms: float) -> None:
+        """The pacer learns from a step whose decode steps speculated or could have."""
+        drafting = [self.jobs[r.rid] for r, _ in work if r.rid in self.jobs and self.jobs[r.rid].lookup]
+        if drafting:
+            self.pacer.timed(max(len(j.drafts) for j in drafting), ms)
 
     async def _swap_out(self, job: Job) -> None:
         """A preempted request gives its KV up: stored first (`swap_preempted`), then freed."""
@@ -287,23 +315,6 @@ class Gateway:
             self.figures.cancelled += 1
         await asyncio.gather(*ends)
 
-    async def _recover(self) -> None:
-        """A node was lost: running requests go back to the queue (their tokens kept), and the
-        plan is deployed again until that works."""
-        back = self.sched.lost_kv()
-        if back:
-            log.warning("a node was lost; %d running requests wait to resume", len(back))
-        try:
-            await self.backend.reopen()
-        except EdgeliteError as exc:
-            self.figures.reconnect_failures += 1
-            log.warning("deploying the plan again failed (%s); retrying in %g s", exc,
-                        self.cfg.reconnect_interval_s)
-            await asyncio.sleep(self.cfg.reconnect_interval_s)
-            return
-        self.figures.reconnects += 1
-        log.info("the plan is deployed again; %d requests resume", len(back))
-
     async def _deliver(self, job: Job, logits: np.ndarray | BaseException) -> None:
         r = job.req
         if job.client.gone or job.cancelled:
@@ -315,15 +326,24 @@ class Gateway:
             self.sched.advance(r, done=True)
             await self._finish(job, error=str(logits))
             return
-        piece = job.reply.next(logits)
-        if piece is not None and piece.token_id is not None:
-            self.figures.token(job.reply.stats.token_times[-1])
-            job.client.post(m.TokenPiece(id=job.rid, text=piece.text, token_id=piece.token_id))
-        elif piece is not None:
-            job.tail = piece.text
-        self.sched.advance(r, done=job.reply.done, keep_kv=self.cfg.reuse_prefixes)  # (until stored: _finish)
+        before = len(job.tokens)
+        if job.drafts:
+            pieces, accepted = job.reply.verify(logits, job.drafts)
+            assert job.pacer is not None
+            job.pacer.judged(len(job.drafts), accepted, job.kind)
+        else:
+            piece = job.reply.next(logits)
+            pieces, accepted = ([piece] if piece is not None else []), 0
+        for piece in pieces:
+            if piece.token_id is not None:
+                self.figures.token(job.reply.stats.token_times[-1])
+            job.emit(piece)
+        made = len(job.tokens) - before + (job.reply.finish == "eos")  # (EOS ends it: one more)
+        advance(self.sched, r, made, job.reply.done, self.cfg.reuse_prefixes)
         if r.queue == "finished":
             await self._finish(job)
+        elif accepted < len(job.drafts):  # the stages give back the refused drafts' positions
+            await self.backend.rollback(job.session, len(job.prompt) + len(job.tokens) - 1)
 
     async def _finish(self, job: Job, error: str | None = None) -> None:
         del self.jobs[job.req.rid]
@@ -402,3 +422,72 @@ def next_ids(job: Job, chunk: int) -> tuple[list[int], bool]:
         del job.pending[:len(ids)]
         return ids, not job.pending
     return job.tokens[-1:], True
+
+
+def drafted(job: Job, step: tuple[list[int], bool]) -> tuple[list[int], bool]:
+    """A speculating request's decode step with as many of its lookup's drafts as pay."""
+    ids, last = step
+    job.drafts = []
+    if job.lookup is not None and job.pacer is not None and not job.pending and len(ids) == 1:
+        left = min(job.reply.cfg.max_tokens - len(job.tokens) - 1, WIDTHS[-1] - 1)
+        found = job.lookup.propose(job.prompt + job.tokens, left)
+        job.kind = found.kind
+        if found.tokens:
+            job.drafts = found.tokens[:job.reply.cfg.draft_tokens or job.pacer.k(0.0, found.kind)]
+    return ids + job.drafts, last
+
+
+def call(backend: Backend, job: Job, ids: list[int]) -> Awaitable[np.ndarray]:
+    """The backend call of a request's step: a verification when it carries drafts."""
+    batch = np.array([ids], np.int64)
+    if job.drafts:
+        return backend.verify(job.session, batch)
+    return backend.step(job.session, batch)
+
+
+def advance(sched: Scheduler, r: Request, made: int, done: bool, keep_kv: bool) -> None:
+    """Count `made` tokens of r's step in the scheduler (their KV), the last ending it when
+    `done` (a finished request's KV kept counted until it is stored: keep_kv)."""
+    for i in range(made):
+        sched.advance(r, done=done and i == made - 1, keep_kv=keep_kv)
+        if r.queue == "finished":
+            return
+
+
+async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: GatewayConfig) -> None:
+    """A node was lost: running requests go back to the queue (their tokens kept), and the
+    plan is deployed again until that works."""
+    back = sched.lost_kv()
+    if back:
+        log.warning("a node was lost; %d running requests wait to resume", len(back))
+    try:
+        await backend.reopen()
+    except EdgeliteError as exc:
+        figures.reconnect_failures += 1
+        log.warning("deploying the plan again failed (%s); retrying in %g s", exc,
+                    cfg.reconnect_interval_s)
+        await asyncio.sleep(cfg.reconnect_interval_s)
+        return
+    figures.reconnects += 1
+    log.info("the plan is deployed again; %d requests resume", len(back))
+
+
+def fitted(gen: GenerationConfig, prompt: int, m: Manifest, context_limit: int,
+           param: str) -> GenerationConfig:
+    """Refuse a prompt longer than the context (naming whose limit it is); cut max_tokens
+    to what fits after it (the reply then ends with finish "length")."""
+    limit = min(m.max_positions, context_limit)
+    if prompt >= limit:
+        whose = (f"the model's context ({m.name}: {m.max_positions} positions)"
+                 if limit == m.max_positions else
+                 f"the context this server's nodes hold ({limit} tokens: their --kv-buckets)")
+        raise AskError(f"the prompt has {prompt} tokens; {whose} takes at most {limit - 1} "
+                       f"and a reply", param)
+    return dataclasses.replace(gen, max_tokens=min(gen.max_tokens, limit - prompt))
+
+
+def tokens_of(tok: Tokenizer, ask: Ask) -> list[int]:
+    """The request's prompt as token ids (chat messages through the model's template)."""
+    if ask.messages is not None:
+        return tok.chat_prompt(ask.messages)
+    return tok.text_prompt(ask.text or "")

@@ -336,7 +336,7 @@ class HttpApi:
         ask = Ask(messages=messages, text=text, max_tokens=_number(body, "max_tokens", int),
                   temperature=_number(body, "temperature", float),
                   top_p=_number(body, "top_p", float), seed=_number(body, "seed", int),
-                  stop=_stops(body.get("stop")))
+                  stop=_stops(body.get("stop")), speculate=_text(body, "speculate"))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be true or false", param="stream")
@@ -477,6 +477,13 @@ def _number(body: dict[str, Any], name: str, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", param=name)
     return kind(value)
+
+
+def _text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", param=name)
+    return value
 
 
 def _stops(raw: Any) -> tuple[str, ...]:

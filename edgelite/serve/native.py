@@ -87,7 +87,8 @@ def ask_of(msg: m.GenerateRequest) -> Ask:
     messages = ([{"role": c.role, "content": c.content} for c in msg.messages]
                 if msg.messages is not None else [{"role": "user", "content": str(msg.prompt)}])
     return Ask(messages=messages, max_tokens=msg.max_tokens, temperature=msg.temperature,
-               top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()))
+               top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()),
+               speculate=msg.speculate)
 
 
 class NativeDoor:

@@ -140,11 +140,9 @@ class Scheduler:
     # ---- queues --------------------------------------------------------------------------
     def submit(self, r: Request) -> None:
         if self.cap(r.prompt_len + r.max_output) > min(self.cfg.context_limit, self.cfg.kv_tokens):
-            raise ValueError(f"request {r.rid}: prompt {r.prompt_len} + output {r.max_output} "
-                             f"exceeds the context limit or the KV memory")
-        if r.prompt_len > self.cfg.max_step_tokens:
-            raise ValueError(f"request {r.rid}: prompt {r.prompt_len} exceeds the step budget "
-                             f"of {self.cfg.max_step_tokens} tokens")
+            raise ValueError(f"the prompt's {r.prompt_len} tokens and max_tokens {r.max_output} "
+                             f"exceed what this server holds for a request: a context of "
+                             f"{self.cfg.context_limit} tokens, {self.cfg.kv_tokens} of KV memory")
         r.queue = "waiting"
         seq = next(self._seq)
         heapq.heappush(self.fresh, (-self.static_priority(r), seq, r))
@@ -239,12 +237,12 @@ class Scheduler:
                             d.preempt.append(victim)
                             per_user[victim.tier, victim.user] -= 1
                     fits = (len(self.running) < self.cfg.max_requests
-                            and tokens + r.prompt_len <= self.cfg.max_step_tokens
+                            and tokens + self._step_tokens(r.prompt_len) <= self.cfg.max_step_tokens
                             and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
                     if not fits:
                         return  # in priority order: nothing is admitted around the head
                     heapq.heappop(heap)
-                    tokens += r.prompt_len
+                    tokens += self._step_tokens(r.prompt_len)
                     self._run(r)
                     per_user[r.tier, r.user] += 1
                     r.admitted_at = now
@@ -317,17 +315,23 @@ class Scheduler:
         r.preemptions += 1
         heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
 
+    def _step_tokens(self, prompt: int) -> int:
+        """What a (re)prefill of `prompt` tokens costs one step's budget: a longer one is
+        prefilled over several steps (the gateway sends a chunk per step), so it counts as
+        the whole budget (it is admitted into an empty step)."""
+        return min(prompt, self.cfg.max_step_tokens)
+
     def _resume(self, d: Decision) -> None:
         tokens = 0
         grow = sum(self._grow(r) for r in d.decode)
         while self.preempted:
             r = self.preempted[0][2]
             if (len(self.running) >= self.cfg.max_requests
-                    or tokens + r.context > self.cfg.max_step_tokens
+                    or tokens + self._step_tokens(r.context) > self.cfg.max_step_tokens
                     or self.kv_used + grow + self.cap(self.charge(r)) > self.cfg.kv_tokens):
                 return
             heapq.heappop(self.preempted)
-            tokens += r.context
+            tokens += self._step_tokens(r.context)
             self._run(r)
             d.resume.append(r)
 
