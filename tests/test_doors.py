@@ -6,9 +6,11 @@ included) gives the same reply."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -65,66 +67,74 @@ async def _native(client: GatewayClient, rid: int, body: dict[str, Any]) -> m.Me
             return msg
 
 
+@contextlib.asynccontextmanager
+async def _doors(manifest, cfg: GatewayConfig, sched: Scheduler
+                 ) -> AsyncIterator[tuple[Gateway, LocalBackend, str, GatewayClient]]:
+    """One gateway on the local engine behind both doors: (gateway, backend, the HTTP base
+    address, a native client of user u)."""
+    backend = LocalBackend(manifest)
+    gw = Gateway(backend, Tokenizer(manifest), USERS, sched, cfg, GenerationConfig(max_tokens=8))
+    door = NativeDoor(gw, USERS, cfg)
+    await door.start()
+    api = HttpApi(manifest.name, USERS, HttpConfig(port=0))
+    api.gateway = gw
+    running = asyncio.get_running_loop().create_task(gw.run())
+    try:
+        async with served(api) as port:
+            client = await GatewayClient.connect(NodeAddr("127.0.0.1", door.port), "u", "t-u")
+            try:
+                yield gw, backend, f"http://127.0.0.1:{port}", client
+            finally:
+                await client.close()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        door.close()
+        await backend.close()
+
+
 @pytest.mark.e2e
 def test_both_doors_refuse_alike_and_answer_alike(exported) -> None:
     manifest = load(exported["llama"])
     cfg = GatewayConfig(port=0, max_prompt_chars=500)
 
     async def main() -> None:
-        backend = LocalBackend(manifest)
         sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096))
-        gw = Gateway(backend, Tokenizer(manifest), USERS, sched, cfg, GenerationConfig(max_tokens=8))
-        door = NativeDoor(gw, USERS, cfg)
-        await door.start()
-        api = HttpApi(manifest.name, USERS, HttpConfig(port=0))
-        api.gateway = gw
-        running = asyncio.get_running_loop().create_task(gw.run())
-        try:
-            async with served(api) as port:
-                base = f"http://127.0.0.1:{port}"
-                client = await GatewayClient.connect(NodeAddr("127.0.0.1", door.port), "u", "t-u")
-                try:
-                    for i, (what, body) in enumerate(INVALID):
-                        status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name,
-                                                                               **body})
-                        native = await _native(client, i, body)
-                        assert status == 400, (what, status, answer)
-                        assert isinstance(native, m.Error), (what, native)
-                        assert answer["error"]["message"] == native.message, what
-                    # one valid request with a stop string, through both doors
-                    ask = {"messages": HI, "max_tokens": 12, "temperature": 0.0}
-                    status, whole = await asyncio.to_thread(_post, base, {"model": manifest.name, **ask})
-                    assert status == 200, whole
-                    text = whole["choices"][0]["message"]["content"]
-                    assert len(text) >= 4, text
-                    stop = text[2:4]
-                    status, cut = await asyncio.to_thread(
-                        _post, base, {"model": manifest.name, **ask, "stop": [stop]})
-                    native = await _native(client, 99, {**ask, "stop": [stop]})
-                    assert isinstance(native, m.Done) and native.finish == "stop"
-                    assert cut["choices"][0]["finish_reason"] == "stop"
-                    assert cut["edgelite"]["token_ids"] == list(native.token_ids)
-                    assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
-                    pieces = "".join([p async for p in client.generate(HI, GenerationConfig(
-                        max_tokens=12, stop=(stop,)))])
-                    assert pieces == text[:text.find(stop)]
-                    # prompt lookup in the gateway: the same greedy ids, drafts verified
-                    echo = {"messages": [{"role": "user", "content": "a b c d e f g " * 6}],
-                            "max_tokens": 24, "temperature": 0.0}
-                    plain = await _native(client, 100, echo)
-                    fast = await _native(client, 101, {**echo, "speculate": "lookup"})
-                    status, http = await asyncio.to_thread(
-                        _post, base, {"model": manifest.name, **echo, "speculate": "lookup"})
-                    assert isinstance(plain, m.Done) and isinstance(fast, m.Done)
-                    assert list(fast.token_ids) == list(plain.token_ids) == http["edgelite"]["token_ids"]
-                    assert gw.pacer.measured and gw.pacer.accepted, "no drafts were verified"
-                finally:
-                    await client.close()
-        finally:
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-            door.close()
-            await backend.close()
+        async with _doors(manifest, cfg, sched) as (gw, _, base, client):
+            for i, (what, body) in enumerate(INVALID):
+                status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name,
+                                                                       **body})
+                native = await _native(client, i, body)
+                assert status == 400, (what, status, answer)
+                assert isinstance(native, m.Error), (what, native)
+                assert answer["error"]["message"] == native.message, what
+            # one valid request with a stop string, through both doors
+            ask = {"messages": HI, "max_tokens": 12, "temperature": 0.0}
+            status, whole = await asyncio.to_thread(_post, base, {"model": manifest.name, **ask})
+            assert status == 200, whole
+            text = whole["choices"][0]["message"]["content"]
+            assert len(text) >= 4, text
+            stop = text[2:4]
+            status, cut = await asyncio.to_thread(
+                _post, base, {"model": manifest.name, **ask, "stop": [stop]})
+            native = await _native(client, 99, {**ask, "stop": [stop]})
+            assert isinstance(native, m.Done) and native.finish == "stop"
+            assert cut["choices"][0]["finish_reason"] == "stop"
+            assert cut["edgelite"]["token_ids"] == list(native.token_ids)
+            assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
+            pieces = "".join([p async for p in client.generate(HI, GenerationConfig(
+                max_tokens=12, stop=(stop,)))])
+            assert pieces == text[:text.find(stop)]
+            # prompt lookup in the gateway: the same greedy ids, drafts verified
+            echo = {"messages": [{"role": "user", "content": "a b c d e f g " * 6}],
+                    "max_tokens": 24, "temperature": 0.0}
+            plain = await _native(client, 100, echo)
+            fast = await _native(client, 101, {**echo, "speculate": "lookup"})
+            status, http = await asyncio.to_thread(
+                _post, base, {"model": manifest.name, **echo, "speculate": "lookup"})
+            assert isinstance(plain, m.Done) and isinstance(fast, m.Done)
+            assert list(fast.token_ids) == list(plain.token_ids) == http["edgelite"]["token_ids"]
+            assert gw.pacer.measured and gw.pacer.accepted, "no drafts were verified"
 
     asyncio.run(main())
 
@@ -143,36 +153,23 @@ def test_context_limits_are_named_and_long_prompts_are_chunked(exported) -> None
     words = " ".join(f"w{i}" for i in range(400))
 
     async def main() -> None:
-        backend = LocalBackend(manifest)
         sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096,
                                           max_step_tokens=64))
-        gw = Gateway(backend, Tokenizer(manifest), USERS, sched, cfg, GenerationConfig(max_tokens=8))
-        door = NativeDoor(gw, USERS, cfg)
-        await door.start()
-        api = HttpApi(manifest.name, USERS, HttpConfig(port=0))
-        api.gateway = gw
-        running = asyncio.get_running_loop().create_task(gw.run())
-        try:
-            async with served(api) as port:
-                base = f"http://127.0.0.1:{port}"
-                client = await GatewayClient.connect(NodeAddr("127.0.0.1", door.port), "u", "t-u")
-                try:
-                    long = {"messages": [{"role": "user", "content": words}]}
-                    status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name, **long})
-                    native = await _native(client, 1, long)
-                    assert status == 400 and isinstance(native, m.Error)
-                    assert answer["error"]["message"] == native.message
-                    assert "the model's context" in native.message and "256" in native.message
-                    tok = Tokenizer(manifest)
-                    fits = " ".join(words.split()[:60])
-                    n = len(tok.chat_prompt([{"role": "user", "content": fits}]))
-                    assert 64 < n < 250, n  # over the step budget, within the context
-                    done = await _native(client, 2, {"messages": [{"role": "user", "content": fits}],
-                                                     "max_tokens": 2000, "temperature": 0.0})
-                    assert isinstance(done, m.Done), done
-                    assert len(done.token_ids) <= 256 - n
-                finally:
-                    await client.close()
+        async with _doors(manifest, cfg, sched) as (_, backend, base, client):
+            long = {"messages": [{"role": "user", "content": words}]}
+            status, answer = await asyncio.to_thread(_post, base, {"model": manifest.name, **long})
+            native = await _native(client, 1, long)
+            assert status == 400 and isinstance(native, m.Error)
+            assert answer["error"]["message"] == native.message
+            assert "the model's context" in native.message and "256" in native.message
+            tok = Tokenizer(manifest)
+            fits = " ".join(words.split()[:60])
+            n = len(tok.chat_prompt([{"role": "user", "content": fits}]))
+            assert 64 < n < 250, n  # over the step budget, within the context
+            done = await _native(client, 2, {"messages": [{"role": "user", "content": fits}],
+                                             "max_tokens": 2000, "temperature": 0.0})
+            assert isinstance(done, m.Done), done
+            assert len(done.token_ids) <= 256 - n
             ids = tok.text_prompt(words)
             assert len(ids) > 256
             with pytest.raises(EdgeliteError, match="model's context"):
@@ -181,10 +178,5 @@ def test_context_limits_are_named_and_long_prompts_are_chunked(exported) -> None
             short = ids[:250]
             got = [p async for p in generate(backend, short, GenerationConfig(max_tokens=50), reuse=False)]
             assert len([p for p in got if p.token_id is not None]) <= 6
-        finally:
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-            door.close()
-            await backend.close()
 
     asyncio.run(main())
