@@ -71,6 +71,14 @@ class GenerationConfig:
     # reply), draft (a draft model's, loaded with the model: `--speculate DIR`)
     speculate: str = "off"
     draft_tokens: int = 0  # drafts a round (0: chosen each round from the measured figures)
+    top_k: int = 0  # sample from the k most likely tokens only (0: all)
+    min_p: float = 0.0  # ... and only those at least this fraction of the likeliest's probability
+    # OpenAI's: minus presence_penalty for a token the reply has used, minus frequency_penalty
+    # per use; and HF's repetition_penalty for every token of the prompt and the reply
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int = -1  # each token's log probability and this many alternatives (-1: none)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,7 @@ class GatewayConfig:
     max_temperature: float = 2.0  # (OpenAI's bound)
     max_stops: int = 4  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
+    max_top_logprobs: int = 20  # alternatives a request may ask for per token (OpenAI's bound)
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
     max_requests_per_user: int = 8  # waiting + running at once; more are refused
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped

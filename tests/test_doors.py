@@ -180,3 +180,66 @@ def test_context_limits_are_named_and_long_prompts_are_chunked(exported) -> None
             assert len([p for p in got if p.token_id is not None]) <= 6
 
     asyncio.run(main())
+
+
+@pytest.mark.e2e
+def test_log_probabilities_and_sampling_controls(exported) -> None:
+    """logprobs over HTTP (chat and legacy completions, whole and streamed) and natively:
+    greedy picks the likeliest, so each token's log probability is its first alternative's;
+    top_k 1 and min_p 1 sample as greedy does at temperature 1; a large frequency penalty
+    makes a greedy reply repeat no token."""
+    manifest = load(exported["llama"])
+    cfg = GatewayConfig(port=0)
+
+    async def main() -> None:
+        sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096))
+        async with _doors(manifest, cfg, sched) as (_, _b, base, client):
+            ask = {"messages": HI, "max_tokens": 10, "temperature": 0.0}
+            status, whole = await asyncio.to_thread(
+                _post, base, {"model": manifest.name, **ask, "logprobs": True, "top_logprobs": 3})
+            assert status == 200, whole
+            content = whole["choices"][0]["logprobs"]["content"]
+            assert len(content) == len(whole["edgelite"]["token_ids"])
+            for c in content:
+                assert len(c["top_logprobs"]) == 3 and c["logprob"] <= 0
+                assert c["logprob"] == c["top_logprobs"][0]["logprob"]
+                assert c["bytes"] == list(c["token"].encode())
+            sse = urllib.request.Request(base + "/v1/chat/completions", json.dumps(
+                {"model": manifest.name, **ask, "stream": True, "logprobs": True}).encode(),
+                {"Content-Type": "application/json", "Authorization": "Bearer t-u"})
+            lines = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(sse, timeout=30).read().decode().splitlines())
+            chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            streamed = [c["choices"][0]["logprobs"]["content"][0]["logprob"] for c in chunks
+                        if c["choices"][0].get("logprobs")]
+            # (the same tokens; a reused prefix's KV may differ in the last bits)
+            assert len(streamed) == len(content)
+            assert max(abs(a - c["logprob"]) for a, c in zip(streamed, content, strict=True)) < 1e-4
+            req = urllib.request.Request(base + "/v1/completions", json.dumps(
+                {"model": manifest.name, "prompt": "hello", "max_tokens": 6, "temperature": 0,
+                 "logprobs": 2}).encode(), {"Content-Type": "application/json",
+                                           "Authorization": "Bearer t-u"})
+            legacy = await asyncio.to_thread(
+                lambda: json.loads(urllib.request.urlopen(req, timeout=30).read()))
+            lp = legacy["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+            assert lp["text_offset"][0] == 0
+            for extra in ({"response_format": {"type": "json_object"}},
+                          {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+                status, refused = await asyncio.to_thread(_post, base, {"model": manifest.name,
+                                                                        **ask, **extra})
+                assert status == 400 and refused["error"]["param"] in extra, refused
+            native = await _native(client, 7, {**ask, "logprobs": 2})
+            assert isinstance(native, m.Done)
+            bad = await _native(client, 8, {**ask, "logprobs": 99})
+            assert isinstance(bad, m.Error) and "top_logprobs" in bad.message
+            greedy = await _native(client, 9, ask)
+            for i, extra in enumerate(({"top_k": 1}, {"min_p": 1.0})):
+                got = await _native(client, 10 + i, {**ask, "temperature": 1.0, "seed": 3, **extra})
+                assert isinstance(got, m.Done) and list(got.token_ids) == list(greedy.token_ids), extra
+            varied = await _native(client, 12, {**ask, "max_tokens": 24, "frequency_penalty": 2.0,
+                                                "presence_penalty": 2.0, "repetition_penalty": 5.0})
+            assert isinstance(varied, m.Done)
+            assert len(set(varied.token_ids)) == len(varied.token_ids), varied.token_ids
+
+    asyncio.run(main())

@@ -62,6 +62,15 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=g.top_p,
                    help="sample from the most likely tokens up to this total probability")
     p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (default: a fresh one)")
+    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K likeliest tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=g.min_p,
+                   help="sample only tokens at least this fraction as likely as the likeliest")
+    p.add_argument("--repetition-penalty", type=float, default=g.repetition_penalty,
+                   help="divide the logits of tokens already in the prompt or reply (1: none)")
+    p.add_argument("--presence-penalty", type=float, default=g.presence_penalty,
+                   help="subtracted from the logits of tokens the reply used (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=g.frequency_penalty,
+                   help="subtracted per use from the logits of tokens the reply used (OpenAI's)")
     p.add_argument("--speculate", default=g.speculate, metavar="lookup|DIR|off",
                    help="speculative decoding: verify drafts of the next tokens in one step "
                         "(the output is the same): lookup drafts from the prompt and the reply, "
@@ -231,7 +240,11 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
     return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed,
                             speculate=spec if spec in ("off", "lookup") else "draft",
-                            draft_tokens=getattr(args, "draft_tokens", 0))
+                            draft_tokens=getattr(args, "draft_tokens", 0),
+                            top_k=getattr(args, "top_k", 0), min_p=getattr(args, "min_p", 0.0),
+                            repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                            presence_penalty=getattr(args, "presence_penalty", 0.0),
+                            frequency_penalty=getattr(args, "frequency_penalty", 0.0))
 
 
 def draft_folder(args: argparse.Namespace) -> Path | None:

@@ -142,31 +142,36 @@ class LLM:
         given = {k: v for k, v in overrides.items() if v is not None}
         if "stop" in given:
             given["stop"] = tuple(given["stop"])
+        known = {f.name for f in dataclasses.fields(GenerationConfig)}
+        if unknown := set(given) - known:
+            raise EdgeliteError(f"unknown generation options {sorted(unknown)}; known: {sorted(known)}")
         return dataclasses.replace(self.generation, **given)
 
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
              stop: Sequence[str] | None = None, session: SessionId | None = None,
-             reuse: bool = True, speculate: str | None = None) -> Reply:
+             reuse: bool = True, speculate: str | None = None, **options: Any) -> Reply:
         """The assistant's next reply to `messages`, rendered with the model's chat template.
         `reuse`: the KV of the prompt's longest stored prefix is imported from the KV stores
         (e.g. the conversation so far), and the conversation's KV is stored afterwards.
-        `speculate`: off, lookup or draft (GenerationConfig.speculate)."""
+        `speculate`: off, lookup or draft (GenerationConfig.speculate); `options`: any other
+        GenerationConfig field (top_k, min_p, the penalties, logprobs)."""
         prompt = self.tokenizer.chat_prompt(list(messages))
         return Reply(self, prompt, self._cfg(max_tokens=max_tokens, temperature=temperature,
                                              top_p=top_p, seed=seed, stop=stop,
-                                             speculate=speculate), session, reuse)
+                                             speculate=speculate, **options), session, reuse)
 
     def complete(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: Sequence[str] | None = None,
                  session: SessionId | None = None, reuse: bool = True,
-                 speculate: str | None = None) -> Reply:
+                 speculate: str | None = None, **options: Any) -> Reply:
         """A continuation of raw text (or token ids), without the chat template (`reuse`,
         `speculate`: as for chat)."""
         ids = self.tokenizer.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         return Reply(self, ids, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop, speculate=speculate),
+                                          top_p=top_p, seed=seed, stop=stop, speculate=speculate,
+                                          **options),
                      session, reuse)
 
     @property

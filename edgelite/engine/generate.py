@@ -198,7 +198,7 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
         raise EdgeliteError(f"the prompt has {len(prompt)} tokens; {whose} takes at most "
                             f"{backend.context - 1} and a reply")
     cfg = dataclasses.replace(cfg, max_tokens=min(cfg.max_tokens, backend.context - len(prompt)))
-    reply = ReplyLoop(cfg, backend.manifest.eos_token_ids, decoder, stats=stats)
+    reply = ReplyLoop(cfg, backend.manifest.eos_token_ids, decoder, stats=stats, prompt=prompt)
     stats = reply.stats
     stats.prompt_tokens = len(prompt)
     session = session or secrets.token_hex(16)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from edgelite.config import GenerationConfig
-from edgelite.engine.sampling import distribution, sample
+from edgelite.engine.sampling import distribution, log_softmax, sample
 from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError
 
@@ -35,6 +36,10 @@ class Piece:
 
     text: str
     token_id: int | None
+    # with GenerationConfig.logprobs >= 0: the token's log probability (after penalties,
+    # before temperature) and the likeliest alternatives, (id, log probability) each
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -104,15 +109,20 @@ class ReplyLoop:
 
     def __init__(self, cfg: GenerationConfig, eos: Collection[int],
                  decoder: StreamDecoder | None = None, started: float | None = None,
-                 stats: Stats | None = None) -> None:
+                 stats: Stats | None = None, prompt: Sequence[int] = ()) -> None:
         if cfg.max_tokens < 1:
             raise EdgeliteError(f"max_tokens must be at least 1 (got {cfg.max_tokens})")
+        if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or cfg.repetition_penalty <= 0:
+            raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
+                                f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
         self.cfg, self.eos, self.decoder = cfg, frozenset(eos), decoder
         self.started = time.monotonic() if started is None else started
         self.stats = stats if stats is not None else Stats()
         self.rng = np.random.default_rng(cfg.seed if cfg.seed is not None else secrets.randbits(64))
         self.stops = StopMatcher(cfg.stop)
         self.finish: str | None = None
+        self.uses: Counter[int] = Counter()  # the reply's tokens, for the penalties
+        self.seen = set(prompt) if cfg.repetition_penalty != 1.0 else set()  # (and the prompt's)
 
     @property
     def done(self) -> bool:
@@ -124,7 +134,10 @@ class ReplyLoop:
         if self.done:
             raise EdgeliteError(f"the reply already ended ({self.finish})")
         self.stats.steps += 1
-        return self._take(sample(logits, self.cfg.temperature, self.cfg.top_p, self.rng))
+        logits = self._penalised(logits)
+        cfg = self.cfg
+        return self._take(sample(logits, cfg.temperature, cfg.top_p, self.rng, cfg.top_k, cfg.min_p),
+                          logits)
 
     def verify(self, logits: np.ndarray, drafts: list[int],
                q: list[np.ndarray] | None = None) -> tuple[list[Piece], int]:
@@ -142,8 +155,9 @@ class ReplyLoop:
         st.drafted += len(drafts)
         pieces: list[Piece] = []
         for i, draft in enumerate([*drafts, None]):
-            tok = self._judge(logits[i], draft, q[i] if q is not None and draft is not None else None)
-            piece = self._take(tok)
+            row = self._penalised(logits[i])  # (the tokens taken so far count)
+            tok = self._judge(row, draft, q[i] if q is not None and draft is not None else None)
+            piece = self._take(tok, row)
             if piece is not None:
                 pieces.append(piece)
             if tok == draft:
@@ -157,7 +171,8 @@ class ReplyLoop:
         model's `vocab` tokens it was drawn from; None when greedy, chosen outright)."""
         if self.cfg.temperature <= 0:
             return int(np.argmax(logits)), None
-        q = distribution(logits, self.cfg.temperature, self.cfg.top_p)
+        cfg = self.cfg
+        q = distribution(logits, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         if len(q) != vocab:  # (a padded table may differ in size: only common ids are drawn)
             q = np.pad(q[:vocab], (0, max(0, vocab - len(q))))
             q /= q.sum()
@@ -169,7 +184,7 @@ class ReplyLoop:
         cfg = self.cfg
         if cfg.temperature <= 0:
             return int(np.argmax(logits))
-        p = distribution(logits, cfg.temperature, cfg.top_p)
+        p = distribution(logits, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         if draft is None:
             return int(self.rng.choice(len(p), p=p))
         q_draft = 1.0 if q is None else float(q[draft])
@@ -183,8 +198,24 @@ class ReplyLoop:
             rest, total = p, 1.0
         return int(self.rng.choice(len(rest), p=rest / total))
 
-    def _take(self, tok: int) -> Piece | None:
-        """The reply's next token is `tok`: its piece, and whether the reply ended there."""
+    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with the penalties applied (the same array when there are none)."""
+        cfg = self.cfg
+        if cfg.repetition_penalty != 1.0 and (self.seen or self.uses):
+            logits = logits.copy()
+            ids = np.fromiter(self.seen | self.uses.keys(), np.int64)
+            row = logits[ids]
+            logits[ids] = np.where(row > 0, row / cfg.repetition_penalty, row * cfg.repetition_penalty)
+        if (cfg.presence_penalty or cfg.frequency_penalty) and self.uses:
+            logits = logits.copy() if cfg.repetition_penalty == 1.0 else logits
+            ids = np.fromiter(self.uses.keys(), np.int64, len(self.uses))
+            counts = np.fromiter(self.uses.values(), np.float64, len(self.uses))
+            logits[ids] -= (cfg.presence_penalty + cfg.frequency_penalty * counts).astype(logits.dtype)
+        return logits
+
+    def _take(self, tok: int, logits: np.ndarray | None = None) -> Piece | None:
+        """The reply's next token is `tok` (chosen from `logits`, for its log probability):
+        its piece, and whether the reply ended there."""
         if tok in self.eos:
             tail = self._end("eos")
             return Piece(tail, None) if tail else None
@@ -199,7 +230,14 @@ class ReplyLoop:
             self._set("stop")
         elif len(st.token_ids) >= self.cfg.max_tokens:
             text += self._end("length")
-        return Piece(text, tok)
+        self.uses[tok] += 1
+        if self.cfg.logprobs < 0 or logits is None:
+            return Piece(text, tok)
+        lp = log_softmax(logits)
+        k = min(self.cfg.logprobs, len(lp))
+        top = np.argpartition(-lp, k - 1)[:k] if k else np.array([], np.int64)
+        top = top[np.argsort(-lp[top])]
+        return Piece(text, tok, float(lp[tok]), tuple((int(t), float(lp[t])) for t in top))
 
     def _set(self, finish: str) -> None:
         self.finish = self.stats.finish = finish

@@ -398,6 +398,12 @@ class GenerateRequest(Message):
     seed: int | None = bounds(-(2**63), 2**64 - 1, default=None)
     stop: list[str] | None = bounds(max_len=64, default=None)  # the reply ends before any of these
     speculate: str | None = bounds(max_len=32, default=None)  # off | lookup
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None  # with each token its log probability and this many alternatives
 
 
 @message("generate_cancel")
@@ -412,6 +418,9 @@ class TokenPiece(Message):
     id: int = bounds(-RID, RID)
     text: str = bounds(max_len=4096)
     token_id: int = bounds(0, 1 << 30)
+    logprob: float | None = None  # (GenerateRequest.logprobs)
+    top_ids: list[int] = bounds(max_len=64, default=[])  # the likeliest alternatives
+    top_logprobs: list[float] = bounds(max_len=64, default=[])  # and their log probabilities
 
 
 @message("done")

@@ -38,6 +38,12 @@ class Ask:
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     speculate: str | None = None  # off | lookup (GenerationConfig.speculate)
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None  # alternatives per token with each token's log probability
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:
@@ -62,6 +68,12 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
     _within(ask.temperature, "temperature", 0.0, cfg.max_temperature)
     _within(ask.top_p, "top_p", 0.0, 1.0)
     _within(ask.seed, "seed", 0, 2**63 - 1)
+    _within(ask.top_k, "top_k", 0, 2**31 - 1)
+    _within(ask.min_p, "min_p", 0.0, 1.0)
+    _within(ask.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _within(ask.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _within(ask.repetition_penalty, "repetition_penalty", 0.01, 10.0)
+    _within(ask.logprobs, "top_logprobs", 0, cfg.max_top_logprobs)
     if ask.speculate not in (None, "off", "lookup"):
         raise AskError(f"speculate must be off or lookup (got {ask.speculate[:16]!r}; a gateway "
                        f"drafts by prompt lookup only)", "speculate")
@@ -80,5 +92,9 @@ def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
     """The reply loop's settings: the request's, else the gateway's defaults."""
     given = {k: v for k, v in (("max_tokens", ask.max_tokens), ("temperature", ask.temperature),
                                ("top_p", ask.top_p), ("seed", ask.seed),
-                               ("speculate", ask.speculate)) if v is not None}
+                               ("speculate", ask.speculate), ("top_k", ask.top_k),
+                               ("min_p", ask.min_p), ("presence_penalty", ask.presence_penalty),
+                               ("frequency_penalty", ask.frequency_penalty),
+                               ("repetition_penalty", ask.repetition_penalty),
+                               ("logprobs", ask.logprobs)) if v is not None}
     return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

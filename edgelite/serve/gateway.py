@@ -92,7 +92,9 @@ class Job:
         if piece.token_id is None:
             self.tail = piece.text
         else:
-            self.client.post(m.TokenPiece(id=self.rid, text=piece.text, token_id=piece.token_id))
+            self.client.post(m.TokenPiece(id=self.rid, text=piece.text, token_id=piece.token_id,
+                                          logprob=piece.logprob, top_ids=[t for t, _ in piece.top],
+                                          top_logprobs=[lp for _, lp in piece.top]))
 
 
 class Gateway:
@@ -153,7 +155,7 @@ class Gateway:
             self.sched.submit(req)
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
-        reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival)
+        reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
         spec = gen.speculate == "lookup"
         self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
                                  pacer=self.pacer.fork() if spec else None)

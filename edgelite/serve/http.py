@@ -34,6 +34,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgelite.config import HttpConfig
+from edgelite.engine.tokenizer import Tokenizer
 from edgelite.errors import ProtocolError, QueueFull
 from edgelite.net import messages as m
 from edgelite.net.frames import listen_error
@@ -229,7 +230,7 @@ class HttpApi:
             user = self._user(request)
             body = await self._body(request)
             gw = self._gateway()
-            call = self._parse(body, chat)
+            call = parse_call(body, chat, self.model_id)
             sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
             rid = secrets.randbits(48)
             try:
@@ -312,61 +313,29 @@ class HttpApi:
                                 "again); retry shortly", "server_error", code="unavailable")
         return self.gateway
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> Call:
-        """The request in OpenAI's JSON: its types and this door's own fields are checked
-        here, the values' rules by the gateway (serve/ask.py)."""
-        model = body.get("model", self.model_id)
-        if model != self.model_id:
-            raise ApiError(404, f"model {model!r} is not served here; this server has "
-                                f"{self.model_id!r}", param="model", code="model_not_found")
-        n = body.get("n", 1)
-        if n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        messages, text = None, None
-        if chat:
-            messages = _messages(body.get("messages"))
-        else:
-            text = body.get("prompt")
-            if isinstance(text, list) and len(text) == 1:
-                text = text[0]
-            if not isinstance(text, str):
-                raise ApiError(400, "prompt must be a string", param="prompt")
-        if "max_completion_tokens" in body:
-            body["max_tokens"] = body["max_completion_tokens"]
-        ask = Ask(messages=messages, text=text, max_tokens=_number(body, "max_tokens", int),
-                  temperature=_number(body, "temperature", float),
-                  top_p=_number(body, "top_p", float), seed=_number(body, "seed", int),
-                  stop=_stops(body.get("stop")), speculate=_text(body, "speculate"))
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "stream must be true or false", param="stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, "stream_options must be an object", param="stream_options")
-        return Call(ask, stream, bool(options.get("include_usage", True)), chat)
-
     # ---- replies -------------------------------------------------------------------------
-    async def _pieces(self, request: Request, sink: HttpSink) -> AsyncIterator[tuple[str, m.Done | None]]:
-        """(text, None) per piece, then ("", Done). Raises ApiError if the request failed.
-        The request is cancelled if the client goes or the caller stops."""
+    async def _pieces(self, request: Request, sink: HttpSink
+                      ) -> AsyncIterator[tuple[str, m.TokenPiece | None, m.Done | None]]:
+        """(text, its TokenPiece, None) per piece, then ("", None, Done). Raises ApiError if
+        the request failed. The request is cancelled if the client goes or the caller stops."""
         watcher = asyncio.get_running_loop().create_task(self._watch(request, sink))
         try:
             while True:
                 try:
                     msg = await asyncio.wait_for(sink.queue.get(), self.cfg.sse_keepalive_s)
                 except TimeoutError:
-                    yield "", None  # nothing yet (a long prompt): the caller may keep alive
+                    yield "", None, None  # nothing yet (a long prompt): the caller may keep alive
                     continue
                 if msg is None:  # the client went away
                     return
                 if isinstance(msg, m.TokenPiece):
-                    if msg.text:
-                        yield msg.text, None
+                    if msg.text or msg.logprob is not None:
+                        yield msg.text, msg, None
                 elif isinstance(msg, m.Done):
                     sink.done = True
                     if msg.text:
-                        yield msg.text, None
-                    yield "", msg
+                        yield msg.text, None, None
+                    yield "", None, msg
                     return
                 elif isinstance(msg, m.Error):
                     raise ApiError(503 if self.gateway is None or not self.gateway.ready else 500,
@@ -378,6 +347,12 @@ class HttpApi:
                     self.gateway.wake.set()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+
+    def _scores(self, call: Call, pieces: list[m.TokenPiece]) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object for these tokens (None: not asked for)."""
+        if call.ask.logprobs is None or self.gateway is None:
+            return None
+        return logprob_block(call.chat, pieces, self.gateway.tok)
 
     async def _watch(self, request: Request, sink: HttpSink) -> None:
         """Wait for the client to disconnect; then cancel its request at once."""
@@ -395,10 +370,13 @@ class HttpApi:
 
     async def _whole(self, request: Request, sink: HttpSink, call: Call, name: str) -> Response:
         parts: list[str] = []
+        scored: list[m.TokenPiece] = []
         done: m.Done | None = None
         try:
-            async for text, end in self._pieces(request, sink):
+            async for text, piece, end in self._pieces(request, sink):
                 parts.append(text)
+                if piece is not None and piece.logprob is not None:
+                    scored.append(piece)
                 done = end or done
         except ApiError as exc:
             return exc.response()
@@ -406,7 +384,7 @@ class HttpApi:
             return Response(status_code=499)  # the client left: nobody reads this
         text = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(done.finish),
-                                  "logprobs": None}
+                                  "logprobs": self._scores(call, scored)}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -420,8 +398,9 @@ class HttpApi:
                       ) -> AsyncIterator[bytes]:
         created, kind = int(time.time()), "chat.completion.chunk" if call.chat else "text_completion"
 
-        def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def chunk(delta: dict[str, Any] | str, finish: str | None = None,
+                  scores: dict[str, Any] | None = None, **extra: Any) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": scores}
             if call.chat:
                 choice["delta"] = delta
             else:
@@ -433,20 +412,100 @@ class HttpApi:
         if call.chat:
             yield chunk({"role": "assistant", "content": ""})
         try:
-            async for text, done in self._pieces(request, sink):
+            async for text, piece, done in self._pieces(request, sink):
                 if done is not None:
                     extra = {"usage": _usage(done)} if call.include_usage else {}
                     yield chunk({} if call.chat else "", _finish(done.finish), **extra,
                                 edgelite=_extra(done))
                     yield b"data: [DONE]\n\n"
                     return
-                if text:
-                    yield chunk({"content": text} if call.chat else text)
+                if text or piece is not None:
+                    scores = self._scores(call, [piece]) if piece is not None else None
+                    yield chunk({"content": text} if call.chat else text, None, scores)
                 else:
                     yield b": keep-alive\n\n"
         except ApiError as exc:
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
+
+
+def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
+    """The request in OpenAI's JSON: its types and this door's own fields are checked
+    here, the values' rules by the gateway (serve/ask.py)."""
+    model = body.get("model", model_id)
+    if model != model_id:
+        raise ApiError(404, f"model {model!r} is not served here; this server has "
+                            f"{model_id!r}", param="model", code="model_not_found")
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    # (refused, not ignored: a client relying on them would get wrong behaviour silently)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format other than text is not supported by this server "
+                            "yet", param="response_format")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
+        raise ApiError(400, "tools are not supported by this server yet", param="tools")
+    messages, text = None, None
+    if chat:
+        messages = _messages(body.get("messages"))
+    else:
+        text = body.get("prompt")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+    if "max_completion_tokens" in body:
+        body["max_tokens"] = body["max_completion_tokens"]
+    ask = Ask(messages=messages, text=text, max_tokens=_number(body, "max_tokens", int),
+              temperature=_number(body, "temperature", float),
+              top_p=_number(body, "top_p", float), seed=_number(body, "seed", int),
+              stop=_stops(body.get("stop")), speculate=_text(body, "speculate"),
+              top_k=_number(body, "top_k", int), min_p=_number(body, "min_p", float),
+              presence_penalty=_number(body, "presence_penalty", float),
+              frequency_penalty=_number(body, "frequency_penalty", float),
+              repetition_penalty=_number(body, "repetition_penalty", float),
+              logprobs=_logprobs(body, chat))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    return Call(ask, stream, bool(options.get("include_usage", True)), chat)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Alternatives per token asked for (None: no log probabilities): chat's `logprobs`
+    (true/false) with `top_logprobs`, or the legacy completions' `logprobs` count."""
+    if not chat:
+        return _number(body, "logprobs", int)
+    wanted = body.get("logprobs", False)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "logprobs must be true or false", param="logprobs")
+    top = _number(body, "top_logprobs", int)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def logprob_block(chat: bool, pieces: list[m.TokenPiece], tok: Tokenizer) -> dict[str, Any]:
+    """Tokens' log probabilities as OpenAI shapes them: chat's `content` list, or the legacy
+    completions' parallel lists."""
+    def text(token: int) -> str:
+        return tok.decode([token])
+
+    if chat:
+        def entry(token: int, lp: float) -> dict[str, Any]:
+            t = text(token)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        return {"content": [{**entry(p.token_id, p.logprob or 0.0), "top_logprobs": [
+            entry(t, lp) for t, lp in zip(p.top_ids, p.top_logprobs, strict=True)]} for p in pieces]}
+    tokens = [text(p.token_id) for p in pieces]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [p.logprob for p in pieces],
+            "top_logprobs": [{text(t): lp for t, lp in zip(p.top_ids, p.top_logprobs, strict=True)}
+                             for p in pieces], "text_offset": offsets}
 
 
 def _messages(raw: Any) -> list[dict[str, str]]:

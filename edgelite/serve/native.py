@@ -88,7 +88,9 @@ def ask_of(msg: m.GenerateRequest) -> Ask:
                 if msg.messages is not None else [{"role": "user", "content": str(msg.prompt)}])
     return Ask(messages=messages, max_tokens=msg.max_tokens, temperature=msg.temperature,
                top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()),
-               speculate=msg.speculate)
+               speculate=msg.speculate, top_k=msg.top_k, min_p=msg.min_p,
+               presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+               repetition_penalty=msg.repetition_penalty, logprobs=msg.logprobs)
 
 
 class NativeDoor:
