@@ -61,7 +61,9 @@ def test_ctrl_c_stops_a_reply_then_quits_at_the_prompt(smollm2_int4: Path) -> No
         # a second turn still works
         proc.stdin.write(b"/stats\n")
         proc.stdin.flush()
-        out.wait_for(lambda t: '"last"' in t, 30)
+        shown = out.wait_for(lambda t: '"last"' in t and t.endswith("> "), 30)
+        line = next(x for x in shown.splitlines() if '"last"' in x).removeprefix("> ")
+        assert json.loads(line)["last"]["tokens"] > 0  # the stopped reply's figures
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends at once
         assert proc.wait(10) == 130

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -92,7 +91,7 @@ async def gateway_chat(args: argparse.Namespace) -> int:
                     history.clear()
                     continue
                 if cmd == "/stats":
-                    print(json.dumps(await client.stats()))
+                    print(gateway_stats_text(await client.stats()))
                     continue
                 history.append({"role": "user", "content": line})
                 parts: list[str] = []
@@ -116,3 +115,17 @@ async def _stream(client: Any, history: list[dict[str, str]], cfg: Any, parts: l
         parts.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
+
+
+def gateway_stats_text(st: dict[str, Any]) -> str:
+    """A gateway's stats as a few lines (queues, throughput, latency per tier)."""
+    q = st.get("queues", {})
+    lines = [f"queues: {q.get('waiting', 0)} waiting, {q.get('running', 0)} running, "
+             f"{q.get('preempted', 0)} preempted · {st.get('tokens_total', 0)} tokens "
+             f"({st.get('tokens_per_s', 0.0):g}/s) · {st.get('preemptions', 0)} preemptions, "
+             f"{st.get('cancelled', 0)} cancelled"]
+    for tier, t in st.get("tiers", {}).items():
+        lines.append(f"tier {tier}: {t.get('done', 0)} done · TTFT p50 {t.get('ttft_ms_p50', 0):g} ms, "
+                     f"p99 {t.get('ttft_ms_p99', 0):g} ms · between tokens p50 "
+                     f"{t.get('itl_ms_p50', 0):g} ms, p99 {t.get('itl_ms_p99', 0):g} ms")
+    return "\n".join(lines)

@@ -69,10 +69,12 @@ async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> Non
     """Stream the answer to chat.history (its text grows in answer.text as it comes)."""
     stats, text = answer.stats, Text()
     if plain:
-        async for piece in answer:
-            console.file.write(piece.text)
-            console.file.flush()
-        chat.last = _figures(stats)
+        try:
+            async for piece in answer:
+                console.file.write(piece.text)
+                console.file.flush()
+        finally:  # (a reply stopped with Ctrl-C keeps its figures for /stats)
+            chat.last = _figures(stats)
         reused = f", {stats.reused_tokens} prompt tokens from the KV store" if stats.reused_tokens else ""
         if stats.drafted:
             reused += (f", drafts {stats.acceptance:.0%} accepted, {stats.tokens_per_step:.2f} "
@@ -84,10 +86,12 @@ async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> Non
         chat.stages = await chat.node_stats()
     with Live(Group(text, ui.footer({}, chat.stages, chat.health())), console=console,
               refresh_per_second=10) as live:
-        async for piece in answer:
-            text.append(piece.text)
-            live.update(Group(text, ui.footer(_figures(stats), chat.stages, chat.health())))
-        chat.last = _figures(stats)
+        try:
+            async for piece in answer:
+                text.append(piece.text)
+                live.update(Group(text, ui.footer(_figures(stats), chat.stages, chat.health())))
+        finally:  # (a reply stopped with Ctrl-C keeps its figures for /stats)
+            chat.last = _figures(stats)
         chat.stages = await chat.node_stats()
         live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
     console.line()

@@ -186,6 +186,19 @@ def run(args: argparse.Namespace) -> int:
     return runner.run(run_demo(args))
 
 
+def intro(cfg: DemoConfig) -> str:
+    """The demo's first words: what it is about to do, with its figures."""
+    links = "/".join(f"{s.delay_ms:g}" for s in cfg.client_links)
+    lossy = next(iter(cfg.special_links.values()), None)
+    bad = (f", and one lossy phone-to-phone link ({lossy.delay_ms:g} ms, {lossy.loss:.0%} loss)"
+           if lossy else "")
+    return (f"edgelite demo: {len(NAMES)} emulated phones ({', '.join(NAMES)}) are node processes on "
+            f"this machine, reached through a link emulator: client to phone {links} ms, phone to "
+            f"phone {cfg.peer_link.delay_ms:g} ms{bad}. Each phone may hold "
+            f"{cfg.node_memory_mb:g} MiB, so the model must be split: the client probes every "
+            f"device and link, plans where each layer runs, deploys, then answers.")
+
+
 async def run_demo(args: argparse.Namespace) -> int:
     import edgelite
     from edgelite.cli import chatui, options
@@ -193,6 +206,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     plain = args.plain or args.json or not (sys.stdout.isatty() or args.svg)
     console = Console(stderr=True) if args.json else Console(record=bool(args.svg))
     cfg = DemoConfig(threads=args.threads)
+    console.print(intro(cfg))
     m = ensure_model(args.model, console)
     root = Path(tempfile.mkdtemp(prefix="edgelite-demo-"))
     try:
