@@ -7,7 +7,6 @@ KV cache wherever its layers live. The engine owns no UI.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -19,7 +18,7 @@ import numpy as np
 
 from edgelite.config import GenerationConfig, RuntimeConfig
 from edgelite.engine.kvstore import restore_into
-from edgelite.engine.reply import Piece, ReplyLoop, Stats
+from edgelite.engine.reply import Piece, ReplyLoop, Stats, fitted
 from edgelite.engine.runtime import ClientPart, LocalChain
 from edgelite.engine.speculate import WIDTHS, Draft, Lookup, Speculation
 from edgelite.engine.tokenizer import StreamDecoder
@@ -190,14 +189,7 @@ async def generate(backend: Backend, prompt: list[int], cfg: GenerationConfig,
     engine/speculate.py; the output is the same)."""
     if not prompt:
         raise EdgeliteError("the prompt is empty (no tokens to start from)")
-    if len(prompt) >= backend.context:
-        m = backend.manifest
-        whose = (f"the model's context ({m.name}: {m.max_positions} positions)"
-                 if backend.context >= m.max_positions else
-                 f"the KV this engine holds ({backend.context} positions: --kv-buckets)")
-        raise EdgeliteError(f"the prompt has {len(prompt)} tokens; {whose} takes at most "
-                            f"{backend.context - 1} and a reply")
-    cfg = dataclasses.replace(cfg, max_tokens=min(cfg.max_tokens, backend.context - len(prompt)))
+    cfg = fitted(cfg, len(prompt), backend.context, backend.manifest, "the KV this engine holds")
     reply = ReplyLoop(cfg, backend.manifest.eos_token_ids, decoder, stats=stats, prompt=prompt)
     stats = reply.stats
     stats.prompt_tokens = len(prompt)

@@ -13,6 +13,7 @@ it is the last id), or after `max_tokens` tokens ("length"); and it keeps the re
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from edgelite.config import GenerationConfig
 from edgelite.engine.sampling import distribution, log_softmax, sample
 from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError
+from edgelite.manifest import Manifest
 
 FINISHES = ("eos", "stop", "length")
 
@@ -248,3 +250,17 @@ class ReplyLoop:
         tail, stopped = self.stops.push(self.decoder.flush() if self.decoder else "")
         self._set("stop" if stopped else finish)
         return tail + self.stops.flush()
+
+
+def fitted(cfg: GenerationConfig, prompt: int, limit: int, m: Manifest,
+           less: str) -> GenerationConfig:
+    """The settings of a reply to a `prompt`-token prompt where a session holds at most
+    `limit` positions: max_tokens cut to what fits after the prompt (the reply then ends with
+    finish "length"). A prompt that does not fit is refused, naming whose limit it is: the
+    model's, or (`less`) what holds fewer positions than the model."""
+    if prompt >= limit:
+        whose = (f"the model's context ({m.name}: {m.max_positions} positions)"
+                 if limit >= m.max_positions else f"{less} ({limit} positions: --kv-buckets)")
+        raise EdgeliteError(f"the prompt has {prompt} tokens; {whose} takes at most {limit - 1} "
+                            f"and a reply")
+    return dataclasses.replace(cfg, max_tokens=min(cfg.max_tokens, limit - prompt))

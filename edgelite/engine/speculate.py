@@ -98,6 +98,9 @@ class DraftModel:
     def __init__(self, backend: DraftBackend) -> None:
         self.backend = backend
         self.fed: dict[str, list[int]] = {}  # session -> the tokens its KV holds
+        # session -> how many of them were the reply's own when last asked: the reply only
+        # grows, so they still agree and the comparison starts after them
+        self.agreed: dict[str, int] = {}
         self.step_ms = 0.0  # running ms of one draft token (the Pacer's input)
 
     async def prepare(self, session: str, prompt: Sequence[int]) -> None:
@@ -131,8 +134,8 @@ class DraftModel:
     async def _catch_up(self, session: str, tokens: list[int]) -> np.ndarray:
         """The draft's logits after `tokens`: its session rolled back to what it shares with
         them (or ended, past kv.MAX_ROLLBACK) and fed the rest."""
-        fed = self.fed.get(session, [])
-        same = next((i for i, (a, b) in enumerate(zip(fed, tokens, strict=False)) if a != b),
+        fed, lo = self.fed.get(session, []), self.agreed.get(session, 0)
+        same = next((i for i in range(lo, min(len(fed), len(tokens))) if fed[i] != tokens[i]),
                     min(len(fed), len(tokens)))
         same = min(same, len(tokens) - 1)  # (at least the last token is fed: its logits)
         if fed and (same < len(fed) - MAX_ROLLBACK or same == 0):
@@ -140,10 +143,11 @@ class DraftModel:
             fed, same = [], 0
         elif same < len(fed):
             await self.backend.rollback(session, same)
-        self.fed[session] = tokens
+        self.fed[session], self.agreed[session] = tokens, len(tokens)
         return await self._step(session, tokens[same:])
 
     async def end(self, session: str) -> None:
+        self.agreed.pop(session, None)
         if self.fed.pop(session, None) is not None:
             await self.backend.end(session)
 

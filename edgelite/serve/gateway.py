@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -34,12 +33,11 @@ import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.engine.generate import Backend, stored_kv_failed
-from edgelite.engine.reply import Piece, ReplyLoop
+from edgelite.engine.reply import Piece, ReplyLoop, fitted
 from edgelite.engine.speculate import WIDTHS, Lookup, Pacer
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import EdgeliteError, QueueFull
 from edgelite.ids import SessionId, new_session_id
-from edgelite.manifest import Manifest
 from edgelite.net import messages as m
 from edgelite.net.schema import Message
 from edgelite.serve.ask import Ask, AskError, check, generation
@@ -147,8 +145,12 @@ class Gateway:
             self.tokenizing[user.name] -= 1
         if not prompt:
             raise AskError("the prompt is empty", "prompt")
-        gen = fitted(gen, len(prompt), self.backend.manifest, self.sched.cfg.context_limit,
-                     "messages" if ask.messages is not None else "prompt")
+        m = self.backend.manifest
+        try:
+            gen = fitted(gen, len(prompt), min(m.max_positions, self.sched.cfg.context_limit), m,
+                         "the context this server's nodes hold")
+        except EdgeliteError as exc:
+            raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from None
         req = Request(new_session_id(), user.tier, len(prompt), gen.max_tokens,
                       time.monotonic(), user=user.name)
         try:
@@ -472,20 +474,6 @@ async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: Gat
         return
     figures.reconnects += 1
     log.info("the plan is deployed again; %d requests resume", len(back))
-
-
-def fitted(gen: GenerationConfig, prompt: int, m: Manifest, context_limit: int,
-           param: str) -> GenerationConfig:
-    """Refuse a prompt longer than the context (naming whose limit it is); cut max_tokens
-    to what fits after it (the reply then ends with finish "length")."""
-    limit = min(m.max_positions, context_limit)
-    if prompt >= limit:
-        whose = (f"the model's context ({m.name}: {m.max_positions} positions)"
-                 if limit == m.max_positions else
-                 f"the context this server's nodes hold ({limit} tokens: their --kv-buckets)")
-        raise AskError(f"the prompt has {prompt} tokens; {whose} takes at most {limit - 1} "
-                       f"and a reply", param)
-    return dataclasses.replace(gen, max_tokens=min(gen.max_tokens, limit - prompt))
 
 
 def tokens_of(tok: Tokenizer, ask: Ask) -> list[int]:
