@@ -135,6 +135,11 @@ class NodeConfig:
     max_file_bytes: int = 4 * 1024**3  # the largest model file an upload may declare
     disk_quota_bytes: int = 16 * 1024**3  # deployed files (and partial uploads) in all
     part_ttl_s: float = 3600.0  # a partial upload untouched this long is deleted
+    # deployed files no loaded plan and no pushed model folder uses, and unused this long, are
+    # deleted (0: kept until the disk quota needs their room)
+    blob_idle_ttl_s: float = 7 * 86400.0
+    # a deployed file used this recently is never deleted to make room (a deploy under way)
+    blob_grace_s: float = 3600.0
     # decode steps of several sessions that arrive together run as one batch (weights read once)
     batch_max_steps: int = 8  # 1: never batch
     # a batch of at least this many decode steps runs as two halves, the first passed on

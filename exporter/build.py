@@ -225,7 +225,13 @@ def run(src_text: str, out: Path, opts: Options, progress: Progress | None = Non
     out = out.resolve()
     _check(out, opts)
     opened = source.open_source(source.resolve(src_text))
-    mode = opts.quantize or weights.gguf_default_mode(opened.files)
+    own = weights.gguf_default_mode(opened.files)
+    if opened.gguf and own != "none" and opts.quantize not in (None, "none", own):
+        bits = {"int4": "4-bit (and wider)", "int8": "8-bit"}[own]
+        raise EdgeliteError(f"--quantize {opts.quantize}: this GGUF's weights are {bits} blocks, "
+                            f"transcoded exactly at their own width; {opts.quantize} would not "
+                            f"change them: leave --quantize out (none gives float weights)")
+    mode = opts.quantize or own
     from edgelite_export.reference import Reference
 
     ref = Reference(opened)  # transformers' model, empty: its RoPE tables are the export's
@@ -268,7 +274,7 @@ def _finish(opened: source.Opened, ref: Reference, rope: dict[str, Any], conv: w
                              "source": "gguf" if opened.gguf else "float"}
     if pieces.exact_head:
         quant["exact_head"] = pieces.exact_head
-    manifest = make_manifest(tmp, opened.source.name, opened, rope, conv, mode, compute, pieces, quant)
+    manifest = make_manifest(tmp, opened.model_name, opened, rope, conv, mode, compute, pieces, quant)
     prompt = prompt_ids(tok, opts.prompt)
     room = min(source.max_positions(opened.config), VERIFY_TEXT_TOKENS)
     text = [int(i) for i in tok(reference_text.TEXT)["input_ids"]][:room]

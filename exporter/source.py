@@ -68,6 +68,16 @@ class Opened:
     def gguf(self) -> bool:
         return isinstance(self.files, reader.GGUFFile)
 
+    @property
+    def model_name(self) -> str:
+        """What the model is called: a GGUF's own `general.name` when it has one (its file name
+        is often only a quantization's, e.g. `model-q4_k_m`), else the file's or folder's name."""
+        if isinstance(self.files, reader.GGUFFile):
+            named = self.files.meta.get("general.name")
+            if isinstance(named, str) and named.strip() and len(named) <= 128:
+                return " ".join(named.split())
+        return self.source.name
+
 
 def resolve(source: str) -> Source:
     if source in ALIASES:

@@ -152,6 +152,8 @@ def gguf_of(hf_dir: Path, out: Path, kind: str) -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(out, "llama")
+    if kind != "Q8_0":  # (one without general.name: then the file's name)
+        w.add_name(f"Tiny Llama {kind}")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(h)

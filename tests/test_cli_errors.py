@@ -138,6 +138,46 @@ def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
         assert "Traceback" not in err and (code == 2 or err.count("\n") == 0), err
 
 
+def test_options_out_of_range_and_cut_replies_are_said(exported, ggufs, tmp_path) -> None:
+    """A negative temperature, serve's max_tokens 0 (before anything listens), --quantize
+    that would not change a GGUF's blocks: one-line errors; a reply cut at --max-tokens says
+    so on stderr (stdout keeps the reply alone)."""
+    model = str(exported["llama"])
+    for args, words in ((("generate", "--model", model, "--temperature", "-1", "hi"),
+                         "temperature must be 0 (greedy) or more (got -1)"),
+                        (("generate", "--model", model, "--top-p", "0", "hi"),
+                         "top_p must be within 0 (excluded) and 1"),
+                        (("serve", "--model", model, "--max-tokens", "0", "--http", "127.0.0.1:0",
+                          "--no-native"), "max_tokens must be at least 1 (got 0)")):
+        res = _cli(*args)
+        err = res.stderr.strip()
+        assert res.returncode == 1 and err.startswith(f"error: {words}"), (args, err)
+        assert err.count("\n") == 0
+        assert "listening" not in res.stdout
+    cut = _cli("generate", "--model", model, "--max-tokens", "3", "hi")
+    assert cut.returncode == 0 and "[cut at --max-tokens 3: raise it" in cut.stderr
+    assert "cut at" not in cut.stdout
+    export = subprocess.run([sys.executable, "-m", "edgelite_export", str(ggufs["Q4_1"]), "--out",
+                             str(tmp_path / "x"), "--quantize", "int8"], capture_output=True,
+                            text=True, timeout=120)
+    assert export.returncode == 1 and export.stderr.strip().count("\n") == 0, export.stderr
+    assert "--quantize int8: this GGUF's weights are 4-bit" in export.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_probe_is_json_and_local_without_nodes(node_factory) -> None:
+    """probe --json is JSON (no NaN: a figure not measured is null); without --nodes it
+    probes this device alone and says how to find nodes."""
+    node = node_factory()
+    res = _cli("probe", "--nodes", node.addr, "--token", TOKEN, "--json")
+    out = json.loads(res.stdout, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert [r["src"] for r in out["links"]] == ["client", node.addr]
+    assert all("bandwidth_back_mbps" not in r and r["bandwidth_mbps"] > 0 for r in out["links"])
+    alone = _cli("probe", "--json")
+    assert alone.returncode == 0 and "no --nodes: this device alone" in alone.stderr
+    assert [d["name"] for d in json.loads(alone.stdout)["devices"]] == ["client"]
+
+
 def test_a_what_if_plan_over_cluster_json_says_what_its_table_shows(smollm2_int4) -> None:
     """cluster.json devices have no address: a plan that gives them layers is still a split
     (the table and the words agree), and the summary says what QoS and complexity are."""

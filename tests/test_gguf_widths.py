@@ -41,6 +41,8 @@ def test_exact_exports_give_transformers_ids_on_the_gguf(ggufs: dict[str, Path],
     fast = build.run(str(g), tmp_path / "fast", build.Options(steps=16))
     assert exact.report.passed and fast.report.passed and exact.report.transcode_max_rel_diff == 0
     assert _widths(fast.out) == WIDTHS[kind]
+    # named by the GGUF's general.name, else by its file
+    assert exact.manifest.name == (g.stem if kind == "Q8_0" else f"Tiny Llama {kind}")
     hf = models.load_hf(g.parent, g.name)
     prompt = [5, 17, 42, 8, 99, 3]
     want = models.hf_greedy(hf, prompt, 24)

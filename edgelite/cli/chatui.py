@@ -58,6 +58,9 @@ def _figures(stats: Stats) -> dict[str, Any]:
             **_speculation(stats)}
 
 
+CUT = "cut at --max-tokens: raise it for longer replies"
+
+
 def _speculation(stats: Stats) -> dict[str, Any]:
     """Speculation's figures (none when no drafts were offered)."""
     if not stats.drafted:
@@ -79,6 +82,8 @@ async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> Non
         if stats.drafted:
             reused += (f", drafts {stats.acceptance:.0%} accepted, {stats.tokens_per_step:.2f} "
                        f"tokens per step")
+        if stats.finish == "length":
+            reused += f", {CUT}"
         console.file.write(f"\n[{stats.ttft_ms:.0f} ms to first token, {stats.decode_tok_s:.1f} "
                            f"tok/s{reused}]\n")
         return
@@ -93,6 +98,8 @@ async def reply(chat: Chat, answer: Reply, console: Console, plain: bool) -> Non
         finally:  # (a reply stopped with Ctrl-C keeps its figures for /stats)
             chat.last = _figures(stats)
         chat.stages = await chat.node_stats()
+        if stats.finish == "length":
+            text.append(f" [{CUT}]", style="yellow")
         live.update(Group(text, ui.footer(chat.last, chat.stages, chat.health())))
     console.line()
 

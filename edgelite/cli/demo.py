@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -22,7 +21,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 
 from edgelite import manifest as mf
-from edgelite.cli import views
+from edgelite.cli import jsonout, views
 from edgelite.cli.localnodes import TOKEN, NodeProc, start_node
 from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError
@@ -252,7 +251,7 @@ async def run_demo(args: argparse.Namespace) -> int:
                                "memory_budget_bytes": d.get("memory_budget_bytes")}
                               for d in probed["devices"]]}
         if args.json:
-            print(json.dumps(result))
+            print(jsonout.dumps(result))
         else:
             console.print(views.stats_view(chat.last, nodes))
             console.print(f"measured {result['measured_ms_per_token'] or 0:.1f} ms/token, plan "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, TextIO
 
 import edgelite
-from edgelite.cli import options, runner, views
+from edgelite.cli import jsonout, options, runner, views
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -26,9 +25,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     result = runner.run(generate(args, None if args.json else sys.stdout))
     if args.json:
-        print(json.dumps(result))
+        print(jsonout.dumps(result))
     else:
         print()
+        if result["finish"] == "length":  # (on stderr: stdout holds the reply alone)
+            print(f"[cut at --max-tokens {args.max_tokens}: raise it for a longer reply]",
+                  file=sys.stderr)
     return 0
 
 

@@ -33,12 +33,27 @@ def resolve_token(explicit: str | None) -> tuple[str, bool]:
 async def serve(node: Node, ready: Callable[[Node], None], panel: bool = False) -> None:
     await node.start()
     ready(node)
-    if not panel:
-        await node.run()
-        return
     async with asyncio.TaskGroup() as tg:
         tg.create_task(node.run())
-        tg.create_task(show_panel(node))
+        tg.create_task(show_panel(node) if panel else show_lines(node))
+
+
+ACTIVITY_S = 10.0  # a headless node's line of the steps it ran, this often while it works
+
+
+async def show_lines(node: Node, every_s: float = ACTIVITY_S) -> None:
+    """A headless node's line of work done: every `every_s` while it runs steps (clients
+    connecting and leaving, plans loaded and unloaded are the node's own log lines)."""
+    runs, ms, since = node.store.runs, node.store.run_ms_total, time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        st = node.store
+        if st.runs > runs:
+            n = st.runs - runs
+            print(f"ran {n} steps in the last {time.monotonic() - since:.0f} s "
+                  f"({(st.run_ms_total - ms) / n:.1f} ms each); {len(st.sessions)} sessions, "
+                  f"KV {st.kv_bytes / 2**20:.1f} MiB", flush=True)
+        runs, ms, since = st.runs, st.run_ms_total, time.monotonic()
 
 
 async def show_panel(node: Node, every_s: float = 1.0) -> None:
@@ -125,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
                             f"({exc.strerror or exc})") from None
     node = Node(cfg, token, args.data_dir, **({"name": args.name} if args.name else {}))
     panel = not args.plain and sys.stdout.isatty()
+    if not panel and not getattr(args, "verbose", 0):  # headless: say what happens
+        logging.getLogger("edgelite.node").setLevel(logging.INFO)
 
     def ready(n: Node) -> None:
         if generated:

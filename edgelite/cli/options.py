@@ -224,10 +224,10 @@ def nodes(args: argparse.Namespace, default: str | None = None) -> list[NodeAddr
 
 
 async def found_nodes(args: argparse.Namespace) -> list[NodeAddr]:
-    """--nodes as addresses, looking for them on the LAN when it says auto."""
+    """--nodes as addresses, looking for them on the LAN when it says auto (none without it)."""
     from edgelite.client.llm import node_addrs
 
-    return await node_addrs(nodes(args, default="auto"), token(args), client_config(args))
+    return await node_addrs(nodes(args), token(args), client_config(args))
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -236,15 +236,18 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """The generation flags, checked at once (serve refuses bad defaults before it starts)."""
+    from edgelite.engine.reply import check
+
     spec = getattr(args, "speculate", "off")
-    return GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
+    return check(GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed,
                             speculate=spec if spec in ("off", "lookup") else "draft",
                             draft_tokens=getattr(args, "draft_tokens", 0),
                             top_k=getattr(args, "top_k", 0), min_p=getattr(args, "min_p", 0.0),
                             repetition_penalty=getattr(args, "repetition_penalty", 1.0),
                             presence_penalty=getattr(args, "presence_penalty", 0.0),
-                            frequency_penalty=getattr(args, "frequency_penalty", 0.0))
+                            frequency_penalty=getattr(args, "frequency_penalty", 0.0)))
 
 
 def draft_folder(args: argparse.Namespace) -> Path | None:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import edgelite
-from edgelite.cli import options, runner, views
+from edgelite.cli import jsonout, options, runner, views
 from edgelite.errors import EdgeliteError
 from edgelite.prober.cluster import cluster_spec
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     plan = edgelite.plan(m, spec, args.objective, args.solver, not args.no_client_first,
                          args.context)
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(jsonout.dumps(plan.to_json()))
     else:
         from rich.console import Console
 

@@ -97,6 +97,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.speculate not in ("off", "lookup"):
         raise EdgeliteError("serve speculates by prompt lookup only: --speculate lookup or off "
                             "(a draft model runs on a client: generate or chat --speculate DIR)")
+    options.generation_config(args)  # the requests' defaults, checked before anything listens
     users = load_users(args.users) if args.users is not None else None
     gateway_cfg = GatewayConfig(**{"host": args.host, "port": args.port,
                                    **options.config_overrides(args.set, GatewayConfig)})

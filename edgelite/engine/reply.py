@@ -14,6 +14,7 @@ it is the last id), or after `max_tokens` tokens ("length"); and it keeps the re
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import time
 from collections import Counter
@@ -103,6 +104,20 @@ def _could_begin(text: str, stops: tuple[str, ...], hold: int) -> int:
                 if text.endswith(s[:k])), default=0)
 
 
+def check(cfg: GenerationConfig) -> GenerationConfig:
+    """The options, or a one-line error naming the first one out of its range."""
+    if cfg.max_tokens < 1:
+        raise EdgeliteError(f"max_tokens must be at least 1 (got {cfg.max_tokens})")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
+        raise EdgeliteError(f"temperature must be 0 (greedy) or more (got {cfg.temperature:g})")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise EdgeliteError(f"top_p must be within 0 (excluded) and 1 (got {cfg.top_p:g})")
+    if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or not cfg.repetition_penalty > 0:
+        raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
+                            f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
+    return cfg
+
+
 class ReplyLoop:
     """The token loop of one reply; `next` per position until `done`.
 
@@ -112,11 +127,7 @@ class ReplyLoop:
     def __init__(self, cfg: GenerationConfig, eos: Collection[int],
                  decoder: StreamDecoder | None = None, started: float | None = None,
                  stats: Stats | None = None, prompt: Sequence[int] = ()) -> None:
-        if cfg.max_tokens < 1:
-            raise EdgeliteError(f"max_tokens must be at least 1 (got {cfg.max_tokens})")
-        if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or cfg.repetition_penalty <= 0:
-            raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
-                                f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
+        check(cfg)
         self.cfg, self.eos, self.decoder = cfg, frozenset(eos), decoder
         self.started = time.monotonic() if started is None else started
         self.stats = stats if stats is not None else Stats()

@@ -153,6 +153,70 @@ class ModelStored(Message):
     files: int
 
 
+@message("models")
+class ModelsQuery(Message):
+    """What the node keeps: its model folders and its deployed files (`edgelite models`)."""
+
+    id: int = bounds(-RID, RID)
+
+
+@record
+class ShelvedModel:
+    """A model folder on a node (node/shelf.py Shelved, and whether the asker pushed it)."""
+
+    name: str = bounds(max_len=64)
+    title: str = bounds(max_len=256)
+    weights: str = bounds(max_len=16)
+    layers: int = bounds(0, 1 << 16)
+    bytes: int = bounds(0, 2**62)
+    yours: bool
+
+
+@record
+class BlobSummary:
+    """A node's deployed files (node/blobs.py BlobFigures)."""
+
+    files: int = bounds(0, 2**31)
+    bytes: int = bounds(0, 2**62)
+    unused_files: int = bounds(0, 2**31)
+    unused_bytes: int = bounds(0, 2**62)
+
+
+@message("models_ok")
+class ModelsState(Message):
+    id: int = bounds(-RID, RID)
+    models: list[ShelvedModel] = bounds(max_len=4096)
+    blobs: BlobSummary
+
+
+@message("model_rm")
+class ModelRemove(Message):
+    """Delete a model folder this client pushed."""
+
+    id: int = bounds(-RID, RID)
+    name: str = bounds(max_len=64)
+
+
+@message("model_rm_ok")
+class ModelRemoved(Message):
+    id: int = bounds(-RID, RID)
+    bytes: int
+
+
+@message("blobs_gc")
+class BlobsCollect(Message):
+    """Delete now the deployed files nothing uses (no loaded plan, no model folder)."""
+
+    id: int = bounds(-RID, RID)
+
+
+@message("blobs_gc_ok")
+class BlobsCollected(Message):
+    id: int = bounds(-RID, RID)
+    files: int
+    bytes: int
+
+
 @message("load")
 class Load(Message):
     """Load a plan's stage; the plan then belongs to this connection's client."""

@@ -8,6 +8,11 @@ again before it is loaded (its hash is cached by size, mtime and inode, so an un
 not hashed twice; the change time is in the key too, which no one can set back); symbolic
 links and other non-files are refused. A blob that no longer hashes to its name is deleted
 and reported missing, so the next deploy uploads it again.
+
+Blobs are a cache: one that no loaded plan uses (`pinned`) and no pushed model folder links to
+is deleted when unused for a while (`collect`), and the least recently used of them make room
+when an upload would pass the disk quota; a blob used within `grace_s` (a deploy under way)
+is never deleted.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgelite.errors import ModelFileError, ProtocolError
@@ -38,13 +45,27 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
+@dataclass(frozen=True)
+class BlobFigures:
+    """What the store holds: every blob, and those nothing uses (deletable)."""
+
+    files: int
+    bytes: int
+    unused_files: int
+    unused_bytes: int
+
+
 class BlobStore:
     def __init__(self, root: Path, max_file_bytes: int = 1 << 62, quota_bytes: int = 1 << 62,
-                 part_ttl_s: float = 3600.0) -> None:
+                 part_ttl_s: float = 3600.0, grace_s: float = 3600.0) -> None:
         self.dir = root / "blobs"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes, self.quota_bytes, self.part_ttl_s = max_file_bytes, quota_bytes, part_ttl_s
+        self.grace_s = grace_s
+        # the blobs in use (a loaded plan's files): never deleted; the node sets it
+        self.pinned: Callable[[], set[str]] = set
         self._verified: dict[str, tuple[int, ...]] = {}  # sha -> (size, mtime, ctime, inode)
+        self._used: dict[str, float] = {}  # sha -> when it was last used (wall clock)
         # uploads under way -> their declared sizes: the quota counts what they will hold
         self._declared: dict[str, int] = {}
         self._lock = threading.Lock()  # appends run in worker threads, side by side
@@ -101,7 +122,11 @@ class BlobStore:
             raise ProtocolError(f"upload {sha[:12]}: chunk runs past the stated size {total}")
         if self._declared.get(sha) != total:  # a new upload (or one resumed after a restart)
             coming = sum(max(0, t - self.partial(s)) for s, t in self._declared.items() if s != sha)
-            if self.used_bytes() - held + coming + total > self.quota_bytes:
+            over = self.used_bytes() - held + coming + total - self.quota_bytes
+            if over > 0:  # unused blobs make room, the least recently used first
+                self._collect(self.pinned() | {sha}, self.grace_s, over)
+                over = self.used_bytes() - held + coming + total - self.quota_bytes
+            if over > 0:
                 raise ProtocolError(f"upload {sha[:12]}: {total} more bytes would exceed this "
                                     f"node's disk quota of {self.quota_bytes} (with the uploads "
                                     f"under way)")
@@ -139,6 +164,7 @@ class BlobStore:
                                      f"deployed (its sha256 differs); it was deleted: deploy "
                                      f"again and it is uploaded anew")
             self._verified[sha] = _key(st)
+        self._used[sha] = time.time()
         return path
 
     def _remember(self, sha: str, path: Path) -> None:
@@ -148,6 +174,50 @@ class BlobStore:
     def drop(self, sha: str) -> None:
         self.path(sha).unlink(missing_ok=True)
         self._verified.pop(sha, None)
+
+    def _blobs(self) -> list[tuple[str, os.stat_result]]:
+        out = []
+        for p in self.dir.iterdir():
+            if _SHA.match(p.name) and (st := self._regular(p)) is not None:
+                out.append((p.name, st))
+        return out
+
+    def _idle(self, sha: str, st: os.stat_result, keep: set[str]) -> bool:
+        """Whether nothing uses the blob: not kept, and no model folder links to it (a pushed
+        folder's files are hard links to their blobs)."""
+        return sha not in keep and st.st_nlink <= 1
+
+    def figures(self) -> BlobFigures:
+        keep = self.pinned()
+        blobs = self._blobs()
+        idle = [st.st_size for sha, st in blobs if self._idle(sha, st, keep)]
+        return BlobFigures(len(blobs), sum(st.st_size for _, st in blobs), len(idle), sum(idle))
+
+    def collect(self, idle_s: float, need: int = 0, now: float | None = None) -> tuple[int, int]:
+        """Delete the blobs nothing uses (not pinned, not linked from a model folder) that were
+        not used for `idle_s`, the least recently used first; with `need`, only until that many
+        bytes are free. Returns (files, bytes) deleted."""
+        with self._lock:
+            return self._collect(self.pinned(), idle_s, need, now)
+
+    def _collect(self, keep: set[str], idle_s: float, need: int = 0,
+                 now: float | None = None) -> tuple[int, int]:
+        now = time.time() if now is None else now
+        idle = []
+        for sha, st in self._blobs():
+            last = max(st.st_mtime, self._used.get(sha, 0.0))
+            if self._idle(sha, st, keep) and now - last >= idle_s:
+                idle.append((last, sha, st.st_size))
+        files = freed = 0
+        for _, sha, size in sorted(idle):
+            if need and freed >= need:
+                break
+            self.drop(sha)
+            self._used.pop(sha, None)
+            files, freed = files + 1, freed + size
+        if files:
+            log.info("deleted %d deployed files nothing used (%.1f MB)", files, freed / 1e6)
+        return files, freed
 
     def clean_parts(self, now: float | None = None) -> int:
         """Delete partial uploads untouched for part_ttl_s; returns how many."""

@@ -1,6 +1,6 @@
 """What clients deploy on a node: files (content-addressed blobs), model folders (the shelf),
 and plans: a stage's layers loaded, installed in the data plane and connected onward to the
-next stage."""
+next stage; and what `edgelite models` asks of what is kept (list, remove, collect)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class Deploy:
-    """Answers files, upload, model_put and load. `data` gives the data plane now; `who`
-    gives a client key's (KV domain, address)."""
+    """Answers files, upload, model_put, load, models, model_rm and blobs_gc. `data` gives the
+    data plane now; `who` gives a client key's (KV domain, address)."""
 
     def __init__(self, store: StageStore, shelf: Shelf, cfg: NodeConfig, token: str,
                  limits: WireLimits, data: Callable[[], DataPlane],
@@ -47,6 +47,25 @@ class Deploy:
     async def model_put(self, msg: m.ModelPut, owner: str) -> m.ModelStored:
         path = await asyncio.to_thread(self.shelf.put, msg.name, msg.files, self.who(owner)[0])
         return m.ModelStored(id=msg.id, path=str(path), files=len(msg.files))
+
+    async def models(self, msg: m.ModelsQuery, owner: str) -> m.ModelsState:
+        domain = self.who(owner)[0]
+        shelved = await asyncio.to_thread(self.shelf.entries)
+        f = await asyncio.to_thread(self.store.blobs.figures)
+        return m.ModelsState(
+            id=msg.id, blobs=m.BlobSummary(f.files, f.bytes, f.unused_files, f.unused_bytes),
+            models=[m.ShelvedModel(s.name, s.title[:256], s.weights[:16], s.layers, s.bytes,
+                                   s.owner == domain) for s in shelved])
+
+    async def model_rm(self, msg: m.ModelRemove, owner: str) -> m.ModelRemoved:
+        size = await asyncio.to_thread(self.shelf.remove, msg.name, self.who(owner)[0])
+        return m.ModelRemoved(id=msg.id, bytes=size)
+
+    async def blobs_gc(self, msg: m.BlobsCollect, _owner: str) -> m.BlobsCollected:
+        """Any client may ask: only files nothing uses go, and a deploy under way keeps its
+        own (used within the grace time)."""
+        files, freed = await asyncio.to_thread(self.store.blobs.collect, self.store.blobs.grace_s)
+        return m.BlobsCollected(id=msg.id, files=files, bytes=freed)
 
     async def load(self, msg: m.Load, owner: str) -> m.Loaded:
         pid = msg.plan_id
@@ -78,7 +97,8 @@ class Deploy:
                     raise
         finally:
             self.loading.pop(pid, None)
-        log.info("loaded plan %s: layers %d-%d, next %s", pid, msg.first, msg.last, msg.next)
+        log.info("plan %s of client %s: layers %d-%d of %s loaded, next %s", pid[:8], owner[:8],
+                 msg.first, msg.last, stage.manifest.name, msg.next or "the client")
         return m.Loaded(id=msg.id, first=msg.first, last=msg.last, capability=stage.capability)
 
     async def connect_onward(self, stage: Stage) -> None:

@@ -48,7 +48,7 @@ from edgelite.node.measure import Measure
 from edgelite.node.memory import Limits
 from edgelite.node.sessions import Sessions
 from edgelite.node.shelf import Shelf
-from edgelite.node.stages import StageStore, kv_domain
+from edgelite.node.stages import StageStore, files_in_use, kv_domain
 
 log = logging.getLogger(__name__)
 PART_SWEEP_S = 60.0  # how often abandoned partial uploads are looked for (at most)
@@ -72,10 +72,12 @@ class Node:
 
     def __post_init__(self) -> None:
         c = self.cfg
-        blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s)
+        blobs = BlobStore(self.data_dir, c.max_file_bytes, c.disk_quota_bytes, c.part_ttl_s,
+                          c.blob_grace_s)
         self.store = StageStore(blobs, Limits(c.kv_budget_bytes, c.memory_budget_bytes,
                                               c.max_address_kv_share, c.max_sessions_per_client),
                                 c.runtime)
+        blobs.pinned = lambda: files_in_use(self.store.stages)  # never deleted
         self.shelf = Shelf(self.data_dir, blobs)  # model folders pushed here (edgelite push)
         self.data = DataPlane(self.name, self.store, c, self.limits)
         self.server: asyncio.Server | None = None
@@ -103,6 +105,7 @@ class Node:
             m.Ping: me.ping, m.Bulk: me.bulk, m.ProfileRequest: me.profile,
             m.ProbeLink: me.probe_link, m.StatsRequest: self._stats,
             m.FilesQuery: de.files, m.Upload: de.upload, m.ModelPut: de.model_put, m.Load: de.load,
+            m.ModelsQuery: de.models, m.ModelRemove: de.model_rm, m.BlobsCollect: de.blobs_gc,
             m.EndSession: se.end, m.KvSave: se.kv_save, m.KvRestore: se.kv_restore,
             m.KvExport: se.kv_export, m.KvExportRead: se.kv_export_read},
             me.ping, self._data, self.frame_budget)
@@ -201,6 +204,8 @@ class Node:
             owner = auth.client or f"connection-{secrets.token_hex(16)}"
             self.clients[owner] = Client(kv_domain(auth.kv or owner), host)
             self.owners[owner] = self.owners.get(owner, 0) + 1
+            if self.owners[owner] == 1:
+                log.info("client %s connected from %s", owner[:8], host)
             self.orphaned.pop(owner, None)
             await self.control.serve(conn, auth.fingerprint, owner)
         except (AuthError, ProtocolError) as exc:
@@ -216,6 +221,7 @@ class Node:
                 self.owners[owner] -= 1
                 if not self.owners[owner]:
                     del self.owners[owner]
+                    log.info("client %s left", owner[:8])
                     self.clients.pop(owner, None)
                     self.sessions.exports.drop(owner)
             self.conns.discard(conn)
@@ -281,6 +287,8 @@ class Node:
             if time.monotonic() - swept >= min(PART_SWEEP_S, self.cfg.part_ttl_s):
                 swept = time.monotonic()
                 await asyncio.to_thread(self.store.blobs.clean_parts)
+                if self.cfg.blob_idle_ttl_s > 0:
+                    await asyncio.to_thread(self.store.blobs.collect, self.cfg.blob_idle_ttl_s)
 
     async def _supervise(self) -> None:
         """Restart the data plane's thread if it ended without being stopped (its connections

@@ -6,7 +6,7 @@ possible), the manifest is read back and every file it lists is checked against 
 then does the folder take NAME (a rename; an older folder of that name is replaced whole). Names
 from the wire are checked before they touch a path: a model name and its file names are plain
 names (letters, digits, `.`, `_`, `-`), never paths. A folder belongs to the client that pushed
-it (its KV domain, kept in NAME/.owner): another client cannot replace it.
+it (its KV domain, kept in NAME/.owner): another client cannot replace it, nor remove it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgelite import manifest as mf
@@ -34,6 +35,18 @@ def plain_name(value: str, what: str) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class Shelved:
+    """A model folder on the shelf, as `edgelite models` lists it."""
+
+    name: str
+    title: str  # the model's own name (its manifest's)
+    weights: str
+    layers: int
+    bytes: int  # its files together
+    owner: str  # who pushed it (a KV domain)
+
+
 class Shelf:
     def __init__(self, root: Path, blobs: BlobStore) -> None:
         self.dir = root / "models"
@@ -45,6 +58,40 @@ class Shelf:
             return (self.dir / name / OWNER_FILE).read_text().strip() or None
         except OSError:
             return None
+
+    def entries(self) -> list[Shelved]:
+        """The folders here with a readable manifest, by name (a folder being made or replaced,
+        or one that does not read, is left out)."""
+        out = []
+        for folder in sorted(self.dir.iterdir()) if self.dir.is_dir() else []:
+            if not _NAME.match(folder.name) or folder.is_symlink() or not folder.is_dir():
+                continue
+            try:
+                m = mf.load(folder)
+                size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            except (EdgeliteError, OSError) as exc:
+                log.debug("model folder %s left out of the list: %s", folder, exc)
+                continue
+            out.append(Shelved(folder.name, m.name, m.weights, m.num_layers, size,
+                               self.owner(folder.name) or ""))
+        return out
+
+    def remove(self, name: str, owner: str) -> int:
+        """Delete DATA_DIR/models/NAME, which `owner` pushed; the bytes it held. Its blobs stay
+        (other folders or plans may use them) until nothing uses them (BlobStore.collect)."""
+        plain_name(name, "model name")
+        folder = self.dir / name
+        if folder.is_symlink() or not folder.is_dir():
+            raise EdgeliteError(f"no model {name} on this node")
+        if self.owner(name) != owner:
+            raise EdgeliteError(f"model {name} on this node was pushed by another client; only "
+                                f"that client removes it")
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        gone = self.dir / f".{name}.{secrets.token_hex(4)}.old"
+        folder.rename(gone)  # gone from the list at once, whatever the delete takes
+        shutil.rmtree(gone, ignore_errors=True)
+        log.info("model %s removed (%.1f MB)", name, size / 1e6)
+        return size
 
     def put(self, name: str, files: dict[str, str], owner: str = "") -> Path:
         """Make DATA_DIR/models/NAME from blobs (file name -> sha256) for `owner`; its path.

@@ -54,6 +54,12 @@ class Stage:
         return replace(self.layers.layout, domain=self.kv_domain)
 
 
+def files_in_use(stages: dict[str, Stage]) -> set[str]:
+    """The sha256 of every file the stages use (their blobs are never deleted)."""
+    return {d.sha256 for s in list(stages.values())
+            for e in s.manifest.layers[s.first:s.last + 1] for d in (e, *e.data)}
+
+
 def kv_domain(key: str) -> str:
     """The KV domain of a client's key (Auth.kv, else Auth.client, else one connection's): a
     one-way name, so that the nodes that pass a client's KV between them learn no key."""

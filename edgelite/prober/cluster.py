@@ -157,7 +157,10 @@ def _merge(small: dict[str, Any], bulk: dict[str, Any]) -> dict[str, Any]:
         return small
     if not bulk["reachable"]:
         return bulk
-    return {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}  # one direction per row
+    # one direction per row: the reverse is the other row's bandwidth_mbps
+    row = {**small, "bandwidth_mbps": bulk["bandwidth_mbps"]}
+    row.pop("bandwidth_back_mbps", None)
+    return row
 
 
 def _rates(out: dict[tuple[str, str], dict[str, Any]], a: str, b: str, bulk: dict[str, Any]) -> None:
