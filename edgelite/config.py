@@ -57,6 +57,10 @@ class RuntimeConfig:
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32
+    # every row of a step is computed as it would be in any other step (engine/invariant.py):
+    # the reply does not depend on chunking, the split, the KV store or load; decode steps of
+    # several sessions then run one by one (onnxruntime batches only one-row steps)
+    invariant: bool = True
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
 
@@ -141,6 +145,7 @@ class NodeConfig:
     # a deployed file used this recently is never deleted to make room (a deploy under way)
     blob_grace_s: float = 3600.0
     # decode steps of several sessions that arrive together run as one batch (weights read once)
+    # (only where the runtime is not `invariant`: batched rows come out otherwise than alone)
     batch_max_steps: int = 8  # 1: never batch
     # a batch of at least this many decode steps runs as two halves, the first passed on
     # before the second runs: two waves of sessions keep two stages busy at once, where one

@@ -16,6 +16,7 @@ from edgelite.engine.runtime import LocalChain
 
 CFG = RuntimeConfig(threads=1, prefill_chunks=(4, 16), kv_buckets=(32, 64, 128, 256),
                     kv_slab_slots=4)
+BATCHING = replace(CFG, invariant=False)  # (batches of decode steps: engine/invariant.py)
 
 
 def _layers(model: Path, cfg: RuntimeConfig = CFG) -> LayerRange:
@@ -52,7 +53,7 @@ def test_a_range_in_several_sessions_equals_one(exported) -> None:
     tok = rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
     outs = []
     for weights_mb in (1 << 20, 0):
-        lr = _layers(exported["llama"], replace(CFG, session_weights_mb=weights_mb))
+        lr = _layers(exported["llama"], replace(BATCHING, session_weights_mb=weights_mb))
         assert len(lr.sessions) == (1 if weights_mb else m.num_layers)
         s = lr.pool.acquire()
         prompt, step = lr.step(s, x), lr.step(s, tok)
@@ -71,14 +72,14 @@ def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
     lengths = [5, 1, 9, 3]
     prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
     steps = rng.standard_normal((4, 1, m.hidden_size)).astype(np.float32)
-    solo = _layers(exported[arch])
+    solo = _layers(exported[arch], BATCHING)
     want = []
     for p, t in zip(prompts, steps, strict=True):
         s = solo.pool.acquire()
         solo.step(s, p)
         want.append((solo.step(s, t[None]), solo.step(s, t[None])))
         solo.pool.release(s)
-    batch = _layers(exported[arch])
+    batch = _layers(exported[arch], BATCHING)
     slots = [batch.pool.acquire() for _ in lengths]
     for s, p in zip(slots, prompts, strict=True):
         batch.step(s, p)

@@ -99,8 +99,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--kv-budget-mb", type=float, default=c.kv_budget_bytes / 2**20,
                    help="KV memory of all sessions")
     n.add_argument("--max-batch", type=int, default=c.batch_max_steps,
-                   help="decode steps of different sessions arriving together run as one batch "
-                        "of up to this many (1: never batch)")
+                   help="with --no-invariant: decode steps of different sessions arriving "
+                        "together run as one batch of up to this many (1: never batch)")
+    n.add_argument("--no-invariant", action="store_true",
+                   help="let a step's rows depend on how many run together: decode batches of "
+                        "several sessions, decode slightly faster at long contexts, but a reply "
+                        "may then depend on load, chunking and the KV store (fast mode)")
     n.add_argument("--memory-mb", type=float,
                    help="the most this node process may hold, in MiB: plans count against it what "
                         "they hold once loaded, and a load or session beyond it is refused "
@@ -121,6 +125,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
     runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
+                            invariant=not args.no_invariant,
                             kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"),
                             kv_store=options.kv_store_config(args))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider

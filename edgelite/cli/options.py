@@ -37,6 +37,10 @@ def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="onnxruntime threads")
     p.add_argument("--no-spin", action="store_true",
                    help="idle onnxruntime threads sleep at once (when processes share cores)")
+    p.add_argument("--no-invariant", action="store_true",
+                   help="this device's layers compute a decode step with one-row kernels "
+                        "(slightly faster at long contexts; the reply may then depend on "
+                        "chunking and the KV store)")
     kv_store_flags(p, "$EDGELITE_HOME/kv, EDGELITE_HOME defaulting to ~/.edgelite")
 
 
@@ -232,6 +236,7 @@ async def found_nodes(args: argparse.Namespace) -> list[NodeAddr]:
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False),
+                         invariant=not getattr(args, "no_invariant", False),
                          kv_store=kv_store_config(args))
 
 

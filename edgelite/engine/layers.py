@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import onnxgraph, rope
+from edgelite.engine import invariant, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -98,8 +98,10 @@ class LayerRange:
         self.sessions = [self._open(lo, hi) for lo, hi in self.groups]
         self.chunks = tuple(sorted(self.cfg.prefill_chunks))
         context = min(m.max_positions, max(self.cfg.kv_buckets))
+        # (invariant: a step writes one position more, see engine/invariant.py)
         self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
-                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets,
+                           context + self.chunks[-1] + self.cfg.invariant, self.cfg.kv_slab_slots,
+                           self.cfg.kv_buckets,
                            tuple(e.window for e in entries), self.chunks[-1], context)
         inputs = {i.name for s in self.sessions for i in s.get_inputs()}
         self.ropes: dict[str, np.ndarray] = {}  # RoPE table inputs the graph has -> their tables
@@ -115,6 +117,8 @@ class LayerRange:
         entries = m.layers[lo:hi + 1]
         model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
                                f"layers_{lo}_{hi}", [e.file for e in entries])
+        if self.cfg.invariant:
+            model = invariant.pad_attention(model)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}")
 
     def _check_shapes(self) -> None:
@@ -239,6 +243,8 @@ class LayerRange:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
         -> the same. Slots between them that are not stepping get a dummy token written past
         their real length (it is overwritten by their next step)."""
+        if self.cfg.invariant:
+            raise EdgeliteError("an invariant range runs decode steps one session at a time")
         slab = slots[0].slab
         if any(s.slab is not slab for s in slots) or len({s.index for s in slots}) != len(slots):
             raise EdgeliteError("a batch must hold distinct slots of one slab")

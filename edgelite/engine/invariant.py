@@ -1,0 +1,132 @@
+"""Attention whose every row is the same however many rows run together.
+
+onnxruntime's GroupQueryAttention computes one new position (a decode step) with other kernels
+than several (a prompt chunk: a matrix product instead of a vector one), so the same position
+comes out a little different (7e-7 measured) when decoded than when it was part of a chunk.
+Under int8 activations (fast mode) such a difference flips roundings and grows: the reply
+then depends on how the prompt was chunked, on the split, and on whether its KV came from the
+KV store. With two or more rows the results are the same row by row, whatever their number,
+their chunk's boundaries or what came before (measured bit for bit; the other ops of a fast
+layer, MatMulNBits at accuracy level 4, MatMul and the norms, are the same for any number of
+rows already).
+
+`pad_attention` rewrites a joined range so that each GroupQueryAttention sees one row more
+than it is given, a copy of the last one, and drops that row from its output: a decode step
+then runs the several-row kernels too. The extra row's keys and values are written one
+position past the step's (its KV slot needs one more position; the next step overwrites
+them). Its price is the attention of one more row: at 50 positions of context 2 % of a
+SmolLM2 layer's attention, at 1,000 about 20 %. onnxruntime refuses several rows per session
+in a batch of sessions, so a range rewritten so runs decode steps one session at a time.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from edgelite.engine.onnxgraph import GRAPH_INIT, GRAPH_NODE, MODEL_GRAPH, Field, encode, fields
+from edgelite.errors import ModelFileError
+
+# NodeProto, AttributeProto and TensorProto field numbers, and the types used here
+NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
+ATTR_NAME, ATTR_I, ATTR_TYPE, ATTR_INT = 1, 3, 20, 2
+TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
+INT32, INT64 = 6, 7
+PREFIX = "edgelite_invariant"  # names of what the rewrite adds
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], name: str,
+          ints: dict[str, int] | None = None) -> bytes:
+    items: list[Field] = [*((NODE_INPUT, 2, i.encode()) for i in inputs),
+                          *((NODE_OUTPUT, 2, o.encode()) for o in outputs),
+                          (NODE_NAME, 2, name.encode()), (NODE_OP, 2, op.encode())]
+    for key, value in (ints or {}).items():
+        items.append((NODE_ATTR, 2, encode([(ATTR_NAME, 2, key.encode()),
+                                            (ATTR_I, 0, value & (2**64 - 1)),
+                                            (ATTR_TYPE, 0, ATTR_INT)])))
+    return encode(items)
+
+
+def _tensor(name: str, kind: int, values: list[int], dims: list[int]) -> bytes:
+    raw = struct.pack(f"<{len(values)}{'i' if kind == INT32 else 'q'}", *values)
+    return encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
+                   (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
+
+
+def _parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
+    op, inputs, outputs, rest = "", [], [], []
+    for number, wire, value in fields(node):
+        if number == NODE_OP:
+            op = value.decode()  # type: ignore[union-attr]
+        elif number == NODE_INPUT:
+            inputs.append(value.decode())  # type: ignore[union-attr]
+        elif number == NODE_OUTPUT:
+            outputs.append(value.decode())  # type: ignore[union-attr]
+        else:
+            rest.append((number, wire, value))
+    return op, inputs, outputs, rest
+
+
+def pad_attention(model: bytes) -> bytes:
+    """The model with each GroupQueryAttention given one more row (see the module's text)."""
+    try:
+        return _pad(model)
+    except (ValueError, UnicodeDecodeError, IndexError) as exc:
+        raise ModelFileError(f"cannot make the range's attention row-invariant: {exc}") from exc
+
+
+def _pad(model: bytes) -> bytes:
+    out: list[Field] = []
+    for number, wire, value in fields(model):
+        if number == MODEL_GRAPH:
+            value = _pad_graph(value)  # type: ignore[arg-type]
+        out.append((number, wire, value))
+    return encode(out)
+
+
+def _pad_graph(graph: bytes) -> bytes:
+    items: list[Field] = []
+    added: dict[str, str] = {}  # a shared input (seqlens_k, total_seq) -> its value plus one
+    shared: list[Field] = []  # nodes computing those, put first
+    count = 0
+    for number, wire, value in fields(graph):
+        if number != GRAPH_NODE:
+            items.append((number, wire, value))
+            continue
+        op, inputs, outputs, rest = _parts(value)  # type: ignore[arg-type]
+        if op != "GroupQueryAttention":
+            items.append((number, wire, value))
+            continue
+        count += 1
+        tag = f"{PREFIX}/{count}"
+        new_inputs = list(inputs)
+        for i in range(3):  # query, key, value (key and value are empty when packed)
+            if inputs[i]:
+                last = f"{tag}/last_{i}"
+                items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/minus_one"],
+                                                   [last], last, {"axis": 1})))
+                padded = f"{tag}/padded_{i}"
+                items.append((GRAPH_NODE, 2, _node("Concat", [inputs[i], last], [padded], padded,
+                                                   {"axis": 1})))
+                new_inputs[i] = padded
+        for i in (5, 6):  # seqlens_k, total_seq: one position more
+            name = inputs[i]
+            if name not in added:
+                added[name] = f"{PREFIX}/{name}_plus_one"
+                shared.append((GRAPH_NODE, 2, _node("Add", [name, f"{PREFIX}/one"], [added[name]],
+                                                    added[name])))
+            new_inputs[i] = added[name]
+        wide = f"{tag}/output_padded"
+        items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
+                                             (NODE_OUTPUT, 2, wide.encode()),
+                                             *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
+                                             (NODE_OP, 2, op.encode()), *rest])))
+        items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero", f"{PREFIX}/minus_one",
+                                                     f"{PREFIX}/axis_one"], [outputs[0]],
+                                           f"{tag}/drop_last")))
+    if not count:
+        return graph
+    consts = [_tensor(f"{PREFIX}/minus_one", INT64, [-1], [1]),
+              _tensor(f"{PREFIX}/zero", INT64, [0], [1]),
+              _tensor(f"{PREFIX}/axis_one", INT64, [1], [1]),
+              _tensor(f"{PREFIX}/one", INT32, [1], [])]
+    return encode([*shared, *items, *((GRAPH_INIT, 2, c) for c in consts)])
