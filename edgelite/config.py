@@ -83,6 +83,9 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = -1  # each token's log probability and this many alternatives (-1: none)
+    # text, or json_object: every token is one that keeps the reply a JSON object's prefix,
+    # and the reply ends when the object does (engine/jsonprefix.py; no speculation then)
+    response_format: str = "text"
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class HttpConfig:
     max_connections_per_address: int = 32  # of them from one address
     header_timeout_s: float = 10.0  # a request's headers must be in this soon (else: closed)
     body_timeout_s: float = 30.0  # and its body this soon after them (else: 408)
+    cluster_stats_timeout_s: float = 2.0  # the page's figures wait this long for the nodes'
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 over the demo's emulated Wi-Fi links and over loopback, in interleaved rounds (JSON on stdout).
 
     python scripts/bench_speculative.py [--rounds 3] [--tokens 128] [--models models/bench]
+    python scripts/bench_speculative.py --ids [--tokens 64]   # greedy ids only, 20 prompts
 
 Targets and drafts: the int4 fast export with prompt lookup (a grounded task: correct a given
 ~500-token passage with a few typos, returning it whole; and open chat); the int4 exact
@@ -108,6 +109,41 @@ async def run_on(addrs, routes, models: dict[str, Path], args) -> dict:
     return out
 
 
+MORE = ["Write a haiku about the sea.", "Explain what a hash table is in two sentences.",
+        "List three uses of a paperclip.", "What is the capital of France, and why is it famous?",
+        "Give me a recipe for a simple tomato soup.", "How do phones connect to Wi-Fi?",
+        "Summarise the plot of Romeo and Juliet.", "What is 17 times 23? Show the steps.",
+        "Describe a cat to someone who has never seen one.", "Repeat after me: the cat sat on "
+        "the mat, the cat sat on the mat, the cat sat on the mat.",
+        "Translate 'good morning, how are you' into French and Spanish.",
+        "Name the planets of the solar system in order.", "Write a limerick about a programmer."]
+
+
+async def ids_check(models: dict[str, Path], tokens: int, root: Path) -> dict:
+    """Greedy ids with and without speculation (prompt lookup; and the draft model for the
+    exact export), 20 prompts, locally and on 3 nodes."""
+    prompts = (CHAT + grounded_prompts() + MORE)[:20]
+    runtime = RuntimeConfig(threads=1, allow_spinning=False)
+    out: dict = {"prompts": len(prompts), "tokens": tokens}
+    nodes = [start_node(root / f"ids{i}", extra=("--no-spin",)) for i in range(3)]
+    try:
+        for where, kw in (("local", {}), ("3 nodes", {"nodes": [n.addr for n in nodes],
+                                                       "token": TOKEN, "split": SPLIT})):
+            for target, mode, draft in (("fast", "lookup", None), ("exact", "draft", "fast")):
+                async with edgelite.connect(models[target], runtime=runtime,
+                                            draft=models[draft] if draft else None, **kw) as llm:
+                    same = 0
+                    for p in prompts:
+                        off = await reply(llm, p, tokens, "off")
+                        spec = await reply(llm, p, tokens, mode)
+                        same += off["ids"] == spec["ids"]
+                out[f"{where}: {target} with {mode}"] = f"{same}/{len(prompts)}"
+    finally:
+        for n in nodes:
+            n.kill()
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict:
     models = {"fast": edgelite_export(args.models / "smol-int4-fast"),
               "exact": edgelite_export(args.models / "smol-int4-exact", "--mode", "exact")}
@@ -115,6 +151,9 @@ async def main(args: argparse.Namespace) -> dict:
                     "rounds": args.rounds, "tokens": args.tokens,
                     "lookup_target": "int4 fast", "draft": "int4 fast drafting for int4 exact"}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.ids:
+            result["ids_equal_without_speculation"] = await ids_check(models, args.tokens, Path(tmp))
+            return result
         if "wifi" in args.links:
             async with EmulatedCluster(mf.load(models["fast"]), Path(tmp) / "wifi", DemoConfig(),
                                        seed_files=True) as cluster:
@@ -138,4 +177,7 @@ if __name__ == "__main__":
     ap.add_argument("--models", type=Path, default=ROOT / "models" / "bench")
     ap.add_argument("--links", default="wifi,loopback")
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--ids", action="store_true",
+                    help="only compare greedy ids with and without speculation: 20 prompts, "
+                         "locally and on 3 nodes")
     print(json.dumps(asyncio.run(main(ap.parse_args())), indent=1))

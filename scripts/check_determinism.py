@@ -6,8 +6,8 @@ local run with the KV store off are compared with those of
   second (a hit: the prompt's KV read back);
 - 2 and 3 node processes with 3 different splits;
 - `edgelite serve --http`: the first and a repeated request (its KV store on), 4 requests of
-  one prompt at once and 4 of different prompts at once (over HTTP the reply's text and its
-  log probabilities are compared, the ids are not on the wire);
+  one prompt at once and 4 of different prompts at once (over HTTP the reply's text is
+  compared, the ids are not on the wire, and apart its log probabilities, bit for bit);
 - failover: a node killed (-9) after 20 tokens of the reply, on a 3-node split.
 
 Prints one JSON object: per export and sampling, per check, how many prompts gave identical
@@ -163,22 +163,23 @@ def http_checks(model: Path, prompts: list[str], tokens: int, sampling: dict[str
         first = [_post(base, p, tokens, sampling) for p in prompts]
         again = [_post(base, p, tokens, sampling) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            same = list(pool.map(lambda _: _post(base, prompts[0], tokens, sampling), range(4)))
+            same_prompt = list(pool.map(lambda _: _post(base, prompts[0], tokens, sampling),
+                                        range(4)))
             different = list(pool.map(lambda p: _post(base, p, tokens, sampling), prompts[:4]))
     finally:
         proc.kill()
         proc.wait(10)
+    def same(a: list[tuple[str, list]], b: list[tuple[str, list]]) -> dict[str, int]:
+        """Texts equal (the ids are not on the wire), and log probabilities equal bit for bit."""
+        return {"identical": sum(x[0] == y[0] for x, y in zip(a, b, strict=True)),
+                "logprobs_identical": sum(x == y for x, y in zip(a, b, strict=True)), "of": len(a)}
+
     return [
-        {"check": "http first == local", "identical": sum(f[0] == t for f, t in zip(first, texts,
-                                                                                  strict=True)),
-         "of": len(prompts)},
-        {"check": "http repeated == first (text and logprobs)",
-         "identical": sum(a == b for a, b in zip(first, again, strict=True)), "of": len(prompts)},
-        {"check": "http 4 at once, one prompt", "identical": sum(s == first[0] for s in same),
-         "of": 4},
-        {"check": "http 4 at once, different prompts",
-         "identical": sum(d == f for d, f in zip(different, first[:4], strict=True)),
-         "of": len(different)}]
+        {"check": "http first == local (text)", "of": len(prompts),
+         "identical": sum(f[0] == t for f, t in zip(first, texts, strict=True))},
+        {"check": "http repeated == first", **same(again, first)},
+        {"check": "http 4 at once, one prompt", **same(same_prompt, [first[0]] * 4)},
+        {"check": "http 4 at once, different prompts", **same(different, first[:len(different)])}]
 
 
 def main() -> None:

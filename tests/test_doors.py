@@ -224,13 +224,17 @@ def test_log_probabilities_and_sampling_controls(exported) -> None:
             lp = legacy["choices"][0]["logprobs"]
             assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
             assert lp["text_offset"][0] == 0
-            for extra in ({"response_format": {"type": "json_object"}},
+            for extra in ({"response_format": {"type": "json_schema"}},
                           {"tools": [{"type": "function", "function": {"name": "f"}}]}):
                 status, refused = await asyncio.to_thread(_post, base, {"model": manifest.name,
                                                                         **ask, **extra})
                 assert status == 400 and refused["error"]["param"] in extra, refused
             native = await _native(client, 7, {**ask, "logprobs": 2})
             assert isinstance(native, m.Done)
+            as_json = await _native(client, 13, {**ask, "response_format": "json_object"})
+            assert isinstance(as_json, m.Done) and as_json.token_ids  # (the text: test_http)
+            wrong = await _native(client, 14, {**ask, "response_format": "yaml"})
+            assert isinstance(wrong, m.Error) and "response_format" in wrong.message
             bad = await _native(client, 8, {**ask, "logprobs": 99})
             assert isinstance(bad, m.Error) and "top_logprobs" in bad.message
             greedy = await _native(client, 9, ask)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -17,8 +19,10 @@ import pytest
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import HttpConfig
+from edgelite.engine.jsonprefix import JsonPrefix
 from edgelite.engine.reply import StopMatcher
 from edgelite.serve.http import HttpApi, served
+from models import as_if_large
 
 pytestmark = pytest.mark.e2e
 USERS = [{"name": "free", "token": "t-free", "tier": 0}, {"name": "pro", "token": "t-pro", "tier": 2}]
@@ -318,3 +322,106 @@ def _post(port: int, data: bytes, headers: dict[str, str] | None = None) -> tupl
                           else {"text": raw.decode(errors="replace")})
     finally:
         c.close()
+
+
+def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path) -> None:
+    """GET / is one self-contained page (nothing fetched from elsewhere, its script parses);
+    /v1/cluster needs a user's token and shows the probed devices and links, the plan's
+    stages with predicted and measured times, and the gateway's per-tier figures."""
+    nodes = [node_factory() for _ in range(2)]
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"users": USERS}))
+    with (tmp_path / "serve.log").open("w") as log:
+        # (a manifest that says each layer holds 2,000 MiB: the client has room for one)
+        model = as_if_large(exported["llama"], tmp_path / "big")
+        proc, found = start_serve(["--model", str(model), "--nodes",
+                                   ",".join(n.addr for n in nodes), "--token", TOKEN,
+                                   "--users", str(users), "--http", "127.0.0.1:0", "--no-native",
+                                   "--threads", "1", "--client-memory-mb", "2000"],
+                                  log, r"listening on (http://[\d.]+:\d+)/v1")
+    base = found.group(1)
+    try:
+        with urllib.request.urlopen(base + "/", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/html")
+            page = r.read().decode()
+        assert "<title>edgelite cluster</title>" in page and "/v1/chat/completions" in page
+        assert re.search(r"(src|href)=\"?(https?:)?//", page) is None  # no CDN, no other host
+        script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+        (tmp_path / "page.js").write_text(script)
+        if shutil.which("node"):
+            check = subprocess.run(["node", "--check", str(tmp_path / "page.js")],
+                                   capture_output=True, text=True, timeout=30)
+            assert check.returncode == 0, check.stderr
+        deadline = time.monotonic() + 60
+        while True:  # 401 without a token; 503 until the plan is deployed
+            try:
+                urllib.request.urlopen(base + "/v1/cluster", timeout=10)
+                raise AssertionError("/v1/cluster answered without a token")
+            except urllib.error.HTTPError as exc:
+                assert exc.code in (401, 503), exc.code
+                if exc.code == 401:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        auth = {"Authorization": "Bearer t-pro"}
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
+        while True:
+            try:
+                with urllib.request.urlopen(urllib.request.Request(
+                        base + "/v1/chat/completions", data=body.encode(),
+                        headers={**auth, "Content-Type": "application/json"}), timeout=60):
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline, exc.code
+                time.sleep(0.2)
+        with urllib.request.urlopen(urllib.request.Request(base + "/v1/cluster", headers=auth),
+                                    timeout=10) as r:
+            view = json.loads(r.read())
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert view["ready"] and view["model"]["layers"] == 3
+    assert {d["name"] for d in view["devices"]} >= {"client"} and len(view["devices"]) == 3
+    assert len(view["links"]) >= 4 and all(ln["latency_ms"] is None or ln["latency_ms"] >= 0
+                                           for ln in view["links"])
+    stages = view["plan"]["stages"]
+    assert sum(s["layers"][1] - s["layers"][0] + 1 for s in stages) == 3
+    assert view["plan"]["expected_ms_per_token"] > 0
+    remote = [s for s in stages if s["addr"] is not None]
+    assert remote and all(s["measured_ms_per_run"] is not None for s in remote)
+    assert view["gateway"]["tiers"]["2"]["done"] == 1
+
+
+def _post_json(base: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": "Bearer t-pro"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_json_object_replies_over_http(server) -> None:
+    """A reply is a JSON object's prefix, a whole object when it ends by itself;
+    json_schema is refused with a 400 naming it."""
+    base, _ = server
+    for temperature in (0.0, 0.9):
+        for prompt in ("give me json", "a person as a JSON object"):
+            status, out = _post_json(base, {"messages": [{"role": "user", "content": prompt}],
+                                       "max_tokens": 40, "temperature": temperature, "seed": 1,
+                                       "response_format": {"type": "json_object"}})
+            assert status == 200, out
+            choice = out["choices"][0]
+            text = choice["message"]["content"]
+            state = JsonPrefix()
+            assert state.feed(text), text
+            if choice["finish_reason"] == "stop":
+                assert state.done and isinstance(json.loads(text), dict), text
+    status, out = _post_json(base, {"messages": [{"role": "user", "content": "hi"}],
+                               "response_format": {"type": "json_schema", "json_schema": {}}})
+    assert status == 400 and out["error"]["param"] == "response_format"
+    assert "'json_schema' is not supported" in out["error"]["message"]

@@ -75,6 +75,9 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
                    help="subtracted from the logits of tokens the reply used (OpenAI's)")
     p.add_argument("--frequency-penalty", type=float, default=g.frequency_penalty,
                    help="subtracted per use from the logits of tokens the reply used (OpenAI's)")
+    p.add_argument("--response-format", default=g.response_format, choices=["text", "json_object"],
+                   help="json_object: the reply is one JSON object (each token is chosen among "
+                        "those that keep it one; it ends when the object does)")
     p.add_argument("--speculate", default=g.speculate, metavar="lookup|DIR|off",
                    help="speculative decoding: verify drafts of the next tokens in one step "
                         "(the output is the same): lookup drafts from the prompt and the reply, "
@@ -252,7 +255,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
                             top_k=getattr(args, "top_k", 0), min_p=getattr(args, "min_p", 0.0),
                             repetition_penalty=getattr(args, "repetition_penalty", 1.0),
                             presence_penalty=getattr(args, "presence_penalty", 0.0),
-                            frequency_penalty=getattr(args, "frequency_penalty", 0.0)))
+                            frequency_penalty=getattr(args, "frequency_penalty", 0.0),
+                            response_format=getattr(args, "response_format", "text")))
 
 
 def draft_folder(args: argparse.Namespace) -> Path | None:

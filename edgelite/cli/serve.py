@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from edgelite.errors import EdgeliteError, MissingDependency
 from edgelite.planner.model import Plan
 from edgelite.serve.gateway import Gateway
 from edgelite.serve.native import NativeDoor
+from edgelite.serve.page import cluster_view
 from edgelite.serve.scheduler import Scheduler
 from edgelite.serve.users import load_users
 
@@ -127,6 +129,7 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"edgelite gateway listening on {gateway_cfg.host}:{door.port}", flush=True)
         if api is not None:
             api.gateway = gw  # /health turns 200
+            api.cluster = functools.partial(cluster_view, llm, gw, api.cfg.cluster_stats_timeout_s)
         await gw.run()
     return 0
 

@@ -110,8 +110,9 @@ class LLM:
         self.pacers: dict[str, Pacer] = {}  # speculation mode -> its pacer (learns across replies)
 
     def speculation(self, cfg: GenerationConfig) -> Speculation | None:
-        """How a reply with these settings speculates (None: it does not)."""
-        if cfg.speculate == "off":
+        """How a reply with these settings speculates (None: it does not; nor does a reply
+        constrained to JSON, whose tokens are chosen one by one)."""
+        if cfg.speculate == "off" or cfg.response_format != "text":
             return None
         if cfg.speculate not in ("lookup", "draft"):
             raise EdgeliteError(f"speculate={cfg.speculate!r}: one of off, lookup, draft")

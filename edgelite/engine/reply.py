@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgelite.config import GenerationConfig
+from edgelite.engine.jsonprefix import JsonConstraint
 from edgelite.engine.sampling import distribution, log_softmax, sample
 from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError
@@ -104,6 +105,9 @@ def _could_begin(text: str, stops: tuple[str, ...], hold: int) -> int:
                 if text.endswith(s[:k])), default=0)
 
 
+RESPONSE_FORMATS = ("text", "json_object")
+
+
 def check(cfg: GenerationConfig) -> GenerationConfig:
     """The options, or a one-line error naming the first one out of its range."""
     if cfg.max_tokens < 1:
@@ -112,6 +116,9 @@ def check(cfg: GenerationConfig) -> GenerationConfig:
         raise EdgeliteError(f"temperature must be 0 (greedy) or more (got {cfg.temperature:g})")
     if not 0.0 < cfg.top_p <= 1.0:
         raise EdgeliteError(f"top_p must be within 0 (excluded) and 1 (got {cfg.top_p:g})")
+    if cfg.response_format not in RESPONSE_FORMATS:
+        raise EdgeliteError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)} "
+                            f"(got {cfg.response_format[:32]!r})")
     if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or not cfg.repetition_penalty > 0:
         raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
                             f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
@@ -136,6 +143,12 @@ class ReplyLoop:
         self.finish: str | None = None
         self.uses: Counter[int] = Counter()  # the reply's tokens, for the penalties
         self.seen = set(prompt) if cfg.repetition_penalty != 1.0 else set()  # (and the prompt's)
+        self.json: JsonConstraint | None = None
+        if cfg.response_format == "json_object":
+            if decoder is None:
+                raise EdgeliteError("response_format json_object needs the reply's text (a "
+                                    "tokenizer)")
+            self.json = JsonConstraint(decoder.tok.decode, self.eos)
 
     @property
     def done(self) -> bool:
@@ -149,8 +162,11 @@ class ReplyLoop:
         self.stats.steps += 1
         logits = self._penalised(logits)
         cfg = self.cfg
-        return self._take(sample(logits, cfg.temperature, cfg.top_p, self.rng, cfg.top_k, cfg.min_p),
-                          logits)
+
+        def pick(row: np.ndarray) -> int:
+            return sample(row, cfg.temperature, cfg.top_p, self.rng, cfg.top_k, cfg.min_p)
+
+        return self._take(self.json.choose(logits, pick) if self.json else pick(logits), logits)
 
     def verify(self, logits: np.ndarray, drafts: list[int],
                q: list[np.ndarray] | None = None) -> tuple[list[Piece], int]:

@@ -468,6 +468,7 @@ class GenerateRequest(Message):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None  # with each token its log probability and this many alternatives
+    response_format: str | None = bounds(max_len=32, default=None)  # text | json_object
 
 
 @message("generate_cancel")

@@ -44,6 +44,7 @@ class Ask:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None  # alternatives per token with each token's log probability
+    response_format: str | None = None  # text | json_object (GenerationConfig.response_format)
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:
@@ -74,6 +75,9 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
     _within(ask.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _within(ask.repetition_penalty, "repetition_penalty", 0.01, 10.0)
     _within(ask.logprobs, "top_logprobs", 0, cfg.max_top_logprobs)
+    if ask.response_format not in (None, "text", "json_object"):
+        raise AskError(f"response_format must be text or json_object (got "
+                       f"{ask.response_format[:16]!r})", "response_format")
     if ask.speculate not in (None, "off", "lookup"):
         raise AskError(f"speculate must be off or lookup (got {ask.speculate[:16]!r}; a gateway "
                        f"drafts by prompt lookup only)", "speculate")
@@ -96,5 +100,6 @@ def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
                                ("min_p", ask.min_p), ("presence_penalty", ask.presence_penalty),
                                ("frequency_penalty", ask.frequency_penalty),
                                ("repetition_penalty", ask.repetition_penalty),
-                               ("logprobs", ask.logprobs)) if v is not None}
+                               ("logprobs", ask.logprobs),
+                               ("response_format", ask.response_format)) if v is not None}
     return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

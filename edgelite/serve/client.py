@@ -42,7 +42,8 @@ class GatewayClient:
         await self.conn.send(m.GenerateRequest(
             id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-            stop=list(cfg.stop) or None, speculate=cfg.speculate))
+            stop=list(cfg.stop) or None, speculate=cfg.speculate,
+            response_format=None if cfg.response_format == "text" else cfg.response_format))
         done = False
         try:
             while True:

@@ -158,7 +158,7 @@ class Gateway:
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
         reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
-        spec = gen.speculate == "lookup"
+        spec = gen.speculate == "lookup" and gen.response_format == "text"
         self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
                                  pacer=self.pacer.fork() if spec else None)
         self.wake.set()

@@ -3,7 +3,8 @@ scheduler and tiers as the native protocol.
 
 POST /v1/chat/completions and /v1/completions (`stream` true: server-sent events ending with
 `data: [DONE]`), GET /v1/models, /health (503 until the plan is deployed, and while a lost node
-is being replaced) and /metrics (Prometheus text). `Authorization: Bearer <token>` names a user
+is being replaced), /metrics (Prometheus text), / (the cluster's web page, serve/page.py) and
+/v1/cluster (what that page shows). `Authorization: Bearer <token>` names a user
 of users.json (its tier comes from the file); without users every request is "anonymous".
 Errors are OpenAI's error JSON. A client that disconnects cancels its request.
 
@@ -22,7 +23,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from edgelite.net.schema import Message
 from edgelite.serve.ask import Ask, AskError
 from edgelite.serve.gateway import Gateway
 from edgelite.serve.metrics import prometheus
+from edgelite.serve.page import page_html
 from edgelite.serve.users import ANONYMOUS, User
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,8 @@ class HttpApi:
         self.model_id, self.cfg = model_id, cfg
         self.by_token = {u.token: u for u in users.values()} if users else None
         self.gateway: Gateway | None = None
+        # what /v1/cluster shows (serve/page.py), set with the gateway
+        self.cluster: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self.requests_total = 0
         self.disconnects = 0  # requests whose client went away before the end
         self.app = Starlette(routes=[
@@ -169,6 +173,8 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/", self.page, methods=["GET"]),
+            Route("/v1/cluster", self.cluster_figures, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     # ---- serving -------------------------------------------------------------------------
@@ -214,6 +220,21 @@ class HttpApi:
                    "addr": None if st.addr is None else str(st.addr)}
                   for st in (plan.stages if plan is not None else ())]
         return JSONResponse({"status": "ok", "model": self.model_id, "plan": stages})
+
+    async def page(self, request: Request) -> Response:
+        """The web page (its figures and chat come from the routes above, with the user's token)."""
+        return Response(page_html(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    async def cluster_figures(self, request: Request) -> Response:
+        try:
+            self._user(request)
+            if self.cluster is None:
+                raise ApiError(503, "the cluster is being planned and deployed", "server_error",
+                               code="starting")
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse(await self.cluster())
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(prometheus(self.gateway, self.requests_total, self.disconnects),
@@ -440,9 +461,11 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
     if n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     # (refused, not ignored: a client relying on them would get wrong behaviour silently)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "response_format other than text is not supported by this server "
-                            "yet", param="response_format")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}, {"type": "json_object"}):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"response_format {str(kind)[:32]!r} is not supported by this "
+                            f"server yet (text and json_object are)", param="response_format")
     if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
         raise ApiError(400, "tools are not supported by this server yet", param="tools")
     messages, text = None, None
@@ -464,7 +487,8 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
               presence_penalty=_number(body, "presence_penalty", float),
               frequency_penalty=_number(body, "frequency_penalty", float),
               repetition_penalty=_number(body, "repetition_penalty", float),
-              logprobs=_logprobs(body, chat))
+              logprobs=_logprobs(body, chat),
+              response_format=fmt["type"] if isinstance(fmt, dict) else None)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")

@@ -90,7 +90,8 @@ def ask_of(msg: m.GenerateRequest) -> Ask:
                top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()),
                speculate=msg.speculate, top_k=msg.top_k, min_p=msg.min_p,
                presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-               repetition_penalty=msg.repetition_penalty, logprobs=msg.logprobs)
+               repetition_penalty=msg.repetition_penalty, logprobs=msg.logprobs,
+               response_format=msg.response_format)
 
 
 class NativeDoor:

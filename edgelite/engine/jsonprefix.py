@@ -1,0 +1,250 @@
+"""Whether a text can still become one JSON object: a character-level pushdown automaton,
+fed as a reply grows, for `response_format: json_object` (engine/reply.py masks each token
+whose text would make the reply anything else).
+
+It accepts exactly the prefixes of texts `json.loads` reads as an object (with whitespace
+around), checks strings' escapes (`\\uXXXX` too), numbers' grammar and the literals, and
+says when the object is complete. Pure Python: it runs in Termux as it runs here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgelite.errors import EdgeliteError
+
+WHITESPACE = " \t\n\r"
+ESCAPES = '"\\/bfnrtu'
+HEX = "0123456789abcdefABCDEF"
+LITERALS = ("true", "false", "null")
+
+
+@dataclass
+class JsonPrefix:
+    """The state after the text fed so far. `stack`: the open containers ('{' or '['); `mode`:
+    what the next character may be:
+
+    value: a value starts (or, in an array just opened, `]`); key: a key or `}` (just after
+    `{`), key!: a key (after a comma); colon; after: `,` or the container's close;
+    string/escape/hex1..4: inside a string (`key` tells it is a key); number states; a literal
+    being spelled (`lit`, `pos`); done: the top-level object closed (whitespace only)."""
+
+    stack: list[str] = field(default_factory=list)
+    mode: str = "start"
+    key: bool = False
+    lit: str = ""
+    pos: int = 0
+    number: str = ""
+
+    def copy(self) -> JsonPrefix:
+        return JsonPrefix(list(self.stack), self.mode, self.key, self.lit, self.pos, self.number)
+
+    @property
+    def done(self) -> bool:
+        return self.mode == "done"
+
+    @property
+    def in_string(self) -> bool:
+        return self.mode in ("string", "escape") or self.mode.startswith("hex")
+
+    def feed(self, text: str) -> bool:
+        """Take `text` if the result can still become a JSON object (True); else leave the
+        state as it was (False)."""
+        saved = self.copy()
+        for ch in text:
+            if not self._char(ch):
+                self.__dict__.update(saved.__dict__)
+                return False
+        return True
+
+    # ---- one character -------------------------------------------------------------------
+    def _char(self, ch: str) -> bool:
+        mode = self.mode
+        if mode in ("num_int", "num_zero", "num_frac", "num_exp"):
+            if self._number(ch):
+                return True
+            self.mode = "after" if self.stack else "done"  # the number ended: go on with ch
+            mode = self.mode
+            if mode == "done":
+                return ch in WHITESPACE
+        if mode in ("num_minus", "num_dot", "num_e", "num_esign"):
+            return self._number(ch)
+        if mode == "start":
+            if ch in WHITESPACE:
+                return True
+            if ch == "{":
+                self.stack.append("{")
+                self.mode = "key"
+                return True
+            return False
+        if mode == "done":
+            return ch in WHITESPACE
+        if mode == "string" or mode == "escape" or mode.startswith("hex"):
+            return self._string(ch)
+        if mode == "lit":
+            if ch != self.lit[self.pos]:
+                return False
+            self.pos += 1
+            if self.pos == len(self.lit):
+                self.mode = "after"
+            return True
+        if ch in WHITESPACE:
+            return True
+        if mode in ("key", "key!"):
+            if ch == '"':
+                self.mode, self.key = "string", True
+                return True
+            if ch == "}" and mode == "key":
+                return self._close("{")
+            return False
+        if mode == "colon":
+            if ch == ":":
+                self.mode = "value"
+                return True
+            return False
+        if mode in ("value", "value]"):
+            if ch == "]" and mode == "value]":
+                return self._close("[")
+            return self._value(ch)
+        if mode == "after":
+            top = self.stack[-1]
+            if ch == ",":
+                self.mode = "key!" if top == "{" else "value"
+                return True
+            if ch in "}]":
+                return self._close(ch.replace("}", "{").replace("]", "["))
+            return False
+        return False
+
+    def _value(self, ch: str) -> bool:
+        if ch == "{":
+            self.stack.append("{")
+            self.mode = "key"
+        elif ch == "[":
+            self.stack.append("[")
+            self.mode = "value]"
+        elif ch == '"':
+            self.mode, self.key = "string", False
+        elif ch == "-":
+            self.mode, self.number = "num_minus", ch
+        elif ch == "0":
+            self.mode, self.number = "num_zero", ch
+        elif ch.isdigit() and ch.isascii():
+            self.mode, self.number = "num_int", ch
+        else:
+            for word in LITERALS:
+                if ch == word[0]:
+                    self.mode, self.lit, self.pos = "lit", word, 1
+                    return True
+            return False
+        return True
+
+    def _close(self, opener: str) -> bool:
+        if not self.stack or self.stack[-1] != opener:
+            return False
+        self.stack.pop()
+        self.mode = "after" if self.stack else "done"
+        return True
+
+    def _string(self, ch: str) -> bool:
+        mode = self.mode
+        if mode == "escape":
+            if ch not in ESCAPES:
+                return False
+            self.mode = "hex1" if ch == "u" else "string"
+            return True
+        if mode.startswith("hex"):
+            if ch not in HEX:
+                return False
+            n = int(mode[3])
+            self.mode = "string" if n == 4 else f"hex{n + 1}"
+            return True
+        if ch == "\\":
+            self.mode = "escape"
+            return True
+        if ch == '"':
+            self.mode = "colon" if self.key else "after"
+            return True
+        return ch >= " "  # (control characters must be escaped)
+
+    def _number(self, ch: str) -> bool:
+        mode, digit = self.mode, ch.isdigit() and ch.isascii()
+        nxt = None
+        if mode == "num_minus":
+            nxt = "num_zero" if ch == "0" else "num_int" if digit else None
+        elif mode == "num_int":
+            nxt = "num_int" if digit else "num_dot" if ch == "." else "num_e" if ch in "eE" else None
+        elif mode == "num_zero":
+            nxt = "num_dot" if ch == "." else "num_e" if ch in "eE" else None
+        elif mode in ("num_dot", "num_frac"):
+            nxt = "num_frac" if digit else ("num_e" if ch in "eE" and mode == "num_frac" else None)
+        elif mode in ("num_e", "num_esign"):
+            nxt = "num_exp" if digit else ("num_esign" if ch in "+-" and mode == "num_e" else None)
+        elif mode == "num_exp":
+            nxt = "num_exp" if digit else None
+        if nxt is None:
+            return False
+        self.mode, self.number = nxt, self.number + ch
+        return True
+
+
+class JsonConstraint:
+    """Chooses a reply's tokens so that it is one JSON object: the token `pick` (argmax, or a
+    draw by the reply's settings) takes from the logits with every token found invalid masked
+    out, trying again until one keeps the text a JSON object's prefix; an end-of-sequence
+    token only once the object is complete, and the reply ends as soon as it is. Drawing
+    again after masking is drawing from the masked distribution, so sampling keeps the
+    model's distribution over the tokens allowed. After `max_tries` refusals every token is
+    checked (a rare full scan)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], eos: frozenset[int],
+                 max_tries: int = 64) -> None:
+        self.decode, self.eos, self.max_tries = decode, eos, max_tries
+        self.state = JsonPrefix()
+        self.ids: list[int] = []
+        self.fed = 0  # characters of the reply's text the state has taken
+        self.tries = 0  # tokens checked, for the figures
+
+    def _fits(self, tok: int) -> str | None:
+        """The text `tok` adds to the reply when it keeps the reply a JSON object's prefix,
+        else None. A character it leaves incomplete (its bytes go on in the next token) is
+        taken with the token that completes it, and only inside a string (elsewhere no
+        non-ASCII character is JSON)."""
+        self.tries += 1
+        if tok in self.eos:
+            return None
+        text = self.decode([*self.ids, tok])
+        partial = text.endswith("\ufffd")
+        new = text[self.fed:].rstrip("\ufffd")
+        after = self.state.copy()
+        if not after.feed(new) or (partial and not after.in_string):
+            return None
+        if not new and not partial:
+            return None  # (a token that adds no text would not advance the reply)
+        return new
+
+    def choose(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
+        if self.state.done:
+            return min(self.eos)
+        masked = np.array(logits, dtype=np.float32, copy=True)
+        for _ in range(self.max_tries):
+            tok = pick(masked)
+            if (new := self._fits(tok)) is not None:
+                return self._accept(tok, new)
+            masked[tok] = -np.inf
+        order = np.argsort(-masked, kind="stable")  # every token, the likeliest first
+        for tok in order.tolist():
+            if not np.isfinite(masked[tok]):
+                break
+            if (new := self._fits(tok)) is not None:
+                return self._accept(tok, new)
+        raise EdgeliteError("no token of the vocabulary continues the JSON object")
+
+    def _accept(self, tok: int, new: str) -> int:
+        self.state.feed(new)
+        self.ids.append(tok)
+        self.fed += len(new)
+        return tok
