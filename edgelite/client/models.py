@@ -9,7 +9,6 @@ deployed files (blobs, which it deletes when nothing has used them for a while; 
 
 from __future__ import annotations
 
-import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,21 +22,9 @@ from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
 from edgelite.node.blobs import BlobFigures, BlobStore
+from edgelite.node.shelf import ExportFolder, read_export
 
-log = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Message)
-
-
-@dataclass(frozen=True)
-class LocalModel:
-    """An export folder on this device."""
-
-    path: Path
-    title: str  # the model's own name (its manifest's)
-    weights: str
-    compute: str
-    layers: int
-    bytes: int  # every file in the folder
 
 
 @dataclass(frozen=True)
@@ -49,29 +36,17 @@ class NodeModels:
     blobs: m.BlobSummary
 
 
-def _export(folder: Path) -> LocalModel | None:
-    if not (folder / mf.MANIFEST_NAME).is_file():
-        return None
-    try:
-        man = mf.load(folder)
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-    except (EdgeliteError, OSError) as exc:
-        log.warning("%s: not listed: %s", folder, exc)
-        return None
-    return LocalModel(folder, man.name, man.weights, man.compute, man.num_layers, size)
-
-
-def local_models(folders: list[Path]) -> list[LocalModel]:
+def local_models(folders: list[Path]) -> list[ExportFolder]:
     """The exports in `folders`: each folder that is one, and each sub-folder that is one
     (once each, by path)."""
-    seen: dict[Path, LocalModel] = {}
+    seen: dict[Path, ExportFolder] = {}
     for folder in folders:
         if not folder.is_dir():
             continue
         candidates = [folder] if (folder / mf.MANIFEST_NAME).is_file() else sorted(
             p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
         for c in candidates:
-            if (found := _export(c)) is not None:
+            if (c / mf.MANIFEST_NAME).is_file() and (found := read_export(c)) is not None:
                 seen.setdefault(c.resolve(), found)
     return list(seen.values())
 

@@ -1,29 +1,40 @@
 """Attention whose every row is the same however many rows run together.
 
-onnxruntime's GroupQueryAttention computes one new position (a decode step) with other kernels
-than several (a prompt chunk: a matrix product instead of a vector one), so the same position
-comes out a little different (7e-7 measured) when decoded than when it was part of a chunk.
-Under int8 activations (fast mode) such a difference flips roundings and grows: the reply
-then depends on how the prompt was chunked, on the split, and on whether its KV came from the
-KV store. With two or more rows the results are the same row by row, whatever their number,
-their chunk's boundaries or what came before (measured bit for bit; the other ops of a fast
-layer, MatMulNBits at accuracy level 4, MatMul and the norms, are the same for any number of
-rows already).
+onnxruntime's GroupQueryAttention computes a step of one new position (a decode token) with
+other kernels than a step of several (a prompt chunk: matrix products instead of vector ones),
+so the same position comes out a little different (7e-7 measured) when decoded than when it
+was part of a chunk. Under int8 activations (fast mode) such a difference flips roundings and
+grows: the reply then depends on how the prompt was chunked, on the split, and on whether its
+KV came from the KV store. With two or more rows the results are the same row by row,
+whatever their number, their chunk's boundaries or what came before (measured bit for bit;
+the other ops of a fast layer, MatMulNBits at accuracy level 4, MatMul and the norms, are
+the same for any number of rows already).
 
-`pad_attention` rewrites a joined range so that each GroupQueryAttention sees one row more
-than it is given, a copy of the last one, and drops that row from its output: a decode step
-then runs the several-row kernels too. The extra row's keys and values are written one
-position past the step's (its KV slot needs one more position; the next step overwrites
-them). Its price is the attention of one more row: at 50 positions of context 2 % of a
-SmolLM2 layer's attention, at 1,000 about 20 %. onnxruntime refuses several rows per session
-in a batch of sessions, so a range rewritten so runs decode steps one session at a time.
+`pad_attention` rewrites a joined range so that a one-row step's attention runs on two rows,
+the row and a copy of it, and drops the copy from its output; steps of several rows run as
+they are. The shape arithmetic is in the graph (the step's rows from the hidden input's
+shape, `pad` 1 for one row, else 0), so one session serves both. The copy's keys and values
+are written one position past the step's (a KV slot holds one position more; the next step
+overwrites them). The price is a one-row step through the several-row kernels: little at
+short contexts, more at long ones (they pack K and V: bench_invariant.py). onnxruntime
+refuses several rows per session in a batch of sessions, so a range rewritten so runs decode
+steps one session at a time.
 """
 
 from __future__ import annotations
 
 import struct
 
-from edgelite.engine.onnxgraph import GRAPH_INIT, GRAPH_NODE, MODEL_GRAPH, Field, encode, fields
+from edgelite.engine.onnxgraph import (
+    GRAPH_INIT,
+    GRAPH_INPUT,
+    GRAPH_NODE,
+    MODEL_GRAPH,
+    Field,
+    _name,
+    encode,
+    fields,
+)
 from edgelite.errors import ModelFileError
 
 # NodeProto, AttributeProto and TensorProto field numbers, and the types used here
@@ -85,10 +96,11 @@ def _pad(model: bytes) -> bytes:
 
 def _pad_graph(graph: bytes) -> bytes:
     items: list[Field] = []
-    added: dict[str, str] = {}  # a shared input (seqlens_k, total_seq) -> its value plus one
-    shared: list[Field] = []  # nodes computing those, put first
+    hidden = ""
     count = 0
     for number, wire, value in fields(graph):
+        if number == GRAPH_INPUT and not hidden and _name(value).startswith("hidden_"):  # type: ignore[arg-type]
+            hidden = _name(value)  # type: ignore[arg-type]
         if number != GRAPH_NODE:
             items.append((number, wire, value))
             continue
@@ -101,32 +113,46 @@ def _pad_graph(graph: bytes) -> bytes:
         new_inputs = list(inputs)
         for i in range(3):  # query, key, value (key and value are empty when packed)
             if inputs[i]:
-                last = f"{tag}/last_{i}"
-                items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/minus_one"],
-                                                   [last], last, {"axis": 1})))
                 padded = f"{tag}/padded_{i}"
-                items.append((GRAPH_NODE, 2, _node("Concat", [inputs[i], last], [padded], padded,
-                                                   {"axis": 1})))
+                items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
+                                                   padded, {"axis": 1})))
                 new_inputs[i] = padded
-        for i in (5, 6):  # seqlens_k, total_seq: one position more
-            name = inputs[i]
-            if name not in added:
-                added[name] = f"{PREFIX}/{name}_plus_one"
-                shared.append((GRAPH_NODE, 2, _node("Add", [name, f"{PREFIX}/one"], [added[name]],
-                                                    added[name])))
-            new_inputs[i] = added[name]
+        new_inputs[5], new_inputs[6] = f"{PREFIX}/seqlens_k", f"{PREFIX}/total_seq"
         wide = f"{tag}/output_padded"
         items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
                                              (NODE_OUTPUT, 2, wide.encode()),
                                              *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
                                              (NODE_OP, 2, op.encode()), *rest])))
-        items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero", f"{PREFIX}/minus_one",
-                                                     f"{PREFIX}/axis_one"], [outputs[0]],
-                                           f"{tag}/drop_last")))
+        items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
+                                                     f"{PREFIX}/one_1d"], [outputs[0]],
+                                           f"{tag}/drop_pad")))
+        seqlens, total = inputs[5], inputs[6]
     if not count:
         return graph
-    consts = [_tensor(f"{PREFIX}/minus_one", INT64, [-1], [1]),
-              _tensor(f"{PREFIX}/zero", INT64, [0], [1]),
-              _tensor(f"{PREFIX}/axis_one", INT64, [1], [1]),
-              _tensor(f"{PREFIX}/one", INT32, [1], [])]
-    return encode([*shared, *items, *((GRAPH_INIT, 2, c) for c in consts)])
+    if not hidden:
+        raise ValueError("the range has no hidden_* input")
+    return encode([*_shared(hidden, seqlens, total), *items,
+                   *((GRAPH_INIT, 2, c) for c in _constants())])
+
+
+def _shared(hidden: str, seqlens: str, total: str) -> list[Field]:
+    """The nodes every attention of the range shares: m, the step's rows (from the hidden
+    input's shape); pad, 1 when m is 1, else 0; rows, the indices [0, ..., m - 1] and one more
+    0 when padded (a copy of the only row); seqlens and total plus pad."""
+    p = PREFIX
+    spec = [("Gather", ["shape", "one"], "m", {"axis": 0}),
+            ("Equal", ["m", "one"], "single", {}), ("Cast", ["single"], "pad", {"to": INT64}),
+            ("Add", ["m", "pad"], "n", {}), ("Range", ["zero", "n", "one"], "range", {}),
+            ("Sub", ["m", "one"], "last", {}), ("Min", ["range", "last"], "rows", {}),
+            ("Unsqueeze", ["m", "zero_1d"], "m_1d", {}), ("Cast", ["pad"], "pad32", {"to": INT32})]
+    out = [(GRAPH_NODE, 2, _node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
+    out += [(GRAPH_NODE, 2, _node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", attrs))
+            for op, ins, o, attrs in spec]
+    for name in (seqlens, total):
+        out.append((GRAPH_NODE, 2, _node("Add", [name, f"{p}/pad32"], [f"{p}/{name}"], f"{p}/{name}")))
+    return out
+
+
+def _constants() -> list[bytes]:
+    return [_tensor(f"{PREFIX}/zero", INT64, [0], []), _tensor(f"{PREFIX}/one", INT64, [1], []),
+            _tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]), _tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]

@@ -162,7 +162,7 @@ class ModelsQuery(Message):
 
 @record
 class ShelvedModel:
-    """A model folder on a node (node/shelf.py Shelved, and whether the asker pushed it)."""
+    """A model folder on a node (node/shelf.py ExportFolder, and whether the asker pushed it)."""
 
     name: str = bounds(max_len=64)
     title: str = bounds(max_len=256)

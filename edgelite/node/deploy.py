@@ -54,7 +54,7 @@ class Deploy:
         f = await asyncio.to_thread(self.store.blobs.figures)
         return m.ModelsState(
             id=msg.id, blobs=m.BlobSummary(f.files, f.bytes, f.unused_files, f.unused_bytes),
-            models=[m.ShelvedModel(s.name, s.title[:256], s.weights[:16], s.layers, s.bytes,
+            models=[m.ShelvedModel(s.path.name, s.title[:256], s.weights[:16], s.layers, s.bytes,
                                    s.owner == domain) for s in shelved])
 
     async def model_rm(self, msg: m.ModelRemove, owner: str) -> m.ModelRemoved:

@@ -36,15 +36,27 @@ def plain_name(value: str, what: str) -> str:
 
 
 @dataclass(frozen=True)
-class Shelved:
-    """A model folder on the shelf, as `edgelite models` lists it."""
+class ExportFolder:
+    """An export's folder as `edgelite models` lists it (on a node's shelf, or on a device)."""
 
-    name: str
+    path: Path
     title: str  # the model's own name (its manifest's)
     weights: str
+    compute: str
     layers: int
     bytes: int  # its files together
-    owner: str  # who pushed it (a KV domain)
+    owner: str = ""  # on a shelf: who pushed it (a KV domain)
+
+
+def read_export(folder: Path, owner: str = "") -> ExportFolder | None:
+    """The folder's figures when it holds a readable export (else None, and why in the log)."""
+    try:
+        m = mf.load(folder)
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    except (EdgeliteError, OSError) as exc:
+        log.info("%s: not listed as an export: %s", folder, exc)
+        return None
+    return ExportFolder(folder, m.name, m.weights, m.compute, m.num_layers, size, owner)
 
 
 class Shelf:
@@ -59,21 +71,15 @@ class Shelf:
         except OSError:
             return None
 
-    def entries(self) -> list[Shelved]:
+    def entries(self) -> list[ExportFolder]:
         """The folders here with a readable manifest, by name (a folder being made or replaced,
         or one that does not read, is left out)."""
         out = []
         for folder in sorted(self.dir.iterdir()) if self.dir.is_dir() else []:
             if not _NAME.match(folder.name) or folder.is_symlink() or not folder.is_dir():
                 continue
-            try:
-                m = mf.load(folder)
-                size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-            except (EdgeliteError, OSError) as exc:
-                log.debug("model folder %s left out of the list: %s", folder, exc)
-                continue
-            out.append(Shelved(folder.name, m.name, m.weights, m.num_layers, size,
-                               self.owner(folder.name) or ""))
+            if (found := read_export(folder, self.owner(folder.name) or "")) is not None:
+                out.append(found)
         return out
 
     def remove(self, name: str, owner: str) -> int:
