@@ -84,8 +84,10 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     logprobs: int = -1  # each token's log probability and this many alternatives (-1: none)
     # text, or json_object: every token is one that keeps the reply a JSON object's prefix,
-    # and the reply ends when the object does (engine/jsonprefix.py; no speculation then)
+    # and the reply ends when the object does (engine/jsonprefix.py; no speculation then);
+    # json_schema: an object `json_schema` (JSON text, engine/jsonschema.py's subset) accepts
     response_format: str = "text"
+    json_schema: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,7 @@ class GatewayConfig:
     max_stops: int = 4  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # alternatives a request may ask for per token (OpenAI's bound)
+    max_schema_chars: int = 32768  # a response_format json_schema's JSON text
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
     max_requests_per_user: int = 8  # waiting + running at once; more are refused
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped

@@ -1,7 +1,7 @@
-"""What `response_format: json_object` costs per token: SmolLM2 int4 fast, 1 thread, locally,
-the same prompts with and without the JSON constraint in interleaved rounds (greedy, 128
-tokens at most). Prints one JSON object: decode tok/s each way, the ms a token the mask
-adds, and how many replies were whole JSON objects.
+"""What `response_format` json_object and json_schema cost per token: SmolLM2 int4 fast, 1
+thread, locally, the same prompts as text, as a JSON object and under a small schema, in
+interleaved rounds (greedy, 128 tokens at most). Prints one JSON object: decode tok/s each
+way, the ms a token the mask adds, and how many replies were whole JSON objects.
 
     python scripts/bench_json.py [--models /work/cache/bench] [--rounds 3]
 """
@@ -22,6 +22,9 @@ from bench_local import edgelite_export
 import edgelite
 from edgelite.config import KVStoreConfig, RuntimeConfig
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "items": {
+              "type": "array", "items": {"type": "string"}}, "count": {"type": "integer"}},
+          "required": ["name", "items", "count"]}
 PROMPTS = ["Describe a fictional person as JSON with name, age and hobbies.",
            "Give the three largest planets and their diameters as a JSON object.",
            "Return a JSON object with a recipe: title, ingredients (a list) and steps.",
@@ -31,27 +34,31 @@ PROMPTS = ["Describe a fictional person as JSON with name, age and hobbies.",
 async def main(args: argparse.Namespace) -> dict:
     model = edgelite_export(args.models / "smol-int4-fast")
     runtime = RuntimeConfig(threads=1, kv_store=KVStoreConfig(budget_bytes=0))
-    speeds: dict[str, list[float]] = {"text": [], "json_object": []}
-    whole = 0
+    speeds: dict[str, list[float]] = {"text": [], "json_object": [], "json_schema": []}
+    whole = {"json_object": 0, "json_schema": 0}
     async with edgelite.connect(model, runtime=runtime) as llm:
         for r in range(args.rounds):
             for prompt in PROMPTS:
-                for fmt in (("text", "json_object") if r % 2 == 0 else ("json_object", "text")):
+                fmts = ["text", "json_object", "json_schema"]
+                for fmt in fmts if r % 2 == 0 else fmts[::-1]:
                     reply = llm.chat([{"role": "user", "content": prompt}], max_tokens=128,
-                                     temperature=0.0, response_format=fmt, reuse=False)
+                                     temperature=0.0, response_format=fmt, reuse=False,
+                                     json_schema=json.dumps(SCHEMA) if fmt == "json_schema" else "")
                     await reply.collect()
                     speeds[fmt].append(reply.stats.decode_tok_s)
-                    if fmt == "json_object":
+                    if fmt != "text":
                         try:
-                            whole += isinstance(json.loads(reply.text), dict)
+                            whole[fmt] += isinstance(json.loads(reply.text), dict)
                         except ValueError:
                             pass
     med = {k: round(statistics.median(v), 2) for k, v in speeds.items()}
     return {"model": "SmolLM2-135M int4 fast", "threads": 1, "rounds": args.rounds,
             "decode_tok_s_median": med,
-            "mask_ms_per_token": round(1e3 / med["json_object"] - 1e3 / med["text"], 3),
-            "ratio": round(med["json_object"] / med["text"], 3),
-            "whole_json_objects": f"{whole}/{len(speeds['json_object'])}"}
+            "mask_ms_per_token": {f: round(1e3 / med[f] - 1e3 / med["text"], 3)
+                                  for f in ("json_object", "json_schema")},
+            "ratio": {f: round(med[f] / med["text"], 3) for f in ("json_object", "json_schema")},
+            "whole_json_objects": {f: f"{n}/{len(speeds[f])}" for f, n in whole.items()},
+            "schema": SCHEMA}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 from edgelite.cli.localnodes import TOKEN
+from edgelite.engine.jsonprefix import JsonPrefix
+from edgelite.engine.jsonschema import fits
 from models import as_if_large
 
 
@@ -154,6 +156,17 @@ def test_options_out_of_range_and_cut_replies_are_said(exported, ggufs, tmp_path
         assert res.returncode == 1 and err.startswith(f"error: {words}"), (args, err)
         assert err.count("\n") == 0
         assert "listening" not in res.stdout
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                                  "required": ["n"]}))
+    alone = _cli("generate", "--model", model, "--json-schema", str(schema), "hi")
+    assert alone.returncode == 1 and "--json-schema FILE and --response-format json_schema go " \
+        "together" in alone.stderr
+    shaped = _cli("generate", "--model", model, "--response-format", "json_schema",
+                  "--json-schema", str(schema), "--max-tokens", "24", "--json", "hi")
+    assert shaped.returncode == 0, shaped.stderr
+    text = json.loads(shaped.stdout)["text"]
+    assert JsonPrefix().feed(text) and fits(json.loads(schema.read_text()), text), text
     cut = _cli("generate", "--model", model, "--max-tokens", "3", "hi")
     assert cut.returncode == 0 and "[cut at --max-tokens 3: raise it" in cut.stderr
     assert "cut at" not in cut.stdout

@@ -224,7 +224,7 @@ def test_log_probabilities_and_sampling_controls(exported) -> None:
             lp = legacy["choices"][0]["logprobs"]
             assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
             assert lp["text_offset"][0] == 0
-            for extra in ({"response_format": {"type": "json_schema"}},
+            for extra in ({"response_format": {"type": "yaml"}},
                           {"tools": [{"type": "function", "function": {"name": "f"}}]}):
                 status, refused = await asyncio.to_thread(_post, base, {"model": manifest.name,
                                                                         **ask, **extra})

@@ -20,6 +20,7 @@ from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import HttpConfig
 from edgelite.engine.jsonprefix import JsonPrefix
+from edgelite.engine.jsonschema import fits
 from edgelite.engine.reply import StopMatcher
 from edgelite.serve.http import HttpApi, served
 from models import as_if_large
@@ -406,8 +407,8 @@ def _post_json(base: str, body: dict) -> tuple[int, dict]:
 
 
 def test_json_object_replies_over_http(server) -> None:
-    """A reply is a JSON object's prefix, a whole object when it ends by itself;
-    json_schema is refused with a 400 naming it."""
+    """A reply is a JSON object's prefix, a whole object when it ends by itself; with a schema
+    it stays within it; schemas outside the subset and other formats are a 400 naming why."""
     base, _ = server
     for temperature in (0.0, 0.9):
         for prompt in ("give me json", "a person as a JSON object"):
@@ -421,7 +422,30 @@ def test_json_object_replies_over_http(server) -> None:
             assert state.feed(text), text
             if choice["finish_reason"] == "stop":
                 assert state.done and isinstance(json.loads(text), dict), text
-    status, out = _post_json(base, {"messages": [{"role": "user", "content": "hi"}],
-                               "response_format": {"type": "json_schema", "json_schema": {}}})
-    assert status == 400 and out["error"]["param"] == "response_format"
-    assert "'json_schema' is not supported" in out["error"]["message"]
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"},
+                                               "mood": {"enum": ["happy", "sad"]}},
+              "required": ["name", "age", "mood"]}
+    for temperature in (0.0, 0.9):
+        status, out = _post_json(base, {
+            "messages": [{"role": "user", "content": "a person"}], "max_tokens": 60,
+            "temperature": temperature, "seed": 2,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": schema}}})
+        assert status == 200, out
+        choice = out["choices"][0]
+        text = choice["message"]["content"]
+        assert JsonPrefix().feed(text) and fits(schema, text), text
+        if choice["finish_reason"] == "stop":
+            got = json.loads(text)
+            assert set(got) == {"name", "age", "mood"} and isinstance(got["age"], int), got
+            assert got["mood"] in ("happy", "sad"), got
+    for fmt, words in (({"type": "json_schema", "json_schema": {"schema": {
+                            "type": "object", "properties": {"a": {"format": "date"}}}}},
+                        "keyword 'format' is not supported"),
+                       ({"type": "json_schema", "json_schema": {}}, "needs json_schema.schema"),
+                       ({"type": "yaml"}, "'yaml' is not supported")):
+        status, out = _post_json(base, {"messages": [{"role": "user", "content": "hi"}],
+                                        "response_format": fmt})
+        assert status == 400 and out["error"]["param"] == "response_format", out
+        assert words in out["error"]["message"], out

@@ -1,14 +1,19 @@
-"""`response_format: json_object`: the prefix automaton agrees with `json.loads` on generated
-objects and their mutations (the replies over HTTP: test_http.py)."""
+"""`response_format` json_object and json_schema: the prefix automaton agrees with
+`json.loads` on generated objects and their mutations; every prefix of an object a schema
+accepts fits it, and whole objects it refuses do not; schemas outside the subset are refused
+naming what (the replies over HTTP: test_http.py)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgelite.engine.jsonprefix import JsonPrefix
+from edgelite.engine.jsonschema import check_reply_schema, fits
+from edgelite.errors import EdgeliteError
 
 VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12)
@@ -38,3 +43,57 @@ def test_the_prefix_automaton_agrees_with_json_loads(obj, where, ch, indent) -> 
     assert (took and probe.done) == valid, mutated
     if not took:  # a refused text leaves the state as it was
         assert probe == JsonPrefix()
+
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "mood": {"enum": ["happy", "sad", None]},
+                         "tags": {"type": "array", "items": {"type": "string"}},
+                         "home": {"type": "object", "properties": {"city": {"type": "string"}},
+                                  "required": ["city"]},
+                         "ok": {"type": ["boolean", "null"]}},
+          "required": ["name", "age"]}
+CONFORMING = st.fixed_dictionaries(
+    {"name": st.text(max_size=6), "age": st.integers(-10**6, 10**6)},
+    optional={"mood": st.sampled_from(["happy", "sad", None]),
+              "tags": st.lists(st.text(max_size=4), max_size=3),
+              "home": st.fixed_dictionaries({"city": st.text(max_size=5)}),
+              "ok": st.sampled_from([True, False, None])})
+
+
+@settings(max_examples=200, deadline=None)
+@given(CONFORMING, st.booleans())
+def test_every_prefix_of_a_conforming_object_fits_its_schema(obj, indent) -> None:
+    text = json.dumps(obj, indent=1 if indent else None, ensure_ascii=False)
+    for i in range(len(text) + 1):
+        assert fits(SCHEMA, text[:i]), text[:i]
+
+
+@pytest.mark.parametrize("bad", [
+    {"name": "a"},  # a required key missing
+    {"name": "a", "age": 1.5},  # a number where an integer goes
+    {"name": "a", "age": 1, "mood": "angry"},  # outside the enum
+    {"name": "a", "age": 1, "extra": 1},  # a key outside properties
+    {"name": 3, "age": 1},  # a number where a string goes
+    {"name": "a", "age": 1, "tags": ["x", 2]},  # an item of another type
+    {"name": "a", "age": 1, "home": {}},  # a nested required key missing
+    {"name": "a", "age": 1, "ok": "yes"}])
+def test_a_whole_object_outside_the_schema_does_not_fit(bad) -> None:
+    assert not fits(SCHEMA, json.dumps(bad))
+
+
+def test_schemas_outside_the_subset_are_refused_naming_what() -> None:
+    check_reply_schema(SCHEMA)
+    for schema, words in (({"type": "object", "properties": {"a": {"type": "string",
+                                                                  "pattern": "x"}}},
+                           "keyword 'pattern' is not supported"),
+                          ({"type": "array"}, "its type must be object"),
+                          ({"type": "object", "required": ["b"]}, "required must list keys"),
+                          ({"type": "object", "additionalProperties": True},
+                           "additionalProperties must be false"),
+                          ({"type": "object", "properties": {"a": {"type": "date"}}},
+                           "type 'date' is not one of"),
+                          ({"type": "object", "properties": {"a": {"enum": []}}},
+                           "enum must be a non-empty list")):
+        with pytest.raises(EdgeliteError, match=words):
+            check_reply_schema(schema)

@@ -75,9 +75,14 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
                    help="subtracted from the logits of tokens the reply used (OpenAI's)")
     p.add_argument("--frequency-penalty", type=float, default=g.frequency_penalty,
                    help="subtracted per use from the logits of tokens the reply used (OpenAI's)")
-    p.add_argument("--response-format", default=g.response_format, choices=["text", "json_object"],
+    p.add_argument("--response-format", default=g.response_format,
+                   choices=["text", "json_object", "json_schema"],
                    help="json_object: the reply is one JSON object (each token is chosen among "
-                        "those that keep it one; it ends when the object does)")
+                        "those that keep it one; it ends when the object does); json_schema: "
+                        "one that --json-schema accepts")
+    p.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="the JSON schema of --response-format json_schema (a subset: type, "
+                        "properties, required, items, enum)")
     p.add_argument("--speculate", default=g.speculate, metavar="lookup|DIR|off",
                    help="speculative decoding: verify drafts of the next tokens in one step "
                         "(the output is the same): lookup drafts from the prompt and the reply, "
@@ -256,7 +261,22 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
                             repetition_penalty=getattr(args, "repetition_penalty", 1.0),
                             presence_penalty=getattr(args, "presence_penalty", 0.0),
                             frequency_penalty=getattr(args, "frequency_penalty", 0.0),
-                            response_format=getattr(args, "response_format", "text")))
+                            response_format=getattr(args, "response_format", "text"),
+                            json_schema=schema_text(args)))
+
+
+def schema_text(args: argparse.Namespace) -> str:
+    """--json-schema FILE's text ("" without it); it goes with --response-format json_schema."""
+    path = getattr(args, "json_schema", None)
+    fmt = getattr(args, "response_format", "text")
+    if (path is None) != (fmt != "json_schema"):
+        raise EdgeliteError("--json-schema FILE and --response-format json_schema go together")
+    if path is None:
+        return ""
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise EdgeliteError(f"--json-schema {path}: {exc.strerror or exc}") from None
 
 
 def draft_folder(args: argparse.Namespace) -> Path | None:

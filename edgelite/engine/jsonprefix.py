@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from edgelite.engine.jsonschema import PENDING, fits
 from edgelite.errors import EdgeliteError
 
 WHITESPACE = " \t\n\r"
+MAX_WHITESPACE = 8  # characters of whitespace in a row between tokens of the JSON (outside strings)
+MAX_PARTIAL = 3  # tokens in a row that leave a character incomplete (UTF-8: 4 bytes at most)
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
 LITERALS = ("true", "false", "null")
@@ -201,8 +205,12 @@ class JsonConstraint:
     checked (a rare full scan)."""
 
     def __init__(self, decode: Callable[[list[int]], str], eos: frozenset[int],
-                 max_tries: int = 64) -> None:
+                 max_tries: int = 64, schema: dict[str, Any] | None = None) -> None:
         self.decode, self.eos, self.max_tries = decode, eos, max_tries
+        self.schema = schema  # json_schema: the text must also stay within it (jsonschema.py)
+        self.text = ""  # what the state has taken
+        self.partial = 0  # tokens in a row that left a character incomplete
+        self.any_space = False  # the whitespace cap lifted (nothing else continues)
         self.state = JsonPrefix()
         self.ids: list[int] = []
         self.fed = 0  # characters of the reply's text the state has taken
@@ -224,6 +232,14 @@ class JsonConstraint:
             return None
         if not new and not partial:
             return None  # (a token that adds no text would not advance the reply)
+        if partial and self.partial >= MAX_PARTIAL:
+            return None  # (bytes that never make a character)
+        if not new.strip(WHITESPACE) and not after.in_string and not self.any_space:
+            run = len(self.text) - len(self.text.rstrip(WHITESPACE)) + len(new)
+            if run > MAX_WHITESPACE:
+                return None  # (whitespace only would never end the object)
+        if self.schema is not None and not fits(self.schema, self.text + new + PENDING * partial):
+            return None
         return new
 
     def choose(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
@@ -235,16 +251,19 @@ class JsonConstraint:
             if (new := self._fits(tok)) is not None:
                 return self._accept(tok, new)
             masked[tok] = -np.inf
-        order = np.argsort(-masked, kind="stable")  # every token, the likeliest first
-        for tok in order.tolist():
-            if not np.isfinite(masked[tok]):
-                break
-            if (new := self._fits(tok)) is not None:
-                return self._accept(tok, new)
-        raise EdgeliteError("no token of the vocabulary continues the JSON object")
+        order = np.argsort(-np.asarray(logits, dtype=np.float32), kind="stable").tolist()
+        for any_space in (False, True):  # (whitespace beyond the cap only if nothing else goes)
+            self.any_space = any_space
+            for tok in order:  # every token, the likeliest first
+                if (new := self._fits(tok)) is not None:
+                    self.any_space = False
+                    return self._accept(tok, new)
+        raise EdgeliteError("no token of the model's vocabulary continues the JSON here")
 
     def _accept(self, tok: int, new: str) -> int:
+        self.partial = self.partial + 1 if self.decode([*self.ids, tok]).endswith("\ufffd") else 0
         self.state.feed(new)
+        self.text += new
         self.ids.append(tok)
         self.fed += len(new)
         return tok

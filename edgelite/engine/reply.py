@@ -14,17 +14,20 @@ it is the last id), or after `max_tokens` tokens ("length"); and it keeps the re
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from edgelite.config import GenerationConfig
 from edgelite.engine.jsonprefix import JsonConstraint
+from edgelite.engine.jsonschema import check_reply_schema
 from edgelite.engine.sampling import distribution, log_softmax, sample
 from edgelite.engine.tokenizer import StreamDecoder
 from edgelite.errors import EdgeliteError
@@ -105,7 +108,16 @@ def _could_begin(text: str, stops: tuple[str, ...], hold: int) -> int:
                 if text.endswith(s[:k])), default=0)
 
 
-RESPONSE_FORMATS = ("text", "json_object")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def schema(cfg: GenerationConfig) -> dict[str, Any]:
+    """The reply's JSON schema (json_schema), checked against the subset taken."""
+    try:
+        parsed = json.loads(cfg.json_schema)
+    except ValueError as exc:
+        raise EdgeliteError(f"json_schema is not JSON: {exc}") from None
+    return check_reply_schema(parsed)
 
 
 def check(cfg: GenerationConfig) -> GenerationConfig:
@@ -119,6 +131,8 @@ def check(cfg: GenerationConfig) -> GenerationConfig:
     if cfg.response_format not in RESPONSE_FORMATS:
         raise EdgeliteError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)} "
                             f"(got {cfg.response_format[:32]!r})")
+    if cfg.response_format == "json_schema":
+        schema(cfg)
     if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or not cfg.repetition_penalty > 0:
         raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
                             f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
@@ -144,11 +158,12 @@ class ReplyLoop:
         self.uses: Counter[int] = Counter()  # the reply's tokens, for the penalties
         self.seen = set(prompt) if cfg.repetition_penalty != 1.0 else set()  # (and the prompt's)
         self.json: JsonConstraint | None = None
-        if cfg.response_format == "json_object":
+        if cfg.response_format != "text":
             if decoder is None:
-                raise EdgeliteError("response_format json_object needs the reply's text (a "
-                                    "tokenizer)")
-            self.json = JsonConstraint(decoder.tok.decode, self.eos)
+                raise EdgeliteError(f"response_format {cfg.response_format} needs the reply's "
+                                    f"text (a tokenizer)")
+            self.json = JsonConstraint(decoder.tok.decode, self.eos, schema=schema(cfg)
+                                       if cfg.response_format == "json_schema" else None)
 
     @property
     def done(self) -> bool:

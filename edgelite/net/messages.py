@@ -468,7 +468,8 @@ class GenerateRequest(Message):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None  # with each token its log probability and this many alternatives
-    response_format: str | None = bounds(max_len=32, default=None)  # text | json_object
+    response_format: str | None = bounds(max_len=32, default=None)  # text | json_object | json_schema
+    json_schema: str | None = bounds(max_len=1 << 16, default=None)  # with json_schema: JSON text
 
 
 @message("generate_cancel")

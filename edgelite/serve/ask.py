@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from edgelite.config import GatewayConfig, GenerationConfig
-from edgelite.errors import ProtocolError
+from edgelite.engine.reply import schema as reply_schema
+from edgelite.errors import EdgeliteError, ProtocolError
 
 ROLES = ("system", "user", "assistant")
 
@@ -44,7 +45,8 @@ class Ask:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None  # alternatives per token with each token's log probability
-    response_format: str | None = None  # text | json_object (GenerationConfig.response_format)
+    response_format: str | None = None  # text | json_object | json_schema (GenerationConfig's)
+    json_schema: str | None = None  # with json_schema: the schema, as JSON text
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:
@@ -75,9 +77,18 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
     _within(ask.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _within(ask.repetition_penalty, "repetition_penalty", 0.01, 10.0)
     _within(ask.logprobs, "top_logprobs", 0, cfg.max_top_logprobs)
-    if ask.response_format not in (None, "text", "json_object"):
-        raise AskError(f"response_format must be text or json_object (got "
+    if ask.response_format not in (None, "text", "json_object", "json_schema"):
+        raise AskError(f"response_format must be text, json_object or json_schema (got "
                        f"{ask.response_format[:16]!r})", "response_format")
+    if ask.response_format == "json_schema":
+        if len(ask.json_schema or "") > cfg.max_schema_chars:
+            raise AskError(f"the JSON schema has more than {cfg.max_schema_chars} characters",
+                           "response_format")
+        try:
+            reply_schema(GenerationConfig(response_format="json_schema",
+                                          json_schema=ask.json_schema or ""))
+        except EdgeliteError as exc:
+            raise AskError(f"response_format json_schema: {exc}", "response_format") from None
     if ask.speculate not in (None, "off", "lookup"):
         raise AskError(f"speculate must be off or lookup (got {ask.speculate[:16]!r}; a gateway "
                        f"drafts by prompt lookup only)", "speculate")
@@ -101,5 +112,6 @@ def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
                                ("frequency_penalty", ask.frequency_penalty),
                                ("repetition_penalty", ask.repetition_penalty),
                                ("logprobs", ask.logprobs),
-                               ("response_format", ask.response_format)) if v is not None}
+                               ("response_format", ask.response_format),
+                               ("json_schema", ask.json_schema)) if v is not None}
     return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

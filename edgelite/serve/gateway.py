@@ -331,13 +331,13 @@ class Gateway:
             await self._finish(job, error=str(logits))
             return
         before = len(job.tokens)
-        if job.drafts:
-            pieces, accepted = job.reply.verify(logits, job.drafts)
-            assert job.pacer is not None
-            job.pacer.judged(len(job.drafts), accepted, job.kind)
-        else:
-            piece = job.reply.next(logits)
-            pieces, accepted = ([piece] if piece is not None else []), 0
+        try:
+            pieces, accepted = reply_step(job, logits)
+        except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
+            log.warning("request %s failed: %s", r.rid[:12], exc)
+            self.sched.advance(r, done=True)
+            await self._finish(job, error=str(exc))
+            return
         for piece in pieces:
             if piece.token_id is not None:
                 self.figures.token(job.reply.stats.token_times[-1])
@@ -392,6 +392,17 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         recoveries = len(getattr(self.backend, "recoveries", ()))  # (a failover backend's)
         return self.figures.to_json(self.sched, {u.tier for u in self.users.values()}, recoveries)
+
+
+def reply_step(job: Job, logits: np.ndarray) -> tuple[list[Piece], int]:
+    """The pieces a step's logits give the request's reply, and the drafts accepted."""
+    if job.drafts:
+        pieces, accepted = job.reply.verify(logits, job.drafts)
+        assert job.pacer is not None
+        job.pacer.judged(len(job.drafts), accepted, job.kind)
+        return pieces, accepted
+    piece = job.reply.next(logits)
+    return ([piece] if piece is not None else []), 0
 
 
 def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig) -> list[Request]:

@@ -462,10 +462,18 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
         raise ApiError(400, "only n=1 is supported", param="n")
     # (refused, not ignored: a client relying on them would get wrong behaviour silently)
     fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}, {"type": "json_object"}):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    schema_text = None
+    if kind == "json_schema" and isinstance(fmt, dict):
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, an "
+                                "object", param="response_format")
+        schema_text = json.dumps(spec["schema"])
+    elif fmt not in (None, {"type": "text"}, {"type": "json_object"}):
         raise ApiError(400, f"response_format {str(kind)[:32]!r} is not supported by this "
-                            f"server yet (text and json_object are)", param="response_format")
+                            f"server (text, json_object and json_schema are)",
+                       param="response_format")
     if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
         raise ApiError(400, "tools are not supported by this server yet", param="tools")
     messages, text = None, None
@@ -488,7 +496,7 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
               frequency_penalty=_number(body, "frequency_penalty", float),
               repetition_penalty=_number(body, "repetition_penalty", float),
               logprobs=_logprobs(body, chat),
-              response_format=fmt["type"] if isinstance(fmt, dict) else None)
+              response_format=kind if isinstance(fmt, dict) else None, json_schema=schema_text)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")

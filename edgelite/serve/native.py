@@ -91,7 +91,7 @@ def ask_of(msg: m.GenerateRequest) -> Ask:
                speculate=msg.speculate, top_k=msg.top_k, min_p=msg.min_p,
                presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                repetition_penalty=msg.repetition_penalty, logprobs=msg.logprobs,
-               response_format=msg.response_format)
+               response_format=msg.response_format, json_schema=msg.json_schema)
 
 
 class NativeDoor:

@@ -1,0 +1,266 @@
+"""Replies that follow a JSON schema (`response_format: json_schema`): which schemas are taken,
+and whether a JSON object's prefix (engine/jsonprefix.py took its syntax) can still become an
+object the schema accepts.
+
+The subset: `type` (object, array, string, number, integer, boolean, null, or a list of
+them), `properties` (an object's keys: no others are written), `required`, `items`, `enum`
+(of strings, numbers, booleans and null), nesting; `title`, `description`, `default`,
+`additionalProperties: false` and `strict` are accepted and change nothing. Anything else is
+refused, naming the keyword. The prefix is parsed again at each check (a reply is short);
+every check is pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgelite.errors import EdgeliteError
+
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+KEYWORDS = {"type", "properties", "required", "items", "enum", "title", "description", "default",
+            "additionalProperties", "$schema"}
+MAX_DEPTH = 16
+PENDING = "\u0080"  # stands for a character whose bytes are still coming (any non-ASCII one)
+ESCAPED = "\x00escaped"  # a key written with an escape: it matches no property
+
+
+def _starts(value: str, prefix: str) -> bool:
+    """Whether `value` begins with `prefix`, whose last character may be PENDING."""
+    if prefix.endswith(PENDING):
+        head = prefix[:-1]
+        return value.startswith(head) and len(value) > len(head) and value[len(head)] >= PENDING
+    return value.startswith(prefix)
+
+
+def check_reply_schema(schema: Any) -> dict[str, Any]:
+    """A reply's schema: an object's (the reply is one JSON object), within the subset."""
+    check_schema(schema)
+    if _types(schema) not in ((), ("object",)):
+        raise EdgeliteError("schema: a reply is one JSON object: its type must be object")
+    return schema
+
+
+def check_schema(schema: Any, where: str = "schema", depth: int = 0) -> None:
+    """Raise EdgeliteError naming the first part of `schema` outside the subset."""
+    if not isinstance(schema, dict):
+        raise EdgeliteError(f"{where} must be an object")
+    if depth > MAX_DEPTH:
+        raise EdgeliteError(f"{where}: nested deeper than {MAX_DEPTH}")
+    unknown = sorted(set(schema) - KEYWORDS)
+    if unknown:
+        raise EdgeliteError(f"{where}: keyword {unknown[0]!r} is not supported (supported: "
+                            f"{', '.join(sorted(KEYWORDS - {'$schema'}))})")
+    if schema.get("additionalProperties", False) is not False:
+        raise EdgeliteError(f"{where}: additionalProperties must be false (an object holds its "
+                            f"properties only)")
+    for t in _types(schema, where):
+        if t not in TYPES:
+            raise EdgeliteError(f"{where}: type {t!r} is not one of {', '.join(TYPES)}")
+    if "enum" in schema:
+        enum = schema["enum"]
+        if (not isinstance(enum, list) or not enum
+                or not all(v is None or isinstance(v, str | int | float | bool) for v in enum)):
+            raise EdgeliteError(f"{where}: enum must be a non-empty list of strings, numbers, "
+                                f"booleans or null")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise EdgeliteError(f"{where}: properties must be an object")
+    for key, sub in props.items():
+        check_schema(sub, f"{where}.properties.{key}", depth + 1)
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(k in props for k in required):
+        raise EdgeliteError(f"{where}: required must list keys of properties")
+    if "items" in schema:
+        check_schema(schema["items"], f"{where}.items", depth + 1)
+
+
+def _types(schema: dict[str, Any], where: str = "schema") -> tuple[str, ...]:
+    t = schema.get("type")
+    if t is None:
+        return ()
+    if isinstance(t, str):
+        return (t,)
+    if isinstance(t, list) and t and all(isinstance(x, str) for x in t):
+        return tuple(t)
+    raise EdgeliteError(f"{where}: type must be a string or a list of strings")
+
+
+# ---- a JSON prefix as a partial tree -----------------------------------------------------
+@dataclass
+class Node:
+    """A value of the prefix: `kind` (object, array, string, number, literal), whether it is
+    complete, its raw text (scalars; a string's unescaped so far), its items or pairs."""
+
+    kind: str
+    closed: bool = False
+    text: str = ""
+    items: list[Node] = field(default_factory=list)
+    pairs: list[tuple[str, bool, Node | None]] = field(default_factory=list)  # key, key done, value
+    wants_key: bool = False  # an object that ends where a key must follow (after `{` or `,`)
+    escaped: bool = False  # a string holding an escape (keys and enum values are written plain)
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.s, self.i = text, 0
+
+    def ws(self) -> None:
+        while self.i < len(self.s) and self.s[self.i] in " \t\n\r":
+            self.i += 1
+
+    def at_end(self) -> bool:
+        return self.i >= len(self.s)
+
+    def value(self) -> Node | None:
+        self.ws()
+        if self.at_end():
+            return None
+        ch = self.s[self.i]
+        if ch == "{":
+            return self.obj()
+        if ch == "[":
+            return self.arr()
+        if ch == '"':
+            text, closed, escaped = self.string()
+            return Node("string", closed, text, escaped=escaped)
+        start = self.i
+        while not self.at_end() and self.s[self.i] not in ",]} \t\n\r":
+            self.i += 1
+        raw = self.s[start:self.i]
+        kind = "literal" if raw[:1] in "tfn" else "number"
+        return Node(kind, not self.at_end(), raw)
+
+    def string(self) -> tuple[str, bool, bool]:
+        """(its characters so far, closed, whether it holds an escape)."""
+        self.i += 1  # the opening quote
+        out, escaped = [], False
+        while not self.at_end():
+            ch = self.s[self.i]
+            if ch == '"':
+                self.i += 1
+                return "".join(out), True, escaped
+            if ch == "\\":
+                escaped = True
+                chunk = self.s[self.i:self.i + 6] if self.s[self.i + 1:self.i + 2] == "u" else \
+                    self.s[self.i:self.i + 2]
+                try:
+                    out.append(json.loads(f'"{chunk}"'))
+                except ValueError:
+                    self.i = len(self.s)  # an escape still incomplete: the prefix ends here
+                    break
+                self.i += len(chunk)
+                continue
+            out.append(ch)
+            self.i += 1
+        return "".join(out), False, escaped
+
+    def obj(self) -> Node:
+        node = Node("object")
+        self.i += 1
+        comma = False
+        while True:
+            self.ws()
+            if self.at_end():
+                node.wants_key = comma
+                return node
+            if self.s[self.i] == "}":
+                self.i += 1
+                node.closed = True
+                return node
+            if self.s[self.i] == ",":
+                self.i += 1
+                comma = True
+                continue
+            comma = False
+            key, done, escaped = self.string()
+            if escaped:
+                key = ESCAPED  # (no property is written with an escape)
+            if not done:
+                node.pairs.append((key, False, None))
+                return node
+            self.ws()
+            if not self.at_end() and self.s[self.i] == ":":
+                self.i += 1
+            value = self.value()
+            node.pairs.append((key, True, value))
+            if value is None or not value.closed:
+                return node
+
+    def arr(self) -> Node:
+        node = Node("array")
+        self.i += 1
+        while True:
+            self.ws()
+            if self.at_end():
+                return node
+            if self.s[self.i] == "]":
+                self.i += 1
+                node.closed = True
+                return node
+            if self.s[self.i] == ",":
+                self.i += 1
+                continue
+            value = self.value()
+            if value is None:
+                return node
+            node.items.append(value)
+            if not value.closed:
+                return node
+
+
+def fits(schema: dict[str, Any], text: str) -> bool:
+    """Whether `text`, a JSON object's prefix, can still become a value `schema` accepts (it
+    may end with PENDING inside a string: a character not complete yet)."""
+    node = _Parser(text).value()
+    return node is None or _fits(schema, node)
+
+
+def _fits(schema: dict[str, Any], node: Node) -> bool:
+    types = _types(schema)
+    if "enum" in schema:  # (of scalars only)
+        return node.kind not in ("object", "array") and any(_enum_fits(v, node)
+                                                             for v in schema["enum"])
+    if node.kind == "object":
+        return (not types or "object" in types) and _object_fits(schema, node)
+    if node.kind == "array":
+        items = schema.get("items")
+        return (not types or "array" in types) and all(
+            items is None or _fits(items, x) for x in node.items)
+    if node.kind == "string":
+        return not types or "string" in types
+    if node.kind == "number":
+        if not types or "number" in types:
+            return True
+        return "integer" in types and not any(c in node.text for c in ".eE")
+    words = [w for w, t in (("true", "boolean"), ("false", "boolean"), ("null", "null"))
+             if not types or t in types]
+    return any(w == node.text if node.closed else w.startswith(node.text) for w in words)
+
+
+def _enum_fits(value: Any, node: Node) -> bool:
+    if isinstance(value, str):
+        if node.kind != "string" or node.escaped:
+            return False
+        return value == node.text if node.closed else _starts(value, node.text)
+    if node.kind == "string":
+        return False
+    raw = json.dumps(value)
+    return raw == node.text if node.closed else raw.startswith(node.text)
+
+
+def _object_fits(schema: dict[str, Any], node: Node) -> bool:
+    props: dict[str, Any] = schema.get("properties", {})
+    seen: set[str] = set()
+    for key, key_done, value in node.pairs:
+        if not key_done:
+            return any(_starts(k, key) and k not in seen for k in props)
+        if key not in props or key in seen:
+            return False
+        seen.add(key)
+        if value is not None and not _fits(props[key], value):
+            return False
+    if node.wants_key and not set(props) - seen:
+        return False  # (a comma with no key left to write)
+    return not node.closed or all(k in seen for k in schema.get("required", []))
