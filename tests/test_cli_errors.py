@@ -178,16 +178,24 @@ def test_options_out_of_range_and_cut_replies_are_said(exported, ggufs, tmp_path
     assert not (tmp_path / "x").exists()
 
 
-def test_probe_is_json_and_local_without_nodes(node_factory) -> None:
+def test_probe_is_json_and_local_without_nodes(exported, node_factory) -> None:
     """probe --json is JSON (no NaN: a figure not measured is null); without --nodes it
-    probes this device alone and says how to find nodes."""
+    probes this device alone and says how to find nodes; a node with another token is named
+    once with the reason."""
     node = node_factory()
+    model = exported["llama"]
     res = _cli("probe", "--nodes", node.addr, "--token", TOKEN, "--json")
     out = json.loads(res.stdout, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     assert [r["src"] for r in out["links"]] == ["client", node.addr]
     assert all("bandwidth_back_mbps" not in r and r["bandwidth_mbps"] > 0 for r in out["links"])
     alone = _cli("probe", "--json")
     assert alone.returncode == 0 and "no --nodes: this device alone" in alone.stderr
+    # a node with another token: named once, with the reason, and an error (no --allow-local)
+    wrong = _cli("generate", "--model", str(model), "--nodes", node.addr, "--token", "WRONG",
+                 "--max-tokens", "2", "hi")
+    assert wrong.returncode == 1 and wrong.stderr.strip() == (
+        f"error: no node could be used (node {node.addr}: wrong token); --allow-local runs on "
+        f"this device alone"), wrong.stderr
     assert [d["name"] for d in json.loads(alone.stdout)["devices"]] == ["client"]
 
 

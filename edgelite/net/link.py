@@ -56,8 +56,8 @@ class NodeLink:
                                           client=client, kv=kv, local_host=local_host)
         except ConnectionError as exc:
             raise NodeUnavailable(f"node {exc}", node=str(addr)) from exc
-        except AuthError as exc:
-            raise NodeUnavailable(f"node {addr}: {exc}", node=str(addr)) from exc
+        except AuthError as exc:  # (its text names the peer already, as a ConnectionError's)
+            raise NodeUnavailable(f"node {exc}", node=str(addr)) from exc
         link = cls(addr, conn, welcome, on_lost or (lambda _link, _reason: None))
         link.task = asyncio.get_running_loop().create_task(link._read(), name=f"link {addr}")
         return link
