@@ -17,6 +17,8 @@ import pytest
 
 from edgelite.config import GatewayConfig, GenerationConfig, HttpConfig, SchedulerConfig
 from edgelite.engine.generate import LocalBackend
+from edgelite.engine.jsonprefix import JsonPrefix
+from edgelite.engine.jsonschema import fits
 from edgelite.engine.tokenizer import Tokenizer
 from edgelite.ids import NodeAddr
 from edgelite.manifest import load
@@ -233,6 +235,10 @@ def test_log_probabilities_and_sampling_controls(exported) -> None:
             assert isinstance(native, m.Done)
             as_json = await _native(client, 13, {**ask, "response_format": "json_object"})
             assert isinstance(as_json, m.Done) and as_json.token_ids  # (the text: test_http)
+            schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+            shaped = "".join([p async for p in client.generate(ask["messages"], GenerationConfig(
+                max_tokens=12, response_format="json_schema", json_schema=json.dumps(schema)))])
+            assert JsonPrefix().feed(shaped) and fits(schema, shaped), shaped
             wrong = await _native(client, 14, {**ask, "response_format": "yaml"})
             assert isinstance(wrong, m.Error) and "response_format" in wrong.message
             bad = await _native(client, 8, {**ask, "logprobs": 99})

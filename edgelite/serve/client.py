@@ -43,7 +43,8 @@ class GatewayClient:
             id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop=list(cfg.stop) or None, speculate=cfg.speculate,
-            response_format=None if cfg.response_format == "text" else cfg.response_format))
+            response_format=None if cfg.response_format == "text" else cfg.response_format,
+            json_schema=cfg.json_schema or None))
         done = False
         try:
             while True:
