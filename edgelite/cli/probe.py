@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.nodes:
         print("no --nodes: this device alone (--nodes auto finds the nodes on the LAN, or give "
               "HOST:PORT,...)", file=sys.stderr)
-    result = runner.run(_probe(args, token or "", manifest))
+    result = runner.run(_probe(args, token or "", manifest))  # ("": no node to ask)
     if args.json:
         print(jsonout.dumps(result))
         return 0
@@ -41,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _probe(args: argparse.Namespace, token: str, manifest: Any) -> dict[str, Any]:
-    return await edgelite.probe(await options.found_nodes(args), token or "", manifest,
+    return await edgelite.probe(await options.found_nodes(args), token, manifest,
                                 repeat=args.repeat, routes=parse_routes(args.route),
                                 client_memory_bytes=options.client_memory(args))

@@ -22,7 +22,7 @@ from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.net.link import NodeLink
 from edgelite.node.blobs import BlobFigures, BlobStore
-from edgelite.node.shelf import ExportFolder, read_export
+from edgelite.node.shelf import ExportFolder, folder_bytes, read_export
 
 R = TypeVar("R", bound=m.Message)
 
@@ -61,7 +61,7 @@ def remove_local(folder: Path) -> int:
     if any(p.is_dir() and not p.is_symlink() for p in folder.iterdir()):
         raise EdgeliteError(f"{folder} holds other folders: not an export as edgelite-export "
                             f"writes it; delete it yourself if you mean to")
-    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    size = folder_bytes(folder)
     shutil.rmtree(folder)
     return size
 
@@ -73,7 +73,7 @@ def local_blobs(data_dir: Path) -> BlobFigures | None:
     return BlobStore(data_dir).figures()
 
 
-def collect_local(data_dir: Path, cfg: ClientConfig | None = None) -> tuple[int, int]:
+def collect_local(data_dir: Path) -> tuple[int, int]:
     """Delete the deployed files of a node with this data folder that no model folder links to
     and that were not used within the node's grace time; (files, bytes). A node running there
     keeps what it has loaded (its files stay open) and uploads the rest again when deployed."""

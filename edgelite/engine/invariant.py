@@ -31,14 +31,14 @@ from edgelite.engine.onnxgraph import (
     GRAPH_NODE,
     MODEL_GRAPH,
     Field,
-    _name,
     encode,
     fields,
+    value_name,
 )
 from edgelite.errors import ModelFileError
 
 # NodeProto, AttributeProto and TensorProto field numbers, and the types used here
-NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
+NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR = 1, 2, 3, 4, 5
 ATTR_NAME, ATTR_I, ATTR_TYPE, ATTR_INT = 1, 3, 20, 2
 TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
 INT32, INT64 = 6, 7
@@ -78,7 +78,8 @@ def _parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
 
 
 def pad_attention(model: bytes) -> bytes:
-    """The model with each GroupQueryAttention given one more row (see the module's text)."""
+    """The model with each GroupQueryAttention given two rows for a one-row step (see the
+    module's text)."""
     try:
         return _pad(model)
     except (ValueError, UnicodeDecodeError, IndexError) as exc:
@@ -99,8 +100,8 @@ def _pad_graph(graph: bytes) -> bytes:
     hidden = ""
     count = 0
     for number, wire, value in fields(graph):
-        if number == GRAPH_INPUT and not hidden and _name(value).startswith("hidden_"):  # type: ignore[arg-type]
-            hidden = _name(value)  # type: ignore[arg-type]
+        if number == GRAPH_INPUT and not hidden and value_name(value).startswith("hidden_"):  # type: ignore[arg-type]
+            hidden = value_name(value)  # type: ignore[arg-type]
         if number != GRAPH_NODE:
             items.append((number, wire, value))
             continue
@@ -117,7 +118,8 @@ def _pad_graph(graph: bytes) -> bytes:
                 items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
                                                    padded, {"axis": 1})))
                 new_inputs[i] = padded
-        new_inputs[5], new_inputs[6] = f"{PREFIX}/seqlens_k", f"{PREFIX}/total_seq"
+        seqlens, total = inputs[5], inputs[6]  # (the range's own inputs, shared by its layers)
+        new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
         wide = f"{tag}/output_padded"
         items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
                                              (NODE_OUTPUT, 2, wide.encode()),
@@ -126,7 +128,6 @@ def _pad_graph(graph: bytes) -> bytes:
         items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
                                                      f"{PREFIX}/one_1d"], [outputs[0]],
                                            f"{tag}/drop_pad")))
-        seqlens, total = inputs[5], inputs[6]
     if not count:
         return graph
     if not hidden:

@@ -208,25 +208,22 @@ class JsonConstraint:
                  max_tries: int = 64, schema: dict[str, Any] | None = None) -> None:
         self.decode, self.eos, self.max_tries = decode, eos, max_tries
         self.schema = schema  # json_schema: the text must also stay within it (jsonschema.py)
-        self.text = ""  # what the state has taken
+        self.text = ""  # the reply's text the state has taken
         self.partial = 0  # tokens in a row that left a character incomplete
-        self.any_space = False  # the whitespace cap lifted (nothing else continues)
         self.state = JsonPrefix()
         self.ids: list[int] = []
-        self.fed = 0  # characters of the reply's text the state has taken
-        self.tries = 0  # tokens checked, for the figures
 
-    def _fits(self, tok: int) -> str | None:
-        """The text `tok` adds to the reply when it keeps the reply a JSON object's prefix,
-        else None. A character it leaves incomplete (its bytes go on in the next token) is
-        taken with the token that completes it, and only inside a string (elsewhere no
-        non-ASCII character is JSON)."""
-        self.tries += 1
+    def _fits(self, tok: int, any_space: bool = False) -> tuple[str, bool] | None:
+        """(the text `tok` adds to the reply, whether it leaves a character incomplete) when
+        it keeps the reply a JSON object's prefix, else None. A character left incomplete (its
+        bytes go on in the next token) is taken with the token that completes it, and only
+        inside a string (elsewhere no non-ASCII character is JSON). `any_space`: whitespace
+        beyond MAX_WHITESPACE is taken too."""
         if tok in self.eos:
             return None
         text = self.decode([*self.ids, tok])
         partial = text.endswith("\ufffd")
-        new = text[self.fed:].rstrip("\ufffd")
+        new = text[len(self.text):].rstrip("\ufffd")
         after = self.state.copy()
         if not after.feed(new) or (partial and not after.in_string):
             return None
@@ -234,13 +231,13 @@ class JsonConstraint:
             return None  # (a token that adds no text would not advance the reply)
         if partial and self.partial >= MAX_PARTIAL:
             return None  # (bytes that never make a character)
-        if not new.strip(WHITESPACE) and not after.in_string and not self.any_space:
+        if not new.strip(WHITESPACE) and not after.in_string and not any_space:
             run = len(self.text) - len(self.text.rstrip(WHITESPACE)) + len(new)
             if run > MAX_WHITESPACE:
                 return None  # (whitespace only would never end the object)
         if self.schema is not None and not fits(self.schema, self.text + new + PENDING * partial):
             return None
-        return new
+        return new, partial
 
     def choose(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
         if self.state.done:
@@ -248,22 +245,19 @@ class JsonConstraint:
         masked = np.array(logits, dtype=np.float32, copy=True)
         for _ in range(self.max_tries):
             tok = pick(masked)
-            if (new := self._fits(tok)) is not None:
-                return self._accept(tok, new)
+            if (taken := self._fits(tok)) is not None:
+                return self._accept(tok, *taken)
             masked[tok] = -np.inf
         order = np.argsort(-np.asarray(logits, dtype=np.float32), kind="stable").tolist()
         for any_space in (False, True):  # (whitespace beyond the cap only if nothing else goes)
-            self.any_space = any_space
             for tok in order:  # every token, the likeliest first
-                if (new := self._fits(tok)) is not None:
-                    self.any_space = False
-                    return self._accept(tok, new)
+                if (taken := self._fits(tok, any_space)) is not None:
+                    return self._accept(tok, *taken)
         raise EdgeliteError("no token of the model's vocabulary continues the JSON here")
 
-    def _accept(self, tok: int, new: str) -> int:
-        self.partial = self.partial + 1 if self.decode([*self.ids, tok]).endswith("\ufffd") else 0
+    def _accept(self, tok: int, new: str, partial: bool) -> int:
+        self.partial = self.partial + 1 if partial else 0
         self.state.feed(new)
         self.text += new
         self.ids.append(tok)
-        self.fed += len(new)
         return tok

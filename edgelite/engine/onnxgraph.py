@@ -85,7 +85,7 @@ def encode(items: list[Field]) -> bytes:
     return bytes(out)
 
 
-def _name(value_info: bytes) -> str:
+def value_name(value_info: bytes) -> str:
     for number, wire, value in fields(value_info):
         if number == VALUE_NAME and wire == 2:
             return value.decode()  # type: ignore[union-attr]
@@ -144,11 +144,11 @@ def _join(models: list[bytes], locate: Callable[[str], str], name: str) -> bytes
             elif number == GRAPH_INIT:
                 inits.append(_relocate(v, locate))  # type: ignore[arg-type]
             elif number == GRAPH_INPUT:
-                key = _name(v)  # type: ignore[arg-type]
+                key = value_name(v)  # type: ignore[arg-type]
                 if key not in produced:
                     inputs.setdefault(key, v)  # type: ignore[arg-type]
             elif number == GRAPH_OUTPUT:
-                outputs[_name(v)] = v  # type: ignore[arg-type]
+                outputs[value_name(v)] = v  # type: ignore[arg-type]
         produced |= set(outputs)
     last = len(models) - 1
     keep = {k: v for k, v in outputs.items()
@@ -163,8 +163,8 @@ def _hidden_out(model: bytes) -> str:
     for number, _, value in fields(model):
         if number == MODEL_GRAPH:
             for n, _, v in fields(value):  # type: ignore[arg-type]
-                if n == GRAPH_OUTPUT and _name(v).startswith("hidden_"):  # type: ignore[arg-type]
-                    return _name(v)  # type: ignore[arg-type]
+                if n == GRAPH_OUTPUT and value_name(v).startswith("hidden_"):  # type: ignore[arg-type]
+                    return value_name(v)  # type: ignore[arg-type]
     raise ValueError("a layer graph without a hidden_* output")
 
 

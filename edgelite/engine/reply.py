@@ -111,10 +111,10 @@ def _could_begin(text: str, stops: tuple[str, ...], hold: int) -> int:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def schema(cfg: GenerationConfig) -> dict[str, Any]:
-    """The reply's JSON schema (json_schema), checked against the subset taken."""
+def parse_schema(text: str) -> dict[str, Any]:
+    """A reply's JSON schema (json_schema, as JSON text), checked against the subset taken."""
     try:
-        parsed = json.loads(cfg.json_schema)
+        parsed = json.loads(text)
     except ValueError as exc:
         raise EdgeliteError(f"json_schema is not JSON: {exc}") from None
     return check_reply_schema(parsed)
@@ -122,6 +122,14 @@ def schema(cfg: GenerationConfig) -> dict[str, Any]:
 
 def check(cfg: GenerationConfig) -> GenerationConfig:
     """The options, or a one-line error naming the first one out of its range."""
+    _check_values(cfg)
+    if cfg.response_format == "json_schema":
+        parse_schema(cfg.json_schema)
+    return cfg
+
+
+def _check_values(cfg: GenerationConfig) -> None:
+    """check() but the schema (a reply loop parses that once, for its own use)."""
     if cfg.max_tokens < 1:
         raise EdgeliteError(f"max_tokens must be at least 1 (got {cfg.max_tokens})")
     if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
@@ -131,12 +139,9 @@ def check(cfg: GenerationConfig) -> GenerationConfig:
     if cfg.response_format not in RESPONSE_FORMATS:
         raise EdgeliteError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)} "
                             f"(got {cfg.response_format[:32]!r})")
-    if cfg.response_format == "json_schema":
-        schema(cfg)
     if cfg.top_k < 0 or not 0.0 <= cfg.min_p <= 1.0 or not cfg.repetition_penalty > 0:
         raise EdgeliteError(f"top_k must be >= 0, min_p within 0..1 and repetition_penalty > 0 "
                             f"(got {cfg.top_k}, {cfg.min_p:g}, {cfg.repetition_penalty:g})")
-    return cfg
 
 
 class ReplyLoop:
@@ -148,7 +153,7 @@ class ReplyLoop:
     def __init__(self, cfg: GenerationConfig, eos: Collection[int],
                  decoder: StreamDecoder | None = None, started: float | None = None,
                  stats: Stats | None = None, prompt: Sequence[int] = ()) -> None:
-        check(cfg)
+        _check_values(cfg)
         self.cfg, self.eos, self.decoder = cfg, frozenset(eos), decoder
         self.started = time.monotonic() if started is None else started
         self.stats = stats if stats is not None else Stats()
@@ -162,7 +167,8 @@ class ReplyLoop:
             if decoder is None:
                 raise EdgeliteError(f"response_format {cfg.response_format} needs the reply's "
                                     f"text (a tokenizer)")
-            self.json = JsonConstraint(decoder.tok.decode, self.eos, schema=schema(cfg)
+            self.json = JsonConstraint(decoder.tok.decode, self.eos,
+                                       schema=parse_schema(cfg.json_schema)
                                        if cfg.response_format == "json_schema" else None)
 
     @property

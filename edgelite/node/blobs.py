@@ -174,6 +174,7 @@ class BlobStore:
     def drop(self, sha: str) -> None:
         self.path(sha).unlink(missing_ok=True)
         self._verified.pop(sha, None)
+        self._used.pop(sha, None)
 
     def _blobs(self) -> list[tuple[str, os.stat_result]]:
         out = []
@@ -213,7 +214,6 @@ class BlobStore:
             if need and freed >= need:
                 break
             self.drop(sha)
-            self._used.pop(sha, None)
             files, freed = files + 1, freed + size
         if files:
             log.info("deleted %d deployed files nothing used (%.1f MB)", files, freed / 1e6)

@@ -48,11 +48,16 @@ class ExportFolder:
     owner: str = ""  # on a shelf: who pushed it (a KV domain)
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files directly in `folder` (an export has no sub-folders)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
 def read_export(folder: Path, owner: str = "") -> ExportFolder | None:
     """The folder's figures when it holds a readable export (else None, and why in the log)."""
     try:
         m = mf.load(folder)
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        size = folder_bytes(folder)
     except (EdgeliteError, OSError) as exc:
         log.info("%s: not listed as an export: %s", folder, exc)
         return None
@@ -92,7 +97,7 @@ class Shelf:
         if self.owner(name) != owner:
             raise EdgeliteError(f"model {name} on this node was pushed by another client; only "
                                 f"that client removes it")
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        size = folder_bytes(folder)
         gone = self.dir / f".{name}.{secrets.token_hex(4)}.old"
         folder.rename(gone)  # gone from the list at once, whatever the delete takes
         shutil.rmtree(gone, ignore_errors=True)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from edgelite.config import GatewayConfig, GenerationConfig
-from edgelite.engine.reply import schema as reply_schema
+from edgelite.engine.reply import RESPONSE_FORMATS, parse_schema
 from edgelite.errors import EdgeliteError, ProtocolError
 
 ROLES = ("system", "user", "assistant")
@@ -77,7 +77,7 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
     _within(ask.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _within(ask.repetition_penalty, "repetition_penalty", 0.01, 10.0)
     _within(ask.logprobs, "top_logprobs", 0, cfg.max_top_logprobs)
-    if ask.response_format not in (None, "text", "json_object", "json_schema"):
+    if ask.response_format not in (None, *RESPONSE_FORMATS):
         raise AskError(f"response_format must be text, json_object or json_schema (got "
                        f"{ask.response_format[:16]!r})", "response_format")
     if ask.response_format == "json_schema":
@@ -85,8 +85,7 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             raise AskError(f"the JSON schema has more than {cfg.max_schema_chars} characters",
                            "response_format")
         try:
-            reply_schema(GenerationConfig(response_format="json_schema",
-                                          json_schema=ask.json_schema or ""))
+            parse_schema(ask.json_schema or "")
         except EdgeliteError as exc:
             raise AskError(f"response_format json_schema: {exc}", "response_format") from None
     if ask.speculate not in (None, "off", "lookup"):
