@@ -440,11 +440,20 @@ def test_json_object_replies_over_http(server) -> None:
             got = json.loads(text)
             assert set(got) == {"name", "age", "mood"} and isinstance(got["age"], int), got
             assert got["mood"] in ("happy", "sad"), got
+    deep: dict = {"type": "object"}
+    for _ in range(20):
+        deep = {"type": "object", "properties": {"a": deep}}
     for fmt, words in (({"type": "json_schema", "json_schema": {"schema": {
                             "type": "object", "properties": {"a": {"format": "date"}}}}},
                         "keyword 'format' is not supported"),
                        ({"type": "json_schema", "json_schema": {}}, "needs json_schema.schema"),
-                       ({"type": "yaml"}, "'yaml' is not supported")):
+                       ({"type": "yaml"}, "'yaml' is not supported"),
+                       ("json_object", "is not supported"),  # (a string, not an object)
+                       ({"type": "json_schema", "json_schema": {"schema": deep}},
+                        "nested deeper than 16"),
+                       ({"type": "json_schema", "json_schema": {"schema": {
+                           "type": "object", "properties": {"a": {"enum": [{"x": 1}]}}}}},
+                        "enum must be a non-empty list of strings")):
         status, out = _post_json(base, {"messages": [{"role": "user", "content": "hi"}],
                                         "response_format": fmt})
         assert status == 400 and out["error"]["param"] == "response_format", out

@@ -108,6 +108,13 @@ def test_models_on_nodes_belong_to_who_pushed_them(exported, node_factory, tmp_p
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "pushed by another client" in refused.stderr and "Traceback" not in refused.stderr
     assert (node.data_dir / "models" / "other").is_dir()
+    for name in ("../tiny", "a/b", ".hidden", "x" * 65):  # names from the wire are never paths
+        bad = run_cli("models", "rm", name, *on, env=mine)
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1, bad.stderr
+        assert ("is not a plain name" in bad.stderr or "65 long, the limit is 64" in bad.stderr), \
+            bad.stderr
+        assert bad.stderr.count(node.addr) == 1, bad.stderr  # (the node named once)
+    assert run_cli("models", *on, env=mine).returncode == 0  # the node goes on
     assert run_cli("models", "rm", "tiny", *on, env=mine).returncode == 0
     assert not (node.data_dir / "models" / "tiny").exists()
     # the same files back the other folder: gc deletes nothing until it goes too

@@ -120,7 +120,7 @@ async def _on_nodes(args: argparse.Namespace) -> int:
             try:
                 freed = await models.remove_on_node(addr, token, args.target)
             except EdgeliteError as exc:
-                refused.append(f"{addr}: {exc}")
+                refused.append(str(exc))  # (it names the node)
                 continue
             out.append({"node": str(addr), "removed": args.target, "bytes": freed})
             if not args.json:
