@@ -88,6 +88,10 @@ class GenerationConfig:
     # json_schema: an object `json_schema` (JSON text, engine/jsonschema.py's subset) accepts
     response_format: str = "text"
     json_schema: str = ""
+    # OpenAI's tools (JSON text of its `tools` list; "": none) and tool_choice (auto, none,
+    # required or a tool's name): a reply may be a call (engine/tools.py; no speculation then)
+    tools: str = ""
+    tool_choice: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class HttpConfig:
     header_timeout_s: float = 10.0  # a request's headers must be in this soon (else: closed)
     body_timeout_s: float = 30.0  # and its body this soon after them (else: 408)
     cluster_stats_timeout_s: float = 2.0  # the page's figures wait this long for the nodes'
+    max_embedding_inputs: int = 64  # texts one /v1/embeddings request may embed
 
 
 @dataclass(frozen=True)

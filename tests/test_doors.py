@@ -227,7 +227,7 @@ def test_log_probabilities_and_sampling_controls(exported) -> None:
             assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
             assert lp["text_offset"][0] == 0
             for extra in ({"response_format": {"type": "yaml"}},
-                          {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+                          {"logit_bias": {"1": 1.0}}):
                 status, refused = await asyncio.to_thread(_post, base, {"model": manifest.name,
                                                                         **ask, **extra})
                 assert status == 400 and refused["error"]["param"] in extra, refused

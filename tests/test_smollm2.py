@@ -73,3 +73,108 @@ def test_smollm2_int4_export_is_small_and_three_nodes_equal_local(smollm2_int4, 
 
     local, remote = asyncio.run(main())
     assert len(local) == 48 and remote == local
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"]}
+NAMES = ["Alice", "Bob", "Chen", "Dara", "Emil", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi",
+         "Lena", "Mario", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
+    """SmolLM2 behind `serve --http`, driven by the `openai` package, each feature streamed and
+    not: log probabilities; penalties that change a repetitive reply; json_schema replies that
+    parse and hold to their schema for 20 prompts; a tool call round trip; embeddings."""
+    import re
+    import urllib.request
+
+    import numpy as np
+    import openai
+
+    from edgelite.cli.localnodes import start_serve
+
+    with (tmp_path / "serve.log").open("w") as log:
+        proc, found = start_serve(["--model", str(smollm2_int4), "--http", "127.0.0.1:0",
+                                   "--no-native", "--threads", "1"], log,
+                                  r"listening on (http://[\d.]+:\d+)/v1")
+    try:
+        base = found.group(1)
+        for _ in range(600):  # (/health: 503 until the model is loaded)
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                __import__("time").sleep(0.1)
+        api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        model = api.models.list().data[0].id
+
+        def chat(stream: bool, **kw: object) -> tuple[str, list, str, list]:
+            """(text, logprob entries, finish, tool calls) of a chat reply."""
+            if not stream:
+                got = api.chat.completions.create(model=model, **kw).choices[0]  # type: ignore[call-overload]
+                lps = got.logprobs.content if got.logprobs else []
+                return got.message.content or "", lps, got.finish_reason, got.message.tool_calls or []
+            text, lps, finish, calls = "", [], "", []
+            for chunk in api.chat.completions.create(model=model, stream=True, **kw):  # type: ignore[call-overload]
+                c = chunk.choices[0]
+                text += c.delta.content or ""
+                lps += c.logprobs.content if c.logprobs and c.logprobs.content else []
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+            return text, lps, finish, calls
+
+        hi = [{"role": "user", "content": "What is the capital of France?"}]
+        for stream in (False, True):
+            text, lps, _, _ = chat(stream, messages=hi, max_tokens=12, logprobs=True, top_logprobs=2)
+            assert text and 0 < len(lps) <= 12
+            assert sum(e.logprob for e in lps) <= 0 and all(len(e.top_logprobs) == 2 for e in lps)
+        counting = "1, 2, 1, 2, 1, 2, 1, 2,"
+        plain = api.completions.create(model=model, prompt=counting, max_tokens=16).choices[0].text
+        assert plain.startswith(" 1, 2, 1, 2")  # (greedy repeats the pattern)
+        for extra in ({"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 1.5}}):
+            for stream in (False, True):
+                got = api.completions.create(model=model, prompt=counting, max_tokens=16,
+                                             stream=stream, **extra)  # type: ignore[call-overload]
+                text = got.choices[0].text if not stream else "".join(c.choices[0].text for c in got)
+                assert text != plain, extra
+        for i, name in enumerate(NAMES):
+            text, _, finish, _ = chat(
+                i % 2 == 1, messages=[{"role": "user", "content": f"Describe a person named {name} "
+                                                                  f"as JSON with name, age and city."}],
+                max_tokens=80, response_format={"type": "json_schema", "json_schema": {
+                    "name": "person", "schema": PERSON}})
+            person = json.loads(text)  # (checked here, not by the code that chose the tokens)
+            assert finish == "stop" and set(person) == {"name", "age", "city"}, text
+            assert isinstance(person["name"], str) and isinstance(person["city"], str), text
+            assert isinstance(person["age"], int) and not isinstance(person["age"], bool), text
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        for stream in (False, True):
+            _, _, finish, calls = chat(stream, messages=ask, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=40)
+            (call,) = calls
+            assert finish == "tool_calls" and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris"}
+            turn = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+            text, _, finish, calls = chat(stream, messages=turn, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=40)
+            assert finish in ("stop", "length") and not calls and re.search(r"18|sunny", text), text
+        texts = ["The cat sat on the mat.", "A kitten rested on the rug.",
+                 "Quantum chromodynamics describes the strong force.", "The cat sat on the mat."]
+        vectors = [np.array(d.embedding) for d in api.embeddings.create(model=model, input=texts).data]
+        assert all(len(v) == 576 and abs(np.linalg.norm(v) - 1) < 1e-5 for v in vectors)
+        assert np.array_equal(vectors[0], vectors[3])
+        assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # (nearer in meaning)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()

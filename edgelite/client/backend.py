@@ -147,6 +147,13 @@ class ClusterBackend:
         except StepTimeout as exc:
             raise await self._diagnose(exc) from None
 
+    async def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
+        self._check_lost()
+        try:
+            return await self.plane.step(SessionId(session), ids, every=True, normed=True)
+        except StepTimeout as exc:
+            raise await self._diagnose(exc) from None
+
     async def rollback(self, session: str, n: int) -> None:
         await self.plane.rollback(SessionId(session), n)
 

@@ -67,6 +67,7 @@ class Past:
 
     ids: np.ndarray | None  # a step's ids (None: a rollback)
     every: bool = False  # the step was a verification (Backend.verify: one run, every position)
+    normed: bool = False  # ... for the final norm's output (Backend.hidden)
     keep: int = 0  # a rollback's positions kept
 
 
@@ -121,6 +122,9 @@ class FailoverBackend:
     async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
         return await self._run(session, Past(ids, every=True))
 
+    async def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
+        return await self._run(session, Past(ids, every=True, normed=True))
+
     async def rollback(self, session: str, n: int) -> None:
         if session not in self.s.stale:  # (a stale one is rolled back in its replay)
             await self.inner.rollback(session, n)
@@ -130,6 +134,8 @@ class FailoverBackend:
         if past.ids is None:
             await self.inner.rollback(session, past.keep)
             return None
+        if past.normed:
+            return await self.inner.hidden(session, past.ids)
         if past.every:
             return await self.inner.verify(session, past.ids)
         return await self.inner.step(session, past.ids)

@@ -27,8 +27,9 @@ import numpy as np
 from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.client.failover import FailoverBackend, Recovery, Replan
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
+from edgelite.engine.embed import embed
 from edgelite.engine.generate import Backend, LocalBackend, generate
-from edgelite.engine.reply import Piece, Stats
+from edgelite.engine.reply import Piece, Stats, check
 from edgelite.engine.speculate import DraftModel, Pacer, Speculation
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError
@@ -112,7 +113,8 @@ class LLM:
     def speculation(self, cfg: GenerationConfig) -> Speculation | None:
         """How a reply with these settings speculates (None: it does not; nor does a reply
         constrained to JSON, whose tokens are chosen one by one)."""
-        if cfg.speculate == "off" or cfg.response_format != "text":
+        if cfg.speculate == "off" or cfg.response_format != "text" or (
+                cfg.tools and cfg.tool_choice != "none"):
             return None
         if cfg.speculate not in ("lookup", "draft"):
             raise EdgeliteError(f"speculate={cfg.speculate!r}: one of off, lookup, draft")
@@ -156,11 +158,13 @@ class LLM:
         `reuse`: the KV of the prompt's longest stored prefix is imported from the KV stores
         (e.g. the conversation so far), and the conversation's KV is stored afterwards.
         `speculate`: off, lookup or draft (GenerationConfig.speculate); `options`: any other
-        GenerationConfig field (top_k, min_p, the penalties, logprobs)."""
-        prompt = self.tokenizer.chat_prompt(list(messages))
-        return Reply(self, prompt, self._cfg(max_tokens=max_tokens, temperature=temperature,
-                                             top_p=top_p, seed=seed, stop=stop,
-                                             speculate=speculate, **options), session, reuse)
+        GenerationConfig field (top_k, min_p, the penalties, logprobs, response_format, tools
+        and tool_choice: a reply that calls a tool ends with finish "tool_calls" and the call
+        in `stats.tool_call`)."""
+        cfg = self._cfg(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        stop=stop, speculate=speculate, **options)
+        prompt = self.tokenizer.chat_prompt(list(messages), check(cfg).tools, cfg.tool_choice)
+        return Reply(self, prompt, cfg, session, reuse)
 
     def complete(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
@@ -174,6 +178,11 @@ class LLM:
                                           top_p=top_p, seed=seed, stop=stop, speculate=speculate,
                                           **options),
                      session, reuse)
+
+    async def embed(self, text: str, chunk: int = 64) -> np.ndarray:
+        """The text's embedding (engine/embed.py: the final hidden states, mean pooled and
+        normalised), computed `chunk` tokens a step."""
+        return await embed(self.backend, self.tokenizer.text_prompt(text), chunk)
 
     @property
     def cluster(self) -> ClusterBackend | None:

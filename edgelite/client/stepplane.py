@@ -65,6 +65,7 @@ class InFlight:
     fut: asyncio.Future[np.ndarray]
     last: bool  # the prompt's last chunk (its result goes through the head)
     every: bool  # the head runs at every position (a speculative step's verification)
+    normed: bool  # ... and gives the final norm's output, not logits (Backend.hidden)
     t0: float  # perf_counter when sent
     timeout_s: float
     deadline: float  # monotonic
@@ -78,6 +79,7 @@ class Job:
     ids: np.ndarray  # (1, seq) int64
     fut: asyncio.Future[np.ndarray]
     every: bool = False  # one chunk, logits at every position (StepPlane.verify)
+    normed: bool = False  # (with every) the final norm's output instead (Backend.hidden)
 
 
 class StepPlane(FrameThread):
@@ -109,12 +111,14 @@ class StepPlane(FrameThread):
     def attach(self, data_in: socket.socket, sink: socket.socket) -> None:
         self.call(lambda: self._attach(data_in, sink))
 
-    async def step(self, session: SessionId, ids: np.ndarray, every: bool = False) -> np.ndarray:
+    async def step(self, session: SessionId, ids: np.ndarray, every: bool = False,
+                   normed: bool = False) -> np.ndarray:
         """Append ids (1, seq) to the session; the logits (vocab,) of its last position, or
-        (`every`: seq within one chunk, sent as one step) (seq, vocab) of every position."""
+        (`every`: seq within one chunk, sent as one step) (seq, vocab) of every position, or
+        (`every` and `normed`) (seq, hidden) the final norm's output at every position."""
         if not self.thread.is_alive():
             raise self.gone or EdgeliteError("this plan's step thread is not running (closed)")
-        job = Job(session, ids, self.loop.create_future(), every)
+        job = Job(session, ids, self.loop.create_future(), every, normed)
         self.asked.append(job)
         if len(self.asked) == 1:  # the steps asked for in this turn of the loop go together
             self.loop.call_soon(self._hand_over)
@@ -225,7 +229,8 @@ class StepPlane(FrameThread):
             step = self.steps
             self.steps += 1
             self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
-                                                         b == n, job.every, time.perf_counter(),
+                                                         b == n, job.every, job.normed,
+                                                         time.perf_counter(),
                                                          timeout, time.monotonic() + timeout)
             body = stepframe.encode_fields(1, self.plan_id, job.session, step, state.sent, hidden)
             state.sent += b - a
@@ -265,7 +270,8 @@ class StepPlane(FrameThread):
         for w, hidden in done:
             if w.every:  # (a verification: every position, a run of its own)
                 try:
-                    self._settle(w.fut, self.part.head_all(hidden))
+                    self._settle(w.fut, self.part.normed_all(hidden) if w.normed
+                                 else self.part.head_all(hidden))
                 except Exception as exc:  # noqa: BLE001 - a bad result or the head failing: the caller's
                     self._settle(w.fut, exc=exc)
                 continue

@@ -42,6 +42,11 @@ class Backend(Protocol):
         (seq, vocab) at every position: a speculative step's drafts checked at once."""
         ...
 
+    async def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, seq) appended to the session in one step (seq within one chunk) -> (seq,
+        hidden_size) the final norm's output at every position (what embeddings pool)."""
+        ...
+
     async def rollback(self, session: str, n: int) -> None:
         """The session keeps its first n positions (at most kv.MAX_ROLLBACK fewer than it
         holds): the positions of rejected drafts. No message of its own: the next step
@@ -105,6 +110,10 @@ class LocalBackend:
     async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, self.chain.verify, session, ids)
+
+    async def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.chain.hidden, session, ids)
 
     async def rollback(self, session: str, n: int) -> None:
         await asyncio.get_running_loop().run_in_executor(self.pool, self.chain.rollback, session, n)

@@ -3,13 +3,14 @@ fed as a reply grows, for `response_format: json_object` (engine/reply.py masks 
 whose text would make the reply anything else).
 
 It accepts exactly the prefixes of texts `json.loads` reads as an object (with whitespace
-around), checks strings' escapes (`\\uXXXX` too), numbers' grammar and the literals, and
-says when the object is complete. Pure Python: it runs in Termux as it runs here.
+around; numbers of at most MAX_NUMBER characters), checks strings' escapes (`\\uXXXX` too),
+numbers' grammar and the literals, and says when the object is complete. Pure Python: it
+runs in Termux as it runs here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from edgelite.errors import EdgeliteError
 
 WHITESPACE = " \t\n\r"
 MAX_WHITESPACE = 8  # characters of whitespace in a row between tokens of the JSON (outside strings)
+MAX_NUMBER = 32  # characters of a number, once it is whole (then it ends: a model's digits may not)
 MAX_PARTIAL = 3  # tokens in a row that leave a character incomplete (UTF-8: 4 bytes at most)
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
@@ -68,7 +70,7 @@ class JsonPrefix:
     def _char(self, ch: str) -> bool:
         mode = self.mode
         if mode in ("num_int", "num_zero", "num_frac", "num_exp"):
-            if self._number(ch):
+            if len(self.number) < MAX_NUMBER and self._number(ch):
                 return True
             self.mode = "after" if self.stack else "done"  # the number ended: go on with ch
             mode = self.mode
@@ -205,13 +207,20 @@ class JsonConstraint:
     checked (a rare full scan)."""
 
     def __init__(self, decode: Callable[[list[int]], str], eos: frozenset[int],
-                 max_tries: int = 64, schema: dict[str, Any] | None = None) -> None:
+                 max_tries: int = 64, schema: dict[str, Any] | None = None,
+                 ids: Sequence[int] = (), skip: int = 0) -> None:
         self.decode, self.eos, self.max_tries = decode, eos, max_tries
         self.schema = schema  # json_schema: the text must also stay within it (jsonschema.py)
-        self.text = ""  # the reply's text the state has taken
         self.partial = 0  # tokens in a row that left a character incomplete
         self.state = JsonPrefix()
-        self.ids: list[int] = []
+        # the reply's tokens so far; the JSON starts `skip` characters into their text (a
+        # tool call's opening comes before it: engine/tools.py)
+        self.ids, self.skip = list(ids), skip
+        head = decode(self.ids)[skip:] if self.ids else ""
+        # the JSON's text the state has taken; `started`: what came with `ids` can begin it
+        self.text = head
+        self.started = (not head.endswith("\ufffd") and self.state.feed(head)
+                        and (schema is None or fits(schema, head)))
 
     def _fits(self, tok: int, any_space: bool = False) -> tuple[str, bool] | None:
         """(the text `tok` adds to the reply, whether it leaves a character incomplete) when
@@ -223,7 +232,7 @@ class JsonConstraint:
             return None
         text = self.decode([*self.ids, tok])
         partial = text.endswith("\ufffd")
-        new = text[len(self.text):].rstrip("\ufffd")
+        new = text[self.skip + len(self.text):].rstrip("\ufffd")
         after = self.state.copy()
         if not after.feed(new) or (partial and not after.in_string):
             return None

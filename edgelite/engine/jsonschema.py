@@ -4,7 +4,8 @@ object the schema accepts.
 
 The subset: `type` (object, array, string, number, integer, boolean, null, or a list of
 them), `properties` (an object's keys: no others are written), `required`, `items`, `enum`
-(of strings, numbers, booleans and null), nesting; `title`, `description`, `default`,
+(of strings, numbers, booleans and null), `anyOf` (a value any of its schemas accepts: how a
+tool call's schema is built, engine/tools.py), nesting; `title`, `description`, `default`,
 `additionalProperties: false` and `strict` are accepted and change nothing. Anything else is
 refused, naming the keyword. The prefix is parsed again at each check (a reply is short);
 every check is pure Python.
@@ -19,8 +20,9 @@ from typing import Any
 from edgelite.errors import EdgeliteError
 
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-KEYWORDS = {"type", "properties", "required", "items", "enum", "title", "description", "default",
-            "additionalProperties", "$schema"}
+KEYWORDS = {"type", "properties", "required", "items", "enum", "anyOf", "title", "description",
+            "default", "additionalProperties", "$schema"}
+CONSTRAINING = {"type", "properties", "required", "items", "enum"}  # (the rest only annotate)
 MAX_DEPTH = 16
 PENDING = "\u0080"  # stands for a character whose bytes are still coming (any non-ASCII one)
 ESCAPED = "\x00escaped"  # a key written with an escape: it matches no property
@@ -74,6 +76,12 @@ def check_schema(schema: Any, where: str = "schema", depth: int = 0) -> None:
         raise EdgeliteError(f"{where}: required must list keys of properties")
     if "items" in schema:
         check_schema(schema["items"], f"{where}.items", depth + 1)
+    if "anyOf" in schema:
+        branches = schema["anyOf"]
+        if not isinstance(branches, list) or not branches:
+            raise EdgeliteError(f"{where}: anyOf must be a non-empty list of schemas")
+        for i, sub in enumerate(branches):
+            check_schema(sub, f"{where}.anyOf[{i}]", depth + 1)
 
 
 def _types(schema: dict[str, Any], where: str = "schema") -> tuple[str, ...]:
@@ -218,6 +226,10 @@ def fits(schema: dict[str, Any], text: str) -> bool:
 
 
 def _fits(schema: dict[str, Any], node: Node) -> bool:
+    if "anyOf" in schema:  # (and whatever else the schema says beside it)
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        return any(_fits(sub, node) for sub in schema["anyOf"]) and (
+            not rest.keys() & CONSTRAINING or _fits(rest, node))
     types = _types(schema)
     if "enum" in schema:  # (of scalars only)
         return node.kind not in ("object", "array") and any(_enum_fits(v, node)

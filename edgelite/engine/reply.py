@@ -30,10 +30,11 @@ from edgelite.engine.jsonprefix import JsonConstraint
 from edgelite.engine.jsonschema import check_reply_schema
 from edgelite.engine.sampling import distribution, log_softmax, sample
 from edgelite.engine.tokenizer import StreamDecoder
+from edgelite.engine.tools import CallChooser, check_choice, parse_call, parse_tools
 from edgelite.errors import EdgeliteError
 from edgelite.manifest import Manifest
 
-FINISHES = ("eos", "stop", "length")
+FINISHES = ("eos", "stop", "length", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Stats:
     finish: str = "length"
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
     steps: int = 0  # steps that gave tokens (the prompt's, decode steps, verifications)
+    tool_call: str = ""  # finish "tool_calls": the call, JSON text of {"name", "arguments"}
     drafted: int = 0  # draft tokens offered for verification (speculation)
     accepted: int = 0  # of them accepted
 
@@ -125,6 +127,8 @@ def check(cfg: GenerationConfig) -> GenerationConfig:
     _check_values(cfg)
     if cfg.response_format == "json_schema":
         parse_schema(cfg.json_schema)
+    if cfg.tools:
+        check_choice(cfg.tool_choice, parse_tools(cfg.tools))
     return cfg
 
 
@@ -170,6 +174,17 @@ class ReplyLoop:
             self.json = JsonConstraint(decoder.tok.decode, self.eos,
                                        schema=parse_schema(cfg.json_schema)
                                        if cfg.response_format == "json_schema" else None)
+        # a reply that may be a tool call (engine/tools.py): its text is held while it may
+        self.tools: CallChooser | None = None
+        self.held = ""
+        if cfg.tools and cfg.tool_choice != "none":
+            if decoder is None or self.json is not None:
+                raise EdgeliteError("tools need the reply's text (a tokenizer) and no "
+                                    "response_format")
+            tools = parse_tools(cfg.tools)
+            check_choice(cfg.tool_choice, tools)
+            self.tools = CallChooser(decoder.tok.decode, self.eos, tools, cfg.tool_choice,
+                                     decoder.tok.tool_style)
 
     @property
     def done(self) -> bool:
@@ -187,7 +202,11 @@ class ReplyLoop:
         def pick(row: np.ndarray) -> int:
             return sample(row, cfg.temperature, cfg.top_p, self.rng, cfg.top_k, cfg.min_p)
 
-        return self._take(self.json.choose(logits, pick) if self.json else pick(logits), logits)
+        if self.json:
+            return self._take(self.json.choose(logits, pick), logits)
+        if self.tools:
+            return self._take(self.tools.choose(logits, pick), logits)
+        return self._take(pick(logits), logits)
 
     def verify(self, logits: np.ndarray, drafts: list[int],
                q: list[np.ndarray] | None = None) -> tuple[list[Piece], int]:
@@ -200,6 +219,9 @@ class ReplyLoop:
         own. Returns the pieces and the drafts accepted; stops where the reply ends."""
         if self.done:
             raise EdgeliteError(f"the reply already ended ({self.finish})")
+        if self.json or self.tools:
+            raise EdgeliteError("a reply held to JSON or tools chooses its tokens one by one "
+                                "(no speculation)")
         st = self.stats
         st.steps += 1
         st.drafted += len(drafts)
@@ -275,11 +297,23 @@ class ReplyLoop:
         st.token_ids.append(tok)
         st.token_times.append(now)
         st.decode_s = now - st.token_times[0]
-        text, stopped = self.stops.push(self.decoder.push(tok) if self.decoder else "")
-        if stopped:
-            self._set("stop")
-        elif len(st.token_ids) >= self.cfg.max_tokens:
-            text += self._end("length")
+        text = self.decoder.push(tok) if self.decoder else ""
+        if self.tools is not None and (self.tools.state != "text" or self.held):
+            self.held += text  # (held while the reply may be a tool call)
+            text = ""
+            if self.tools.state == "text":
+                text, self.held = self.held, ""
+        if self.tools is not None and self.tools.done:
+            self.stats.tool_call = json.dumps(parse_call(self.tools.call_text), ensure_ascii=False)
+            self.held = ""
+            self._set("tool_calls")
+            text = ""
+        else:
+            text, stopped = self.stops.push(text)
+            if stopped:
+                self._set("stop")
+            elif len(st.token_ids) >= self.cfg.max_tokens:
+                text += self._end("length")
         self.uses[tok] += 1
         if self.cfg.logprobs < 0 or logits is None:
             return Piece(text, tok)
@@ -295,7 +329,8 @@ class ReplyLoop:
     def _end(self, finish: str) -> str:
         """End the reply (`finish`, unless its last text completes a stop string): the text
         held back until now (an incomplete character, what could have begun a stop string)."""
-        tail, stopped = self.stops.push(self.decoder.flush() if self.decoder else "")
+        held, self.held = self.held, ""  # (a call cut short: its text is the reply's)
+        tail, stopped = self.stops.push(held + (self.decoder.flush() if self.decoder else ""))
         self._set("stop" if stopped else finish)
         return tail + self.stops.flush()
 

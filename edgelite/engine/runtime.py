@@ -162,6 +162,11 @@ class Head(_Piece):
             self.exact = ExactRows(spec, files.folder / files.locate(spec["file"]),
                                    cfg.exact_head_candidates)
 
+    def normed(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden (batch, seq, hidden_size) -> the final norm's output, the same shape (what
+        embeddings pool)."""
+        return self.session.run(["normed"], {"hidden": np.ascontiguousarray(hidden)})[0]
+
     def run(self, hidden: np.ndarray) -> np.ndarray:
         """hidden (batch, seq, hidden_size) -> logits (batch, seq, vocab)."""
         normed, logits = self.session.run(["normed", "logits"], {"hidden": np.ascontiguousarray(hidden)})
@@ -211,6 +216,11 @@ class ClientPart:
         """The last stage's output (1, seq, hidden) -> logits (seq, vocab) at every position
         (a speculative step's verification)."""
         return self.head_.run(hidden)[0]
+
+    def normed_all(self, hidden: np.ndarray) -> np.ndarray:
+        """The last stage's output (1, seq, hidden) -> (seq, hidden) the final norm's output
+        at every position (Backend.hidden)."""
+        return self.head_.normed(hidden)[0]
 
     def rollback(self, session: str, n: int) -> None:
         """The session keeps its first n positions in this part's layers (kv.MAX_ROLLBACK)."""
@@ -293,6 +303,10 @@ class LocalChain:
     def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, n), n within one chunk, appended in one run -> logits (n, vocab)."""
         return self.part.head_all(self.part.front(session, ids))
+
+    def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
+        """ids (1, n), n within one chunk, appended in one run -> (n, hidden) normed."""
+        return self.part.normed_all(self.part.front(session, ids))
 
     def rollback(self, session: str, n: int) -> None:
         self.part.rollback(session, n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from edgelite.engine.tools import forced, history, parse_tools, style_of, with_tools
 from edgelite.errors import MissingDependency, ModelFileError
 from edgelite.manifest import Manifest
 
@@ -36,6 +37,7 @@ class Tokenizer:
         except Exception as exc:
             raise ModelFileError(f"{path}: cannot load tokenizer: {exc}") from exc
         self.special = manifest.special_tokens or {}
+        self.tool_style = style_of(manifest.chat_template)  # how its template shows tools
         self.template = None
         if manifest.chat_template:
             env = sandbox.ImmutableSandboxedEnvironment(
@@ -54,14 +56,33 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation rendered for the assistant's next reply."""
+    def chat_prompt(self, messages: list[dict[str, str]], tools: str = "",
+                    tool_choice: str = "auto") -> list[int]:
+        """Token ids of the conversation rendered for the assistant's next reply; with
+        `tools` (JSON text of OpenAI's list) shown as engine/tools.py says for this template."""
+        style = self.tool_style
+        shown = parse_tools(tools) if tools and tool_choice != "none" else ()
+        turns = with_tools(history(messages, style), shown, tool_choice, style)
         if self.template is None:
-            return self.encode("\n".join(m["content"] for m in messages))
-        text = self.template.render(messages=messages, add_generation_prompt=True,
-                                    bos_token=self.special.get("bos_token") or "",
-                                    eos_token=self.special.get("eos_token") or "")
+            return self.encode("\n".join(m["content"] for m in turns))
+        extra = {"tools": [t.openai() for t in shown]} if shown and style.native else {}
+        try:
+            text = self._render(turns, extra)
+        except ValueError:  # (its own raise_exception: e.g. no system message after a turn)
+            if not any(m["role"] == "tool" for m in messages) or style.native:
+                raise
+            text = self._render(with_tools(history(messages, style, "user"), shown, tool_choice,
+                                           style), extra)
+        if shown and forced(tool_choice):
+            text += style.opening  # (the reply goes on from a call's opening)
         return self.encode(text)
+
+
+    def _render(self, turns: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+        assert self.template is not None
+        return self.template.render(messages=turns, add_generation_prompt=True,
+                                    bos_token=self.special.get("bos_token") or "",
+                                    eos_token=self.special.get("eos_token") or "", **extra)
 
 
 class StreamDecoder:

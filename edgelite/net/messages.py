@@ -445,6 +445,8 @@ class Result(Message):
 class ChatMessage:
     role: str = bounds(max_len=64)  # (which roles a gateway takes: serve/ask.py)
     content: str = bounds(max_len=MAX_ROLE_TEXT)
+    # an assistant's tool calls: JSON text of [{"name", "arguments"}] (serve/ask.py)
+    tool_calls: str | None = bounds(max_len=1 << 16, default=None)
 
 
 @message("generate")
@@ -470,6 +472,8 @@ class GenerateRequest(Message):
     logprobs: int | None = None  # with each token its log probability and this many alternatives
     response_format: str | None = bounds(max_len=32, default=None)  # text | json_object | json_schema
     json_schema: str | None = bounds(max_len=1 << 16, default=None)  # with json_schema: JSON text
+    tools: str | None = bounds(max_len=1 << 16, default=None)  # OpenAI's tools list as JSON text
+    tool_choice: str | None = bounds(max_len=64, default=None)  # auto | none | required | a name
 
 
 @message("generate_cancel")
@@ -500,6 +504,18 @@ class Done(Message):
     decode_tok_s: float = 0.0
     text: str = bounds(max_len=4096, default="")  # text held back until the end (after the last piece)
     prompt_tokens: int = 0
+    tool_call: str = bounds(max_len=1 << 16, default="")  # finish tool_calls: {"name", "arguments"}
+
+
+@message("embedded")
+class Embedded(Message):
+    """An embedding asked of a gateway (serve/http.py's /v1/embeddings): engine/embed.py's
+    vector of the text."""
+
+    id: int = bounds(-RID, RID)
+    vector: list[float] = bounds(max_len=1 << 16)
+    prompt_tokens: int = 0
+    tier: int = 0
 
 
 @message("gateway_stats")

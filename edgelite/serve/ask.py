@@ -9,13 +9,15 @@ once: a request refused through one door is refused through the other with the s
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.engine.reply import RESPONSE_FORMATS, parse_schema
+from edgelite.engine.tools import check_choice, parse_tools
 from edgelite.errors import EdgeliteError, ProtocolError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class AskError(ProtocolError):
@@ -31,7 +33,9 @@ class Ask:
     """One request: chat `messages` (rendered with the model's chat template) or raw `text`
     (continued as it is), and its sampling settings (None: the gateway's defaults)."""
 
-    messages: list[dict[str, str]] | None = None  # [{"role", "content"}]
+    # [{"role", "content"}]; an assistant's earlier tool calls: "tool_calls", JSON text of
+    # [{"name", "arguments"}] (engine/tools.py); a call's result: role "tool"
+    messages: list[dict[str, str]] | None = None
     text: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -47,6 +51,9 @@ class Ask:
     logprobs: int | None = None  # alternatives per token with each token's log probability
     response_format: str | None = None  # text | json_object | json_schema (GenerationConfig's)
     json_schema: str | None = None  # with json_schema: the schema, as JSON text
+    tools: str | None = None  # OpenAI's tools list, as JSON text (GenerationConfig.tools)
+    tool_choice: str | None = None  # auto | none | required | a tool's name
+    embedding: bool = False  # the text's embedding (engine/embed.py), not a reply
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:
@@ -61,6 +68,8 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             if msg["role"] not in ROLES:
                 raise AskError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
                                f"(got {msg['role'][:32]!r})", "messages")
+            if "tool_calls" in msg:
+                _check_calls(msg, i)
     chars = (sum(len(c["content"]) for c in ask.messages) if ask.messages is not None
              else len(ask.text or ""))
     if chars > cfg.max_prompt_chars:
@@ -88,6 +97,9 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             parse_schema(ask.json_schema or "")
         except EdgeliteError as exc:
             raise AskError(f"response_format json_schema: {exc}", "response_format") from None
+    _check_tools(ask, cfg)
+    if ask.embedding and ask.text is None:
+        raise AskError("an embedding is of a text (input), not of chat messages", "input")
     if ask.speculate not in (None, "off", "lookup"):
         raise AskError(f"speculate must be off or lookup (got {ask.speculate[:16]!r}; a gateway "
                        f"drafts by prompt lookup only)", "speculate")
@@ -95,6 +107,44 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             or not all(0 < len(s) <= cfg.max_stop_chars for s in ask.stop)):
         raise AskError(f"stop must be a string or a list of up to {cfg.max_stops} non-empty "
                        f"strings of at most {cfg.max_stop_chars} characters", "stop")
+
+
+def _check_calls(msg: dict[str, str], i: int) -> None:
+    """An earlier reply's tool calls (JSON text of [{"name", "arguments"}])."""
+    where = f"messages[{i}].tool_calls"
+    if msg["role"] != "assistant":
+        raise AskError(f"{where}: only the assistant's messages carry tool calls", "messages")
+    try:
+        calls = json.loads(msg["tool_calls"])
+    except (ValueError, RecursionError):
+        calls = None
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str)
+            and isinstance(c.get("arguments"), dict) for c in calls):
+        raise AskError(f"{where} must be a list of {{name, arguments}} (arguments: a JSON "
+                       f"object)", "messages")
+
+
+def _check_tools(ask: Ask, cfg: GatewayConfig) -> None:
+    if not ask.tools:
+        if ask.tool_choice not in (None, "auto", "none"):
+            raise AskError("tool_choice needs tools", "tool_choice")
+        return
+    if ask.messages is None:
+        raise AskError("tools go with chat messages, not a raw prompt", "tools")
+    if ask.response_format not in (None, "text"):
+        raise AskError("tools and a response_format other than text do not go together (a "
+                       "tool's arguments follow its own schema)", "response_format")
+    if len(ask.tools) > cfg.max_schema_chars:
+        raise AskError(f"tools take more than {cfg.max_schema_chars} characters as JSON", "tools")
+    try:
+        tools = parse_tools(ask.tools)
+    except EdgeliteError as exc:
+        raise AskError(str(exc), "tools") from None
+    try:
+        check_choice(ask.tool_choice or "auto", tools)
+    except EdgeliteError as exc:
+        raise AskError(str(exc), "tool_choice") from None
 
 
 def _within(value: float | None, name: str, lo: float, hi: float) -> None:
@@ -112,5 +162,6 @@ def generation(ask: Ask, defaults: GenerationConfig) -> GenerationConfig:
                                ("repetition_penalty", ask.repetition_penalty),
                                ("logprobs", ask.logprobs),
                                ("response_format", ask.response_format),
-                               ("json_schema", ask.json_schema)) if v is not None}
+                               ("json_schema", ask.json_schema), ("tools", ask.tools),
+                               ("tool_choice", ask.tool_choice)) if v is not None}
     return dataclasses.replace(defaults, **given, stop=ask.stop or defaults.stop)

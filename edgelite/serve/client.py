@@ -36,15 +36,18 @@ class GatewayClient:
 
     async def generate(self, messages: list[dict[str, str]],
                        cfg: GenerationConfig | None = None) -> AsyncIterator[str]:
-        """Yield the reply's text pieces; afterwards `last` holds the gateway's figures."""
+        """Yield the reply's text pieces; afterwards `last` holds the gateway's figures (and
+        a tool call: `last.tool_call`)."""
         cfg = cfg or GenerationConfig()
         rid = next(self.ids)
         await self.conn.send(m.GenerateRequest(
-            id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"]) for x in messages],  # type: ignore[arg-type]
+            id=rid, messages=[m.ChatMessage(role=x["role"], content=x["content"],  # type: ignore[arg-type]
+                                            tool_calls=x.get("tool_calls")) for x in messages],
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop=list(cfg.stop) or None, speculate=cfg.speculate,
             response_format=None if cfg.response_format == "text" else cfg.response_format,
-            json_schema=cfg.json_schema or None))
+            json_schema=cfg.json_schema or None, tools=cfg.tools or None,
+            tool_choice=cfg.tool_choice if cfg.tools else None))
         done = False
         try:
             while True:

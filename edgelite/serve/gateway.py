@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig
+from edgelite.engine.embed import Pool
 from edgelite.engine.generate import Backend, stored_kv_failed
 from edgelite.engine.reply import Piece, ReplyLoop, fitted
 from edgelite.engine.speculate import WIDTHS, Lookup, Pacer
@@ -80,6 +81,7 @@ class Job:
     pacer: Pacer | None = None  # how many of them pay (its own: Pacer.fork)
     drafts: list[int] = field(default_factory=list)  # those its step in flight verifies
     kind: int = 0  # the n-gram its lookup matched for them (the pacer's acceptance is by kind)
+    pool: Pool | None = None  # an embedding's sums (Ask.embedding): its steps give hidden states
 
     @property
     def tokens(self) -> list[int]:
@@ -151,16 +153,18 @@ class Gateway:
                          "the context this server's nodes hold")
         except EdgeliteError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from None
-        req = Request(new_session_id(), user.tier, len(prompt), gen.max_tokens,
-                      time.monotonic(), user=user.name)
+        req = Request(new_session_id(), user.tier, len(prompt),
+                      1 if ask.embedding else gen.max_tokens, time.monotonic(), user=user.name)
         try:
             self.sched.submit(req)
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
         reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
-        spec = gen.speculate == "lookup" and gen.response_format == "text"
+        spec = (gen.speculate == "lookup" and gen.response_format == "text"
+                and not (gen.tools and gen.tool_choice != "none"))
         self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
-                                 pacer=self.pacer.fork() if spec else None)
+                                 pacer=self.pacer.fork() if spec else None,
+                                 pool=Pool(m.hidden_size) if ask.embedding else None)
         self.wake.set()
 
     def cancel(self, sink: Sink, rid: int) -> None:
@@ -206,6 +210,9 @@ class Gateway:
             for r in (*d.admit, *d.resume):
                 job = self.jobs[r.rid]
                 job.pending = job.prompt + job.tokens
+                if job.pool is not None:  # an embedding starts again (nothing of it is stored)
+                    job.pool.reset()
+                    continue
                 (back if job.tokens or job.swapped else new).append(job)
             looking: list[Coroutine[Any, Any, None]] = []
             if new and self.cfg.reuse_prefixes:
@@ -223,7 +230,7 @@ class Gateway:
             results = await asyncio.gather(
                 *ends, *looking, *(call(self.backend, self.jobs[r.rid], ids) for r, (ids, _) in work),
                 return_exceptions=True)
-            self._paced(work, (time.perf_counter() - t0) * 1e3)
+            paced(self.pacer, self.jobs, work, (time.perf_counter() - t0) * 1e3)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
                     raise x  # (_reuse handles what a lookup may meet: this is a bug)
@@ -237,18 +244,12 @@ class Gateway:
                     await self._unswap(job, logits)
                     continue
                 job.restored = 0
-                if last or isinstance(logits, BaseException):
+                if last or job.pool is not None or isinstance(logits, BaseException):
                     await self._deliver(job, logits)
-
-    def _paced(self, work: list[tuple[Request, tuple[list[int], bool]]], ms: float) -> None:
-        """The pacer learns from a step whose decode steps speculated or could have."""
-        drafting = [self.jobs[r.rid] for r, _ in work if r.rid in self.jobs and self.jobs[r.rid].lookup]
-        if drafting:
-            self.pacer.timed(max(len(j.drafts) for j in drafting), ms)
 
     async def _swap_out(self, job: Job) -> None:
         """A preempted request gives its KV up: stored first (`swap_preempted`), then freed."""
-        if self.cfg.swap_preempted:
+        if self.cfg.swap_preempted and job.pool is None:
             full = job.prompt + job.tokens
             held = full[:len(full) - (len(job.pending) if job.pending else 1)]
             try:
@@ -290,13 +291,7 @@ class Gateway:
         log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
                  job.req.rid[:12], exc)
         await self._end(job)
-        job.pending = job.prompt + job.tokens
-        if job.reused:
-            self.figures.reused_tokens -= job.restored
-        else:
-            self.figures.swapped_tokens -= job.restored
-            self.figures.recomputed_tokens += job.restored
-        job.restored, job.reused = 0, False
+        recompute(job, self.figures)
 
     async def _end(self, job: Job) -> None:
         """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
@@ -332,6 +327,12 @@ class Gateway:
             return
         before = len(job.tokens)
         try:
+            if job.pool is not None:  # an embedding: its chunk's states, the last ending it
+                job.pool.add(logits)
+                if not job.pending:
+                    self.sched.advance(r, done=True)
+                    await self._finish(job)
+                return
             pieces, accepted = reply_step(job, logits)
         except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
             log.warning("request %s failed: %s", r.rid[:12], exc)
@@ -353,7 +354,7 @@ class Gateway:
         del self.jobs[job.req.rid]
         st = job.reply.stats
         finish = job.reply.finish or "length"  # (the scheduler's context limit: "length")
-        if error is None and self.cfg.reuse_prefixes:  # its KV, for the next that shares it
+        if error is None and self.cfg.reuse_prefixes and job.pool is None:  # its KV, for reuse
             fed = job.prompt + (job.tokens if finish == "eos" else job.tokens[:-1])
             task = asyncio.create_task(self._store_and_end(job, fed), name=f"store {job.req.rid[:12]}")
             self.finishing.add(task)
@@ -365,10 +366,14 @@ class Gateway:
         if error is not None:
             job.client.post(m.Error(message=error, id=job.rid))
             return
+        if job.pool is not None:
+            job.client.post(m.Embedded(id=job.rid, vector=job.pool.vector().tolist(),
+                                       prompt_tokens=len(job.prompt), tier=job.req.tier))
+            return
         job.client.post(m.Done(id=job.rid, token_ids=job.tokens, tier=job.req.tier, finish=finish,
                                ttft_ms=ttft, preemptions=job.req.preemptions,
                                decode_tok_s=round(st.decode_tok_s, 2), text=job.tail,
-                               prompt_tokens=len(job.prompt)))
+                               prompt_tokens=len(job.prompt), tool_call=st.tool_call))
 
     async def _store_and_end(self, job: Job, fed: list[int]) -> None:
         """A finished request's KV into the stores (copied, written behind), then freed: on
@@ -392,6 +397,25 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         recoveries = len(getattr(self.backend, "recoveries", ()))  # (a failover backend's)
         return self.figures.to_json(self.sched, {u.tier for u in self.users.values()}, recoveries)
+
+
+def recompute(job: Job, figures: Figures) -> None:
+    """A request computes again the KV it had imported (and the figures say so)."""
+    job.pending = job.prompt + job.tokens
+    if job.reused:
+        figures.reused_tokens -= job.restored
+    else:
+        figures.swapped_tokens -= job.restored
+        figures.recomputed_tokens += job.restored
+    job.restored, job.reused = 0, False
+
+
+def paced(pacer: Pacer, jobs: dict[str, Job], work: list[tuple[Request, tuple[list[int], bool]]],
+          ms: float) -> None:
+    """The pacer learns from a step whose decode steps speculated or could have."""
+    drafting = [jobs[r.rid] for r, _ in work if r.rid in jobs and jobs[r.rid].lookup]
+    if drafting:
+        pacer.timed(max(len(j.drafts) for j in drafting), ms)
 
 
 def reply_step(job: Job, logits: np.ndarray) -> tuple[list[Piece], int]:
@@ -455,6 +479,8 @@ def drafted(job: Job, step: tuple[list[int], bool]) -> tuple[list[int], bool]:
 def call(backend: Backend, job: Job, ids: list[int]) -> Awaitable[np.ndarray]:
     """The backend call of a request's step: a verification when it carries drafts."""
     batch = np.array([ids], np.int64)
+    if job.pool is not None:
+        return backend.hidden(job.session, batch)
     if job.drafts:
         return backend.verify(job.session, batch)
     return backend.step(job.session, batch)
@@ -490,5 +516,5 @@ async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: Gat
 def tokens_of(tok: Tokenizer, ask: Ask) -> list[int]:
     """The request's prompt as token ids (chat messages through the model's template)."""
     if ask.messages is not None:
-        return tok.chat_prompt(ask.messages)
+        return tok.chat_prompt(ask.messages, ask.tools or "", ask.tool_choice or "auto")
     return tok.text_prompt(ask.text or "")

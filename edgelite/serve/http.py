@@ -2,10 +2,12 @@
 scheduler and tiers as the native protocol.
 
 POST /v1/chat/completions and /v1/completions (`stream` true: server-sent events ending with
-`data: [DONE]`), GET /v1/models, /health (503 until the plan is deployed, and while a lost node
-is being replaced), /metrics (Prometheus text), / (the cluster's web page, serve/page.py) and
-/v1/cluster (what that page shows). `Authorization: Bearer <token>` names a user
-of users.json (its tier comes from the file); without users every request is "anonymous".
+`data: [DONE]`; chat's `tools` give `tool_calls`, engine/tools.py), POST /v1/embeddings (each
+input's vector, engine/embed.py, through the same gateway), GET /v1/models, /health (503 until
+the plan is deployed, and while a lost node is being replaced), /metrics (Prometheus text), /
+(the cluster's web page, serve/page.py) and /v1/cluster (what that page shows). A field this
+server does not take is a 400 naming it, never ignored. `Authorization: Bearer <token>` names a
+user of users.json (its tier comes from the file); without users every request is "anonymous".
 Errors are OpenAI's error JSON. A client that disconnects cancels its request.
 
 The HTTP layer is Starlette on uvicorn with its pure-Python h11 protocol: both are small,
@@ -16,6 +18,7 @@ extra (`pip install edgelite[http]`). Imported only when `--http` is given.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -27,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -170,6 +174,7 @@ class HttpApi:
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -249,7 +254,7 @@ class HttpApi:
     async def _complete(self, request: Request, chat: bool) -> Response:
         try:
             user = self._user(request)
-            body = await self._body(request)
+            body = await read_body(request, self.cfg)
             gw = self._gateway()
             call = parse_call(body, chat, self.model_id)
             sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
@@ -272,6 +277,50 @@ class HttpApi:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, sink, call, name)
 
+    async def embeddings(self, request: Request) -> Response:
+        """Each input's embedding, one after another through the gateway's queue."""
+        try:
+            user = self._user(request)
+            texts, as_base64 = parse_embedding(await read_body(request, self.cfg), self.model_id,
+                                               self.cfg.max_embedding_inputs)
+            gw = self._gateway()
+            data, used = [], 0
+            for i, text in enumerate(texts):
+                sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
+                try:
+                    await gw.submit(sink, secrets.randbits(48), Ask(text=text, embedding=True))
+                except QueueFull as exc:
+                    raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from exc
+                except (AskError, ProtocolError) as exc:
+                    raise ApiError(400, f"input[{i}]: {exc}", param="input") from exc
+                got = await self._embedded(request, sink)
+                if got is None:
+                    return Response(status_code=499)  # the client left: nobody reads this
+                used += got.prompt_tokens
+                vector = (base64.b64encode(np.asarray(got.vector, "<f4").tobytes()).decode()
+                          if as_base64 else got.vector)
+                data.append({"object": "embedding", "index": i, "embedding": vector})
+        except ApiError as exc:
+            return exc.response()
+        self.requests_total += 1
+        return JSONResponse({"object": "list", "data": data, "model": self.model_id,
+                             "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    async def _embedded(self, request: Request, sink: HttpSink) -> m.Embedded | None:
+        """The gateway's answer to an embedding (None: the client left, which cancels it)."""
+        watcher = asyncio.get_running_loop().create_task(self._watch(request, sink))
+        try:
+            msg = await sink.queue.get()
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if isinstance(msg, m.Error):
+            raise ApiError(500, msg.message, "server_error")
+        if not isinstance(msg, m.Embedded):
+            return None
+        sink.done = True
+        return msg
+
     # ---- requests ------------------------------------------------------------------------
     def _user(self, request: Request) -> User:
         if self.by_token is None:
@@ -285,48 +334,6 @@ class HttpApi:
             if hmac.compare_digest(known.encode(), token.strip().encode()):
                 return user
         raise ApiError(401, "unknown token", "authentication_error", code="invalid_api_key")
-
-    async def _body(self, request: Request) -> dict[str, Any]:
-        try:
-            size = int(request.headers.get("content-length") or 0)
-        except ValueError as exc:
-            raise ApiError(400, "Content-Length is not a number") from exc
-        parts = request.stream()
-        if size > self.cfg.max_body_bytes:
-            if size <= self.cfg.refused_body_drain_bytes:  # (larger: answered unread)
-                await self._drain(parts, 0)
-            raise ApiError(413, f"request body of {size} bytes exceeds {self.cfg.max_body_bytes}")
-        raw = bytearray()
-        try:
-            async with asyncio.timeout(self.cfg.body_timeout_s):
-                async for part in parts:
-                    raw += part  # (a bytearray grows in place)
-                    if len(raw) > self.cfg.max_body_bytes:
-                        await self._drain(parts, len(raw))
-                        raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes")
-        except TimeoutError as exc:
-            raise ApiError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s "
-                                f"(body_timeout_s)") from exc
-        try:  # (off the event loop: a large body takes a while)
-            body = await asyncio.to_thread(json.loads, bytes(raw))
-        except ValueError as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from exc
-        except RecursionError as exc:
-            raise ApiError(400, "the body's JSON is nested too deeply") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        return body
-
-    async def _drain(self, parts: AsyncIterator[bytes], read: int) -> None:
-        """Read and drop the rest of a refused body (`read` bytes of it read so far), up to
-        refused_body_drain_bytes and for at most refused_body_drain_s (HttpConfig); a client
-        that leaves meanwhile ends it."""
-        with contextlib.suppress(TimeoutError, ClientDisconnect):
-            async with asyncio.timeout(self.cfg.refused_body_drain_s):
-                async for part in parts:
-                    read += len(part)
-                    if read > self.cfg.refused_body_drain_bytes:
-                        return
 
     def _gateway(self) -> Gateway:
         if self.gateway is None or not self.gateway.ready:
@@ -408,6 +415,9 @@ class HttpApi:
                                   "logprobs": self._scores(call, scored)}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if done.tool_call:
+                choice["message"] = {"role": "assistant", "content": None,
+                                     "tool_calls": _tool_calls(done, stream=False)}
         else:
             choice["text"] = text
         return JSONResponse({
@@ -435,6 +445,8 @@ class HttpApi:
         try:
             async for text, piece, done in self._pieces(request, sink):
                 if done is not None:
+                    if done.tool_call and call.chat:
+                        yield chunk({"tool_calls": _tool_calls(done, stream=True)})
                     extra = {"usage": _usage(done)} if call.include_usage else {}
                     yield chunk({} if call.chat else "", _finish(done.finish), **extra,
                                 edgelite=_extra(done))
@@ -450,9 +462,66 @@ class HttpApi:
             yield b"data: [DONE]\n\n"
 
 
+async def read_body(request: Request, cfg: HttpConfig) -> dict[str, Any]:
+    """A request's JSON object, read within HttpConfig's bounds (ApiError otherwise)."""
+    try:
+        size = int(request.headers.get("content-length") or 0)
+    except ValueError as exc:
+        raise ApiError(400, "Content-Length is not a number") from exc
+    parts = request.stream()
+    if size > cfg.max_body_bytes:
+        if size <= cfg.refused_body_drain_bytes:  # (larger: answered unread)
+            await _drain(parts, 0, cfg)
+        raise ApiError(413, f"request body of {size} bytes exceeds {cfg.max_body_bytes}")
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(cfg.body_timeout_s):
+            async for part in parts:
+                raw += part  # (a bytearray grows in place)
+                if len(raw) > cfg.max_body_bytes:
+                    await _drain(parts, len(raw), cfg)
+                    raise ApiError(413, f"request body exceeds {cfg.max_body_bytes} bytes")
+    except TimeoutError as exc:
+        raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+                            f"(body_timeout_s)") from exc
+    try:  # (off the event loop: a large body takes a while)
+        body = await asyncio.to_thread(json.loads, bytes(raw))
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body's JSON is nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+async def _drain(parts: AsyncIterator[bytes], read: int, cfg: HttpConfig) -> None:
+    """Read and drop the rest of a refused body (`read` bytes of it read so far), up to
+    refused_body_drain_bytes and for at most refused_body_drain_s (HttpConfig); a client
+    that leaves meanwhile ends it."""
+    with contextlib.suppress(TimeoutError, ClientDisconnect):
+        async with asyncio.timeout(cfg.refused_body_drain_s):
+            async for part in parts:
+                read += len(part)
+                if read > cfg.refused_body_drain_bytes:
+                    return
+
+
+# the fields a request may have (any other is a 400 naming it: never ignored); `user` is an
+# end user's name for the caller's own records and changes nothing
+FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+          "stream_options", "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+          "response_format", "user", "top_k", "min_p", "repetition_penalty", "speculate"}
+CHAT_FIELDS = FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = FIELDS | {"prompt"}
+
+
 def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
     """The request in OpenAI's JSON: its types and this door's own fields are checked
     here, the values' rules by the gateway (serve/ask.py)."""
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if unknown:
+        raise ApiError(400, f"field {unknown[0][:64]!r} is not supported by this server",
+                       param=unknown[0][:64])
     model = body.get("model", model_id)
     if model != model_id:
         raise ApiError(404, f"model {model!r} is not served here; this server has "
@@ -474,8 +543,7 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
         raise ApiError(400, f"response_format {str(kind)[:32]!r} is not supported by this "
                             f"server (text, json_object and json_schema are)",
                        param="response_format")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
-        raise ApiError(400, "tools are not supported by this server yet", param="tools")
+    tools, tool_choice = _tools(body, chat)
     messages, text = None, None
     if chat:
         messages = _messages(body.get("messages"))
@@ -496,7 +564,8 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
               frequency_penalty=_number(body, "frequency_penalty", float),
               repetition_penalty=_number(body, "repetition_penalty", float),
               logprobs=_logprobs(body, chat),
-              response_format=kind if isinstance(fmt, dict) else None, json_schema=schema_text)
+              response_format=kind if isinstance(fmt, dict) else None, json_schema=schema_text,
+              tools=tools, tool_choice=tool_choice)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
@@ -504,6 +573,31 @@ def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     return Call(ask, stream, bool(options.get("include_usage", True)), chat)
+
+
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user"}
+
+
+def parse_embedding(body: dict[str, Any], model_id: str, most: int) -> tuple[list[str], bool]:
+    """An embeddings request: its texts (at most `most`), and whether the vectors go as
+    base64 (little-endian float32, what the `openai` package asks for) rather than numbers."""
+    unknown = sorted(set(body) - EMBEDDING_FIELDS)
+    if unknown:
+        raise ApiError(400, f"field {unknown[0][:64]!r} is not supported by this server",
+                       param=unknown[0][:64])
+    if body.get("model", model_id) != model_id:
+        raise ApiError(404, f"model {str(body['model'])[:64]!r} is not served here; this server "
+                            f"has {model_id!r}", param="model", code="model_not_found")
+    raw = body.get("input")
+    texts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(texts, list) or not 0 < len(texts) <= most or not all(
+            isinstance(t, str) and t for t in texts):
+        raise ApiError(400, f"input must be a non-empty string or a list of 1 to {most} of "
+                            f"them (token ids are not taken)", param="input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, "encoding_format must be float or base64", param="encoding_format")
+    return texts, fmt == "base64"
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -540,6 +634,50 @@ def logprob_block(chat: bool, pieces: list[m.TokenPiece], tok: Tokenizer) -> dic
                              for p in pieces], "text_offset": offsets}
 
 
+def _tools(body: dict[str, Any], chat: bool) -> tuple[str | None, str | None]:
+    """`tools` as JSON text (their rules: engine/tools.py, through the gateway) and
+    `tool_choice` as a word or a tool's name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not chat:
+        raise ApiError(400, "tools go with /v1/chat/completions", param="tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of {type: function, function}", param="tools")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        choice = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(choice, str):
+            raise ApiError(400, "tool_choice must be auto, none, required or {type: function, "
+                                "function: {name}}", param="tool_choice")
+    elif choice is not None and not isinstance(choice, str):
+        raise ApiError(400, "tool_choice must be a string or an object", param="tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    return (json.dumps(tools) if tools else None), choice
+
+
+def _calls(raw: Any, i: int) -> str:
+    """An assistant message's `tool_calls` (OpenAI's, arguments as JSON text) as the gateway
+    takes them: JSON text of [{name, arguments}]."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise ApiError(400, f"{where} must be a list", param="messages")
+    out = []
+    for call in raw:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise ApiError(400, f"{where}: each call is {{type: function, function: {{name, "
+                                f"arguments}}}} with arguments as JSON text", param="messages")
+        try:
+            args = json.loads(fn["arguments"])
+        except (ValueError, RecursionError):
+            raise ApiError(400, f"{where}: arguments of {fn['name'][:32]!r} are not JSON",
+                           param="messages") from None
+        out.append({"name": fn["name"], "arguments": args})
+    return json.dumps(out)
+
+
 def _messages(raw: Any) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", param="messages")
@@ -548,6 +686,10 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
         content = msg.get("content")
+        if msg.get("tool_calls") and msg["role"] == "assistant":
+            out.append({"role": "assistant", "content": content if isinstance(content, str) else "",
+                        "tool_calls": _calls(msg["tool_calls"], i)})
+            continue
         if isinstance(content, list):  # [{type: text, text}] parts
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -587,7 +729,16 @@ def _stops(raw: Any) -> tuple[str, ...]:
 
 
 def _finish(finish: str) -> str:
-    return "length" if finish == "length" else "stop"  # eos and stop strings: "stop"
+    return finish if finish in ("length", "tool_calls") else "stop"  # eos and stop strings: "stop"
+
+
+def _tool_calls(done: m.Done, stream: bool) -> list[dict[str, Any]]:
+    """A reply's call in OpenAI's shape (a stream's delta carries its index)."""
+    call = json.loads(done.tool_call)
+    entry: dict[str, Any] = {"id": "call_" + secrets.token_hex(12), "type": "function",
+                             "function": {"name": call["name"],
+                                          "arguments": json.dumps(call["arguments"])}}
+    return [{"index": 0, **entry} if stream else entry]
 
 
 def _usage(done: m.Done) -> dict[str, int]:

@@ -84,14 +84,17 @@ def ask_of(msg: m.GenerateRequest) -> Ask:
     if (msg.messages is None) == (msg.prompt is None):
         raise ProtocolError("generate needs messages [{role, content}] or a prompt string, "
                             "not both")
-    messages = ([{"role": c.role, "content": c.content} for c in msg.messages]
+    messages = ([{"role": c.role, "content": c.content,
+                  **({"tool_calls": c.tool_calls} if c.tool_calls is not None else {})}
+                 for c in msg.messages]
                 if msg.messages is not None else [{"role": "user", "content": str(msg.prompt)}])
     return Ask(messages=messages, max_tokens=msg.max_tokens, temperature=msg.temperature,
                top_p=msg.top_p, seed=msg.seed, stop=tuple(msg.stop or ()),
                speculate=msg.speculate, top_k=msg.top_k, min_p=msg.min_p,
                presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                repetition_penalty=msg.repetition_penalty, logprobs=msg.logprobs,
-               response_format=msg.response_format, json_schema=msg.json_schema)
+               response_format=msg.response_format, json_schema=msg.json_schema,
+               tools=msg.tools, tool_choice=msg.tool_choice)
 
 
 class NativeDoor:
