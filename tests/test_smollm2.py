@@ -178,3 +178,25 @@ def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
         assert proc.stdout is not None
         proc.stdout.close()
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def test_smollm2_generate_calls_a_tool(smollm2_int4, tmp_path: Path) -> None:
+    """`generate --tools FILE`: the call on stdout (and in --json), bad files one line each."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    model = str(smollm2_int4)
+    out = run_cli("generate", "--model", model, "--tools", str(tools), "--tool-choice", "required",
+                  "What is the weather in Oslo?")
+    assert out.returncode == 0 and json.loads(out.stdout) == {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}, out.stdout + out.stderr
+    res = json.loads(run_cli("generate", "--model", model, "--tools", str(tools), "--json",
+                             "--tool-choice", "get_weather", "Weather in Rome?").stdout)
+    assert res["finish"] == "tool_calls" and res["tool_call"]["name"] == "get_weather"
+    (tmp_path / "bad.json").write_text('[{"function": {"name": "a b"}}]')
+    for extra, words in ((["--tools", str(tmp_path / "nope.json")], "No such file"),
+                         (["--tools", str(tmp_path / "bad.json")], "name must be 1 to 64"),
+                         (["--tools", str(tools), "--tool-choice", "sub"], "tool_choice must be"),
+                         (["--tool-choice", "required"], "--tool-choice goes with --tools"),
+                         (["--tools", str(tools), "--raw"], "leave --raw out")):
+        bad = run_cli("generate", "--model", model, *extra, "hi")
+        assert bad.returncode == 1 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

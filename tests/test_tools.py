@@ -114,6 +114,8 @@ def test_prompts_show_tools_and_earlier_calls_as_the_template_writes_them(export
         "user: weather in oslo?|assistant: {\"name\": \"weather\", \"arguments\": {\"city\": "
         "\"oslo\"}}|user: The tool returned: sunny|")
     assert text(chatml, turns, tools, "none").startswith("<|im_start|>user\nweather in oslo?")
+    with pytest.raises(EdgeliteError, match="template refused these messages: roles must alternate"):
+        strict.chat_prompt([turns[0], turns[0]])
     own = text(tagged, turns, tools, "required")
     assert own.startswith("<|im_start|>system\ntools: weather<|im_end|>")
     assert '<tool_call>\n{"arguments": {"city": "oslo"}, "name": "weather"}\n</tool_call>' in own
@@ -218,5 +220,24 @@ def test_tool_calls_and_embeddings_through_both_doors(exported) -> None:
                     model=manifest.name, input="hello world"))
                 sent = base64.b64decode(raw.http_response.json()["data"][0]["embedding"])
                 assert np.allclose(np.frombuffer(sent, "<f4"), vectors[1])
+
+    asyncio.run(main())
+
+
+@pytest.mark.e2e
+def test_a_template_that_refuses_the_messages_is_a_400(exported) -> None:
+    """Messages a model's template raises on (Gemma's: turns must alternate) are the request's
+    fault: a 400 in the template's words, and the gateway goes on."""
+    manifest = dataclasses.replace(load(exported["llama"]), chat_template=STRICT)
+
+    async def main() -> None:
+        sched = Scheduler(SchedulerConfig(context_limit=manifest.max_positions, kv_tokens=4096))
+        async with _doors(manifest, GatewayConfig(port=0), sched) as (_, _b, base, _c):
+            hi = {"role": "user", "content": "hi"}
+            status, out = await asyncio.to_thread(_post, base, {"messages": [hi, hi]})
+            assert status == 400 and out["error"]["param"] == "messages", out
+            assert "template refused these messages: roles must alternate" in out["error"]["message"]
+            status, out = await asyncio.to_thread(_post, base, {"messages": [hi], "max_tokens": 3})
+            assert status == 200, out
 
     asyncio.run(main())

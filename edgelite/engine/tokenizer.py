@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edgelite.engine.tools import forced, history, parse_tools, style_of, with_tools
-from edgelite.errors import MissingDependency, ModelFileError
+from edgelite.errors import EdgeliteError, MissingDependency, ModelFileError
 from edgelite.manifest import Manifest
 
 
@@ -24,8 +24,12 @@ def _require() -> tuple[Any, Any]:
     return tokenizers, jinja2.sandbox
 
 
+class TemplateRefusal(ValueError):
+    """A chat template's own raise_exception (e.g. roles that do not alternate)."""
+
+
 def _raise(message: str) -> None:
-    raise ValueError(message)
+    raise TemplateRefusal(message)
 
 
 class Tokenizer:
@@ -68,7 +72,7 @@ class Tokenizer:
         extra = {"tools": [t.openai() for t in shown]} if shown and style.native else {}
         try:
             text = self._render(turns, extra)
-        except ValueError:  # (its own raise_exception: e.g. no system message after a turn)
+        except EdgeliteError:  # (e.g. no system message after a turn: results as the user's)
             if not any(m["role"] == "tool" for m in messages) or style.native:
                 raise
             text = self._render(with_tools(history(messages, style, "user"), shown, tool_choice,
@@ -79,10 +83,17 @@ class Tokenizer:
 
 
     def _render(self, turns: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+        """The template's text; EdgeliteError when it refuses the messages (its own words)."""
         assert self.template is not None
-        return self.template.render(messages=turns, add_generation_prompt=True,
-                                    bos_token=self.special.get("bos_token") or "",
-                                    eos_token=self.special.get("eos_token") or "", **extra)
+        try:
+            return self.template.render(messages=turns, add_generation_prompt=True,
+                                        bos_token=self.special.get("bos_token") or "",
+                                        eos_token=self.special.get("eos_token") or "", **extra)
+        except TemplateRefusal as exc:
+            raise EdgeliteError(f"the model's chat template refused these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any error of a model's own template code
+            raise EdgeliteError(f"the model's chat template failed on these messages: "
+                                f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 class StreamDecoder:

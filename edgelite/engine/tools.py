@@ -144,8 +144,8 @@ def history(messages: list[dict[str, Any]], style: Style,
     message's `tool_calls`, JSON text of [{name, arguments}]) in the model's own format, and
     tool results as role "tool" (a template that renders tools knows it) or as a message of
     role `results` ("system"; "user" for templates that take no system message there) saying
-    what the tool returned; messages of one role in a row are joined (some templates insist
-    on turns)."""
+    what the tool returned, joined to the message before when it has that role (some
+    templates insist on turns). Other messages go as they are."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         role, content = msg["role"], msg.get("content") or ""
@@ -162,10 +162,10 @@ def history(messages: list[dict[str, Any]], style: Style,
                 for c in parsed)]))
         elif role == "tool" and not style.native:
             role, content = results, f"The tool returned: {content}"
-        if out and out[-1]["role"] == role and role != "tool" and "tool_calls" not in out[-1]:
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + content}
-        else:
-            out.append({"role": role, "content": content})
+            if out and out[-1]["role"] == role and "tool_calls" not in out[-1]:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + content}
+                continue  # (several results in a row: one message)
+        out.append({"role": role, "content": content})
     return out
 
 

@@ -138,11 +138,9 @@ class Gateway:
         if mine >= self.cfg.max_requests_per_user:  # (before any work: a flood costs little)
             raise QueueFull(f"user {user.name} has {mine} requests queued or running; the "
                             f"limit is {self.cfg.max_requests_per_user}")
-        # (off the event loop: tokenizing a long prompt takes a while, and the loop also
-        # serves every other request and the nodes' heartbeats)
-        self.tokenizing[user.name] += 1
+        self.tokenizing[user.name] += 1  # (counted while off the event loop)
         try:
-            prompt = await asyncio.to_thread(tokens_of, self.tok, ask)
+            prompt = await prompt_of(self.tok, ask)
         finally:
             self.tokenizing[user.name] -= 1
         if not prompt:
@@ -511,6 +509,16 @@ async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: Gat
         return
     figures.reconnects += 1
     log.info("the plan is deployed again; %d requests resume", len(back))
+
+
+async def prompt_of(tok: Tokenizer, ask: Ask) -> list[int]:
+    """tokens_of off the event loop (tokenizing a long prompt takes a while, and the loop
+    also serves every other request and the nodes' heartbeats); a template that refuses the
+    messages is the request's fault."""
+    try:
+        return await asyncio.to_thread(tokens_of, tok, ask)
+    except EdgeliteError as exc:
+        raise AskError(str(exc), "messages") from None
 
 
 def tokens_of(tok: Tokenizer, ask: Ask) -> list[int]:
