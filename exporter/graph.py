@@ -283,39 +283,67 @@ class Linears:
                            bits=b.bits, block_size=b.block, accuracy_level=level)[0], scales
 
     def _codes(self, b: Blocks, name: str) -> str:
-        """MatMulNBits' B: as it is, or (8-bit storage whose codes span at most 64 values, as
-        Q6_K's do) at 6 bits a code in the file, widened by the graph when the model loads
-        (constant-folded before onnxruntime prepacks the product: the same kernel, the same
-        speed, 3/4 of the bytes on disk)."""
+        """MatMulNBits' B: as it is, or, when its codes span fewer values than the storage
+        holds (Q6_K's 64 in 8-bit storage, Q3_K's 8 and Q2_K's 4 in 4-bit storage, the fifth
+        bit of 5-bit codes in 2-bit storage), at their own width in the file (W bits a code,
+        8 codes to W bytes, less the smallest), widened to the storage by the graph when the
+        model loads: constant-folded before onnxruntime prepacks the product, so it runs the
+        same kernel at the same speed and holds the same memory; only the files shrink."""
         packed = b.packed()
         lo = int(b.q.min()) if b.q.size else 0
-        if b.bits != 8 or b.q.size % 4 or int(b.q.max()) - lo >= 64:
+        width = (int(b.q.max()) - lo).bit_length() if b.q.size else b.bits
+        if width >= b.bits or b.q.size % 8:
             return self.g.init(name, packed)
+        width = max(width, 1)
         g = self.g
-        words = (b.q.reshape(-1, 4) - np.uint8(lo)).astype(np.uint32)
-        word = words[:, 0] | words[:, 1] << 6 | words[:, 2] << 12 | words[:, 3] << 18
-        six = g.init(f"{name}.6bit", np.stack([word & 255, word >> 8 & 255, word >> 16],
-                                              axis=1).astype(np.uint8))
-        g.param_bytes += packed.nbytes - packed.nbytes * 3 // 4  # (held widened once loaded)
-
-        by = {n: g.init(f"{name}.by{n}", np.array(n, np.uint8)) for n in (2, 4, 6)}
+        values = (b.q.reshape(-1, 8) - np.uint8(lo)).astype(np.uint64)
+        word = np.zeros(len(values), np.uint64)
+        for j in range(8):
+            word |= values[:, j] << np.uint64(width * j)
+        stream = word.view(np.uint8).reshape(-1, 8)[:, :width]  # (little-endian: low bytes)
+        g.param_bytes += packed.nbytes - stream.size  # (held widened once loaded)
+        data = g.init(f"{name}.{width}bit", np.ascontiguousarray(stream))
+        const: dict[int, str] = {}
 
         def shift(v: str, bits: int, way: str) -> str:
-            return g.node("BitShift", [v, by[bits]], 1, f"{v}/{way}{bits}", direction=way)[0]
+            if not bits:
+                return v
+            if bits not in const:
+                const[bits] = g.init(f"{name}.by{bits}", np.array(bits, np.uint8))
+            return g.node("BitShift", [v, const[bits]], 1, f"{v}/{way}{bits}", direction=way)[0]
 
-        byte = [g.node("Gather", [six, g.init(f"{name}.at{j}", np.array([j], np.int64))], 1,
-                       f"{name}/byte{j}", axis=1)[0] for j in range(3)]
-        parts = [shift(shift(byte[0], 2, "LEFT"), 2, "RIGHT"),  # (bits of a byte: no carries)
-                 g.node("Add", [shift(byte[0], 6, "RIGHT"), shift(shift(byte[1], 4, "LEFT"), 2,
-                                                                    "RIGHT")], 1, f"{name}/code1")[0],
-                 g.node("Add", [shift(byte[1], 4, "RIGHT"), shift(shift(byte[2], 6, "LEFT"), 2,
-                                                                    "RIGHT")], 1, f"{name}/code2")[0],
-                 shift(byte[2], 2, "RIGHT")]
-        codes = g.node("Concat", parts, 1, f"{name}/Concat", axis=1)[0]
+        def field(v: str, start: int, count: int) -> str:
+            """Bits start..start+count-1 of each byte of v, in the low bits (no carries)."""
+            return shift(shift(v, 8 - start - count, "LEFT"), 8 - count, "RIGHT")
+
+        def column(v: str, j: int, label: str) -> str:
+            return g.node("Gather", [v, g.init(f"{name}.{label}{j}", np.array([j], np.int64))], 1,
+                          f"{name}/{label}{j}", axis=1)[0]
+
+        byte = [column(data, i, "byte") for i in range(width)]
+        codes = []
+        for j in range(8):
+            at, off = divmod(width * j, 8)
+            take = min(width, 8 - off)
+            code = field(byte[at], off, take)
+            if take < width:  # (the rest in the next byte's low bits)
+                high = shift(field(byte[at + 1], 0, width - take), take, "LEFT")
+                code = g.node("Add", [code, high], 1, f"{name}/code{j}")[0]
+            codes.append(code)
+        out = g.node("Concat", codes, 1, f"{name}/Concat", axis=1)[0]
         if lo:
-            codes = g.node("Add", [codes, g.init(f"{name}.low", np.array(lo, np.uint8))], 1,
-                           f"{name}/Add")[0]
-        return g.node("Reshape", [codes, g.init(f"{name}.shape", np.array(packed.shape, np.int64))],
+            out = g.node("Add", [out, g.init(f"{name}.low", np.array(lo, np.uint8))], 1,
+                         f"{name}/Add")[0]
+        per = 8 // b.bits
+        if per > 1:  # (into the storage: `per` codes a byte, the first lowest)
+            out = g.node("Reshape", [out, g.init(f"{name}.per", np.array([-1, per], np.int64))], 1,
+                         f"{name}/Reshape{per}")[0]
+            total = column(out, 0, "slot")
+            for t in range(1, per):
+                total = g.node("Add", [total, shift(column(out, t, "slot"), b.bits * t, "LEFT")], 1,
+                               f"{name}/pack{t}")[0]
+            out = total
+        return g.node("Reshape", [out, g.init(f"{name}.shape", np.array(packed.shape, np.int64))],
                       [name], f"{name}/Reshape")[0]
 
     def _block_sums(self, x: str, block: int, k: int) -> str:
