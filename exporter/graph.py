@@ -271,7 +271,7 @@ class Linears:
         else:
             scales = self._matrix(b.scale_factored, b.scale, b.scale_fp16 and b.bits in FP16_SCALES,
                                   f"{name}.scales")
-        ins = [x, self._codes(b, f"{name}.qweight"), scales]
+        ins = [x, self.g.init(f"{name}.qweight", b.packed()), scales]
         zp = b.zero_points()
         ins.append("" if zp is None else self.g.init(f"{name}.zero_points", zp))
         if bias is not None:
@@ -281,70 +281,6 @@ class Linears:
         level = 0 if self.compute == "exact" else 4
         return self.g.node("MatMulNBits", ins, 1, f"{name}/MatMulNBits", MS, K=k, N=n,
                            bits=b.bits, block_size=b.block, accuracy_level=level)[0], scales
-
-    def _codes(self, b: Blocks, name: str) -> str:
-        """MatMulNBits' B: as it is, or, when its codes span fewer values than the storage
-        holds (Q6_K's 64 in 8-bit storage, Q3_K's 8 and Q2_K's 4 in 4-bit storage, the fifth
-        bit of 5-bit codes in 2-bit storage), at their own width in the file (W bits a code,
-        8 codes to W bytes, less the smallest), widened to the storage by the graph when the
-        model loads: constant-folded before onnxruntime prepacks the product, so it runs the
-        same kernel at the same speed and holds the same memory; only the files shrink."""
-        packed = b.packed()
-        lo = int(b.q.min()) if b.q.size else 0
-        width = (int(b.q.max()) - lo).bit_length() if b.q.size else b.bits
-        if width >= b.bits or b.q.size % 8:
-            return self.g.init(name, packed)
-        width = max(width, 1)
-        g = self.g
-        values = (b.q.reshape(-1, 8) - np.uint8(lo)).astype(np.uint64)
-        word = np.zeros(len(values), np.uint64)
-        for j in range(8):
-            word |= values[:, j] << np.uint64(width * j)
-        stream = word.view(np.uint8).reshape(-1, 8)[:, :width]  # (little-endian: low bytes)
-        g.param_bytes += packed.nbytes - stream.size  # (held widened once loaded)
-        data = g.init(f"{name}.{width}bit", np.ascontiguousarray(stream))
-        const: dict[int, str] = {}
-
-        def shift(v: str, bits: int, way: str) -> str:
-            if not bits:
-                return v
-            if bits not in const:
-                const[bits] = g.init(f"{name}.by{bits}", np.array(bits, np.uint8))
-            return g.node("BitShift", [v, const[bits]], 1, f"{v}/{way}{bits}", direction=way)[0]
-
-        def field(v: str, start: int, count: int) -> str:
-            """Bits start..start+count-1 of each byte of v, in the low bits (no carries)."""
-            return shift(shift(v, 8 - start - count, "LEFT"), 8 - count, "RIGHT")
-
-        def column(v: str, j: int, label: str) -> str:
-            return g.node("Gather", [v, g.init(f"{name}.{label}{j}", np.array([j], np.int64))], 1,
-                          f"{name}/{label}{j}", axis=1)[0]
-
-        byte = [column(data, i, "byte") for i in range(width)]
-        codes = []
-        for j in range(8):
-            at, off = divmod(width * j, 8)
-            take = min(width, 8 - off)
-            code = field(byte[at], off, take)
-            if take < width:  # (the rest in the next byte's low bits)
-                high = shift(field(byte[at + 1], 0, width - take), take, "LEFT")
-                code = g.node("Add", [code, high], 1, f"{name}/code{j}")[0]
-            codes.append(code)
-        out = g.node("Concat", codes, 1, f"{name}/Concat", axis=1)[0]
-        if lo:
-            out = g.node("Add", [out, g.init(f"{name}.low", np.array(lo, np.uint8))], 1,
-                         f"{name}/Add")[0]
-        per = 8 // b.bits
-        if per > 1:  # (into the storage: `per` codes a byte, the first lowest)
-            out = g.node("Reshape", [out, g.init(f"{name}.per", np.array([-1, per], np.int64))], 1,
-                         f"{name}/Reshape{per}")[0]
-            total = column(out, 0, "slot")
-            for t in range(1, per):
-                total = g.node("Add", [total, shift(column(out, t, "slot"), b.bits * t, "LEFT")], 1,
-                               f"{name}/pack{t}")[0]
-            out = total
-        return g.node("Reshape", [out, g.init(f"{name}.shape", np.array(packed.shape, np.int64))],
-                      [name], f"{name}/Reshape")[0]
 
     def _block_sums(self, x: str, block: int, k: int) -> str:
         key = (x, block)

@@ -104,36 +104,3 @@ def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
     x = rng.standard_normal((1, 3, hidden)).astype(np.float32)
     normed, logits = head.run(["normed", "logits"], {"hidden": x})
     assert np.abs(logits[0] - normed[0] @ w.T).max() <= 1e-4 * np.abs(logits).max()
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_codes_narrower_than_their_storage_are_widened_exactly_when_loaded(bits: int,
-                                                                           tmp_path) -> None:
-    """Codes that span fewer values than the storage holds are written at their own width
-    (graph.Linears._codes) and the graph, folded by onnxruntime, gives the storage's bytes
-    back exactly, for every narrower width and with an offset."""
-    import onnxruntime as ort
-    from onnx import TensorProto
-
-    from edgelite_export.blocks import Blocks
-    from edgelite_export.graph import DataFile, Graph, Linears
-
-    rng = np.random.default_rng(bits)
-    for width in range(1, bits):
-        low = int(rng.integers(0, (1 << bits) - (1 << width) + 1))
-        q = (rng.integers(0, 1 << width, (24, 64)) + low).astype(np.uint8)
-        b = Blocks(q=q, scale=np.ones((24, 2), np.float32), zero=np.zeros((24, 2), np.uint8),
-                   minimum=None, bits=bits, block=32)
-        folder = tmp_path / f"w{width}"
-        folder.mkdir()
-        data = DataFile(folder / "m.data")
-        g = Graph("codes", data)
-        out = Linears(g, "fast")._codes(b, "codes")
-        data.close()
-        assert any(n.op_type == "BitShift" for n in g.nodes)  # (written narrower)
-        # (counted as held once loaded: the storage's bytes, and a few small constants)
-        assert 0 <= g.param_bytes - b.packed().nbytes < 256
-        g.output(out, TensorProto.UINT8, list(b.packed().shape))
-        g.save(folder / "m.onnx")
-        got = ort.InferenceSession(str(folder / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {})
-        assert np.array_equal(got[0], b.packed()), (bits, width, low)
