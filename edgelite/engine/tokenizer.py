@@ -81,7 +81,6 @@ class Tokenizer:
             text += style.opening  # (the reply goes on from a call's opening)
         return self.encode(text)
 
-
     def _render(self, turns: list[dict[str, Any]], extra: dict[str, Any]) -> str:
         """The template's text; EdgeliteError when it refuses the messages (its own words)."""
         assert self.template is not None

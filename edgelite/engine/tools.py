@@ -37,7 +37,7 @@ from edgelite.errors import EdgeliteError
 CHOICES = ("auto", "none", "required")  # or a tool's name
 MAX_TOOLS = 64
 MAX_NAME = 64
-TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
+TAG_OPEN = "<tool_call>"  # (the call ends with its JSON: the closing tag is never written)
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,11 @@ class Tool:
 
 @dataclass(frozen=True)
 class Style:
-    """How a model writes a call: `opening`/`closing` around the JSON ("": the bare object)
-    and whether its template renders the tools itself (`native`)."""
+    """How a model writes a call: `opening` before the JSON ("": the bare object) and
+    whether its template renders the tools itself (`native`)."""
 
     native: bool
     opening: str = ""
-    closing: str = ""
 
 
 def style_of(template: str | None) -> Style:
@@ -67,7 +66,7 @@ def style_of(template: str | None) -> Style:
     if not template or "tools" not in template:
         return Style(native=False)
     if TAG_OPEN in template:
-        return Style(native=True, opening=TAG_OPEN + "\n", closing="\n" + TAG_CLOSE)
+        return Style(native=True, opening=TAG_OPEN + "\n")
     return Style(native=True)
 
 

@@ -494,6 +494,7 @@ async def read_body(request: Request, cfg: HttpConfig) -> dict[str, Any]:
         raise ApiError(400, "the body must be a JSON object")
     return body
 
+
 async def _drain(parts: AsyncIterator[bytes], read: int, cfg: HttpConfig) -> None:
     """Read and drop the rest of a refused body (`read` bytes of it read so far), up to
     refused_body_drain_bytes and for at most refused_body_drain_s (HttpConfig); a client
