@@ -29,7 +29,7 @@ from edgelite.client.failover import FailoverBackend, Recovery, Replan
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
 from edgelite.engine.embed import embed
 from edgelite.engine.generate import Backend, LocalBackend, generate
-from edgelite.engine.reply import Piece, Stats, check
+from edgelite.engine.reply import Piece, Stats, check, constrained
 from edgelite.engine.speculate import DraftModel, Pacer, Speculation
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError
@@ -112,9 +112,8 @@ class LLM:
 
     def speculation(self, cfg: GenerationConfig) -> Speculation | None:
         """How a reply with these settings speculates (None: it does not; nor does a reply
-        constrained to JSON, whose tokens are chosen one by one)."""
-        if cfg.speculate == "off" or cfg.response_format != "text" or (
-                cfg.tools and cfg.tool_choice != "none"):
+        constrained to JSON or tools, whose tokens are chosen one by one)."""
+        if cfg.speculate == "off" or constrained(cfg):
             return None
         if cfg.speculate not in ("lookup", "draft"):
             raise EdgeliteError(f"speculate={cfg.speculate!r}: one of off, lookup, draft")

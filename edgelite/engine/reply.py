@@ -122,6 +122,12 @@ def parse_schema(text: str) -> dict[str, Any]:
     return check_reply_schema(parsed)
 
 
+def constrained(cfg: GenerationConfig) -> bool:
+    """A reply held to JSON or that may be a tool call: its tokens are chosen one by one (the
+    reply loop's JsonConstraint or CallChooser), so it does not speculate."""
+    return cfg.response_format != "text" or bool(cfg.tools and cfg.tool_choice != "none")
+
+
 def check(cfg: GenerationConfig) -> GenerationConfig:
     """The options, or a one-line error naming the first one out of its range."""
     _check_values(cfg)

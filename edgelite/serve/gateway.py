@@ -34,7 +34,7 @@ import numpy as np
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.engine.embed import Pool
 from edgelite.engine.generate import Backend, stored_kv_failed
-from edgelite.engine.reply import Piece, ReplyLoop, fitted
+from edgelite.engine.reply import Piece, ReplyLoop, constrained, fitted
 from edgelite.engine.speculate import WIDTHS, Lookup, Pacer
 from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import EdgeliteError, QueueFull
@@ -158,8 +158,7 @@ class Gateway:
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
         reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
-        spec = (gen.speculate == "lookup" and gen.response_format == "text"
-                and not (gen.tools and gen.tool_choice != "none"))
+        spec = gen.speculate == "lookup" and not constrained(gen)
         self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
                                  pacer=self.pacer.fork() if spec else None,
                                  pool=Pool(m.hidden_size) if ask.embedding else None)
