@@ -257,7 +257,7 @@ class HttpApi:
             body = await read_body(request, self.cfg)
             gw = self._gateway()
             call = parse_call(body, chat, self.model_id)
-            sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
+            sink = HttpSink(user, _peer(request))
             rid = secrets.randbits(48)
             try:
                 await gw.submit(sink, rid, call.ask)
@@ -286,7 +286,7 @@ class HttpApi:
             gw = self._gateway()
             data, used = [], 0
             for i, text in enumerate(texts):
-                sink = HttpSink(user, "{}:{}".format(*request.client) if request.client else "http")
+                sink = HttpSink(user, _peer(request))
                 try:
                     await gw.submit(sink, secrets.randbits(48), Ask(text=text, embedding=True))
                 except QueueFull as exc:
@@ -516,17 +516,27 @@ CHAT_FIELDS = FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "par
 COMPLETION_FIELDS = FIELDS | {"prompt"}
 
 
-def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
-    """The request in OpenAI's JSON: its types and this door's own fields are checked
-    here, the values' rules by the gateway (serve/ask.py)."""
-    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+def _check_fields(body: dict[str, Any], fields: set[str], model_id: str) -> None:
+    """A body's fields are among `fields` (400 naming the first other), its model this one
+    (404)."""
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise ApiError(400, f"field {unknown[0][:64]!r} is not supported by this server",
                        param=unknown[0][:64])
     model = body.get("model", model_id)
     if model != model_id:
-        raise ApiError(404, f"model {model!r} is not served here; this server has "
+        raise ApiError(404, f"model {str(model)[:64]!r} is not served here; this server has "
                             f"{model_id!r}", param="model", code="model_not_found")
+
+
+def _peer(request: Request) -> str:
+    return "{}:{}".format(*request.client) if request.client else "http"
+
+
+def parse_call(body: dict[str, Any], chat: bool, model_id: str) -> Call:
+    """The request in OpenAI's JSON: its types and this door's own fields are checked
+    here, the values' rules by the gateway (serve/ask.py)."""
+    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, model_id)
     n = body.get("n", 1)
     if n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -582,13 +592,7 @@ EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user"}
 def parse_embedding(body: dict[str, Any], model_id: str, most: int) -> tuple[list[str], bool]:
     """An embeddings request: its texts (at most `most`), and whether the vectors go as
     base64 (little-endian float32, what the `openai` package asks for) rather than numbers."""
-    unknown = sorted(set(body) - EMBEDDING_FIELDS)
-    if unknown:
-        raise ApiError(400, f"field {unknown[0][:64]!r} is not supported by this server",
-                       param=unknown[0][:64])
-    if body.get("model", model_id) != model_id:
-        raise ApiError(404, f"model {str(body['model'])[:64]!r} is not served here; this server "
-                            f"has {model_id!r}", param="model", code="model_not_found")
+    _check_fields(body, EMBEDDING_FIELDS, model_id)
     raw = body.get("input")
     texts = [raw] if isinstance(raw, str) else raw
     if not isinstance(texts, list) or not 0 < len(texts) <= most or not all(
