@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from edgelite.engine.jsonschema import PENDING, fits
 from edgelite.errors import EdgeliteError
 
+T = TypeVar("T")
 WHITESPACE = " \t\n\r"
 MAX_WHITESPACE = 8  # characters of whitespace in a row between tokens of the JSON (outside strings)
 MAX_NUMBER = 32  # characters of a number, once it is whole (then it ends: a model's digits may not)
@@ -197,6 +198,25 @@ class JsonPrefix:
         return True
 
 
+def draw_allowed(logits: np.ndarray, pick: Callable[[np.ndarray], int],
+                 allowed: Callable[[int], T | None], tries: int) -> tuple[int, T] | None:
+    """The token `pick` takes from the logits with every token `allowed` refused (None)
+    masked out, drawn again up to `tries` times: (token, what `allowed` said), or None. A draw
+    after masking is a draw from the masked distribution."""
+    masked = np.array(logits, dtype=np.float32, copy=True)
+    for _ in range(tries):
+        tok = pick(masked)
+        if (said := allowed(tok)) is not None:
+            return tok, said
+        masked[tok] = -np.inf
+    return None
+
+
+def likeliest_first(logits: np.ndarray) -> list[int]:
+    """Every token, the likeliest first (the full scan after `draw_allowed`)."""
+    return np.argsort(-np.asarray(logits, dtype=np.float32), kind="stable").tolist()
+
+
 class JsonConstraint:
     """Chooses a reply's tokens so that it is one JSON object: the token `pick` (argmax, or a
     draw by the reply's settings) takes from the logits with every token found invalid masked
@@ -251,13 +271,9 @@ class JsonConstraint:
     def choose(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
         if self.state.done:
             return min(self.eos)
-        masked = np.array(logits, dtype=np.float32, copy=True)
-        for _ in range(self.max_tries):
-            tok = pick(masked)
-            if (taken := self._fits(tok)) is not None:
-                return self._accept(tok, *taken)
-            masked[tok] = -np.inf
-        order = np.argsort(-np.asarray(logits, dtype=np.float32), kind="stable").tolist()
+        if (drawn := draw_allowed(logits, pick, self._fits, self.max_tries)) is not None:
+            return self._accept(drawn[0], *drawn[1])
+        order = likeliest_first(logits)
         for any_space in (False, True):  # (whitespace beyond the cap only if nothing else goes)
             for tok in order:  # every token, the likeliest first
                 if (taken := self._fits(tok, any_space)) is not None:

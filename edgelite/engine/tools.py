@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from edgelite.engine.jsonprefix import JsonConstraint
+from edgelite.engine.jsonprefix import JsonConstraint, draw_allowed, likeliest_first
 from edgelite.engine.jsonschema import check_schema
 from edgelite.errors import EdgeliteError
 
@@ -235,13 +235,10 @@ class CallChooser:
     def _open(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
         """While the reply may still open a call: the token `pick` takes, unless it opens a
         call whose JSON could not follow the schema (then masked, and another taken)."""
-        masked = np.array(logits, dtype=np.float32, copy=True)
-        for _ in range(self.max_tries):
-            tok = pick(masked)
-            if self._judge(tok):
-                return tok
-            masked[tok] = -np.inf
-        for tok in np.argsort(-masked, kind="stable").tolist():
+        if (drawn := draw_allowed(logits, pick, lambda t: True if self._judge(t) else None,
+                                  self.max_tries)) is not None:
+            return drawn[0]
+        for tok in likeliest_first(logits):
             if self._judge(tok):
                 return tok
         raise EdgeliteError("no token of the model's vocabulary continues the reply here")
