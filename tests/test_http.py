@@ -76,49 +76,50 @@ def server(exported, node_factory, tmp_path: Path, request):
 
 def test_openai_package_streams_and_answers_like_generate(exported, server) -> None:
     base, _ = server
-    client = openai.OpenAI(base_url=base + "/v1", api_key="t-pro", max_retries=0)
-    model = client.models.list().data[0].id
-    solo = json.loads(run_cli("generate", "--model", str(exported["llama"]), "--json",
-                              "--max-tokens", "12", PROMPTS[1]).stdout)
-    msgs = [{"role": "user", "content": PROMPTS[1]}]
-    whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
-    assert whole.model_extra["edgelite"]["token_ids"] == solo["token_ids"]
-    assert whole.choices[0].message.content == solo["text"]
-    assert whole.usage.completion_tokens == len(solo["token_ids"])
-    assert whole.usage.prompt_tokens > 0 and whole.choices[0].finish_reason in ("length", "stop")
+    with openai.OpenAI(base_url=base + "/v1", api_key="t-pro", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        solo = json.loads(run_cli("generate", "--model", str(exported["llama"]), "--json",
+                                  "--max-tokens", "12", PROMPTS[1]).stdout)
+        msgs = [{"role": "user", "content": PROMPTS[1]}]
+        whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
+        assert whole.model_extra["edgelite"]["token_ids"] == solo["token_ids"]
+        assert whole.choices[0].message.content == solo["text"]
+        assert whole.usage.completion_tokens == len(solo["token_ids"])
+        assert whole.usage.prompt_tokens > 0 and whole.choices[0].finish_reason in ("length", "stop")
 
-    pieces, finish, usage = [], None, None
-    for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=12,
-                                                temperature=0, stream=True):
-        if chunk.choices:
-            pieces.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        usage = chunk.usage or usage
-    assert "".join(pieces) == solo["text"] and finish == whole.choices[0].finish_reason
-    assert usage is not None and usage.completion_tokens == len(solo["token_ids"])
+        pieces, finish, usage = [], None, None
+        for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=12,
+                                                    temperature=0, stream=True):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        assert "".join(pieces) == solo["text"] and finish == whole.choices[0].finish_reason
+        assert usage is not None and usage.completion_tokens == len(solo["token_ids"])
 
-    # /v1/completions: the raw prompt, no chat template; a stop string cuts the text
-    text = client.completions.create(model=model, prompt="the sky is", max_tokens=10).choices[0].text
-    assert text
-    stop = text[2:4]
-    cut = client.completions.create(model=model, prompt="the sky is", max_tokens=10, stop=[stop])
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    # a seed makes sampling repeatable
-    a, b = (client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0,
-                                           seed=7).choices[0].message.content for _ in range(2))
-    assert a == b
+        # /v1/completions: the raw prompt, no chat template; a stop string cuts the text
+        text = client.completions.create(model=model, prompt="the sky is", max_tokens=10).choices[0].text
+        assert text
+        stop = text[2:4]
+        cut = client.completions.create(model=model, prompt="the sky is", max_tokens=10, stop=[stop])
+        assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+        # a seed makes sampling repeatable
+        a, b = (client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0,
+                                               seed=7).choices[0].message.content for _ in range(2))
+        assert a == b
 
-    # errors: OpenAI's JSON and status codes
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
-    with pytest.raises(openai.NotFoundError, match="not served here"):
-        client.chat.completions.create(model="gpt-9", messages=msgs)
-    with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.chat.completions.create(model=model, messages=msgs, temperature=9)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=model, messages=msgs, n=2)
-    with pytest.raises(openai.BadRequestError, match="messages"):
-        client.chat.completions.create(model=model, messages=[])
+        # errors: OpenAI's JSON and status codes
+        with pytest.raises(openai.AuthenticationError):
+            with openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0) as stranger:
+                stranger.models.list()
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            client.chat.completions.create(model="gpt-9", messages=msgs)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.chat.completions.create(model=model, messages=msgs, temperature=9)
+        with pytest.raises(openai.BadRequestError, match="n=1"):
+            client.chat.completions.create(model=model, messages=msgs, n=2)
+        with pytest.raises(openai.BadRequestError, match="messages"):
+            client.chat.completions.create(model=model, messages=[])
 
 
 @pytest.mark.parametrize("server", [("--http-set", "sse_keepalive_s=0.001")], indirect=True)

@@ -102,15 +102,15 @@ def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
         proc, found = start_serve(["--model", str(smollm2_int4), "--http", "127.0.0.1:0",
                                    "--no-native", "--threads", "1"], log,
                                   r"listening on (http://[\d.]+:\d+)/v1")
+    base = found.group(1)
+    api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     try:
-        base = found.group(1)
         for _ in range(600):  # (/health: 503 until the model is loaded)
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5):
                     break
             except OSError:
                 __import__("time").sleep(0.1)
-        api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         model = api.models.list().data[0].id
 
         def chat(stream: bool, **kw: object) -> tuple[str, list, str, list]:
@@ -173,6 +173,7 @@ def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
         assert np.array_equal(vectors[0], vectors[3])
         assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # (nearer in meaning)
     finally:
+        api.close()
         proc.kill()
         proc.wait(10)
         assert proc.stdout is not None
