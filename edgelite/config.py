@@ -54,6 +54,10 @@ class RuntimeConfig:
     # calls); loading a session widens its compact scales in memory at once, so this bounds
     # that transient (engine/layers.py)
     session_weights_mb: int = 48
+    # a graph's constant part (compact scales widened, narrow codes unpacked) is computed in
+    # numpy as a session loads and handed over as mapped file pages the kernel then drops
+    # (engine/fold.py); off, onnxruntime folds it into heap tensors it keeps
+    fold_at_load: bool = True
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32

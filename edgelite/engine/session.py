@@ -4,15 +4,20 @@ opening a graph whose weights are in external data files."""
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 import onnxruntime as ort
 
 from edgelite.config import RuntimeConfig
+from edgelite.engine import fold
 from edgelite.errors import EdgeliteError, ModelFileError
 
 log = logging.getLogger(__name__)
 _pool_threads: int | None = None  # the process-wide pool's size, once made
+# each session's folded tensors (engine/fold.py): onnxruntime reads them in place, so they
+# live as long as the session
+_folded: weakref.WeakKeyDictionary[ort.InferenceSession, fold.Folded] = weakref.WeakKeyDictionary()
 PROVIDERS = {"cpu": "CPUExecutionProvider", "xnnpack": "XnnpackExecutionProvider",
              "nnapi": "NnapiExecutionProvider"}
 
@@ -68,10 +73,32 @@ def options(cfg: RuntimeConfig, folder: Path) -> ort.SessionOptions:
     return opts
 
 
+def _fold(model: bytes, folder: Path, what: str) -> fold.Folded | None:
+    """The graph folded (engine/fold.py), or None when its file cannot be written (then
+    onnxruntime folds it, into memory it keeps)."""
+    try:
+        return fold.fold(model, folder)
+    except OSError as exc:
+        log.warning("%s: folding its constants needs a file beside the weights or in the temporary "
+                    "folder (%s); onnxruntime folds them in memory instead", what, exc.strerror or exc)
+        return None
+
+
 def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str) -> ort.InferenceSession:
     """A session for a graph (bytes) whose external data files are in `folder`."""
     try:
-        return ort.InferenceSession(model, options(cfg, folder), providers=providers(cfg))
+        opts = options(cfg, folder)
+        folded = _fold(model, folder, what) if cfg.fold_at_load else None
+        if folded is not None:
+            folded.add_to(opts)
+            model = folded.model
+        session = ort.InferenceSession(model, opts, providers=providers(cfg))
+        if folded is not None and folded.names:
+            folded.release()
+            _folded[session] = folded
+        return session
+    except ModelFileError as exc:
+        raise ModelFileError(f"{what}: {exc}") from exc
     except EdgeliteError:
         raise
     except Exception as exc:  # onnxruntime raises its own exception types
