@@ -271,7 +271,7 @@ class Linears:
         else:
             scales = self._matrix(b.scale_factored, b.scale, b.scale_fp16 and b.bits in FP16_SCALES,
                                   f"{name}.scales")
-        ins = [x, self.g.init(f"{name}.qweight", b.packed()), scales]
+        ins = [x, self.codes(b, f"{name}.qweight"), scales]
         zp = b.zero_points()
         ins.append("" if zp is None else self.g.init(f"{name}.zero_points", zp))
         if bias is not None:
@@ -281,6 +281,65 @@ class Linears:
         level = 0 if self.compute == "exact" else 4
         return self.g.node("MatMulNBits", ins, 1, f"{name}/MatMulNBits", MS, K=k, N=n,
                            bits=b.bits, block_size=b.block, accuracy_level=level)[0], scales
+
+    def codes(self, b: Blocks, name: str, shape: tuple[int, ...] | None = None) -> str:
+        """MatMulNBits' B (or, with `shape`, the same bytes in that shape: GatherBlockQuantized's
+        data): as it is, or, when its codes span fewer values than the storage holds (Q6_K's 64
+        in 8-bit storage, Q3_K's 8 and Q2_K's 4 in 4-bit storage, the fifth bit of 5-bit codes
+        in 2-bit storage), at their own width in the file (`narrow`), widened to the storage by
+        the graph when the model loads (engine/fold.py computes it before onnxruntime prepacks
+        the product: the same kernel at the same speed; only the files shrink)."""
+        packed = b.packed()
+        shape = shape or packed.shape
+        found = narrow(b)
+        if found is None:
+            return self.g.init(name, packed.reshape(shape))
+        stream, width, lo = found
+        g = self.g
+        g.param_bytes += packed.nbytes - stream.size  # (held widened once loaded)
+        data = g.init(f"{name}.{width}bit", np.ascontiguousarray(stream))
+        const: dict[int, str] = {}
+
+        def shift(v: str, bits: int, way: str) -> str:
+            if not bits:
+                return v
+            if bits not in const:
+                const[bits] = g.init(f"{name}.by{bits}", np.array(bits, np.uint8))
+            return g.node("BitShift", [v, const[bits]], 1, f"{v}/{way}{bits}", direction=way)[0]
+
+        def field(v: str, start: int, count: int) -> str:
+            """Bits start..start+count-1 of each byte of v, in the low bits (no carries)."""
+            return shift(shift(v, 8 - start - count, "LEFT"), 8 - count, "RIGHT")
+
+        def column(v: str, j: int, label: str) -> str:
+            return g.node("Gather", [v, g.init(f"{name}.{label}{j}", np.array([j], np.int64))], 1,
+                          f"{name}/{label}{j}", axis=1)[0]
+
+        byte = [column(data, i, "byte") for i in range(width)]
+        codes = []
+        for j in range(8):
+            at, off = divmod(width * j, 8)
+            take = min(width, 8 - off)
+            code = field(byte[at], off, take)
+            if take < width:  # (the rest in the next byte's low bits)
+                high = shift(field(byte[at + 1], 0, width - take), take, "LEFT")
+                code = g.node("Add", [code, high], 1, f"{name}/code{j}")[0]
+            codes.append(code)
+        out = g.node("Concat", codes, 1, f"{name}/Concat", axis=1)[0]
+        if lo:
+            out = g.node("Add", [out, g.init(f"{name}.low", np.array(lo, np.uint8))], 1,
+                         f"{name}/Add")[0]
+        per = 8 // b.bits
+        if per > 1:  # (into the storage: `per` codes a byte, the first lowest)
+            out = g.node("Reshape", [out, g.init(f"{name}.per", np.array([-1, per], np.int64))], 1,
+                         f"{name}/Reshape{per}")[0]
+            total = column(out, 0, "slot")
+            for t in range(1, per):
+                total = g.node("Add", [total, shift(column(out, t, "slot"), b.bits * t, "LEFT")], 1,
+                               f"{name}/pack{t}")[0]
+            out = total
+        return g.node("Reshape", [out, g.init(f"{name}.shape", np.array(shape, np.int64))],
+                      [name], f"{name}/Reshape")[0]
 
     def _block_sums(self, x: str, block: int, k: int) -> str:
         key = (x, block)
@@ -292,6 +351,24 @@ class Linears:
             self.sums[key] = self.g.node("ReduceSum", [r, axes], 1, f"{base}/ReduceSum",
                                          keepdims=0)[0]
         return self.sums[key]
+
+
+def narrow(b: Blocks) -> tuple[np.ndarray, int, int] | None:
+    """The codes of `b` at their own width, when that is narrower than the storage: (stream,
+    W, smallest code), the stream holding each 8 codes (row-major, less the smallest) in W
+    bytes, the first in the lowest bits; None when the storage's width is theirs."""
+    lo = int(b.q.min()) if b.q.size else 0
+    width = (int(b.q.max()) - lo).bit_length() if b.q.size else b.bits
+    if width >= b.bits or b.q.size % 8:
+        return None
+    width = max(width, 1)
+    values = (b.q.reshape(-1, 8) - np.uint8(lo)).astype(np.uint64)
+    word = np.zeros(len(values), np.uint64)
+    for j in range(8):
+        word |= values[:, j] << np.uint64(width * j)
+    del values
+    stream = word.view(np.uint8).reshape(-1, 8)[:, :width]  # (little-endian: low bytes)
+    return np.ascontiguousarray(stream), width, lo
 
 
 def _pack(parts: list[Linear]) -> Linear | None:
@@ -440,7 +517,8 @@ def embed(arch: Arch, table: np.ndarray | Blocks, data: DataFile, path: Path,
         lin = Linears(g, "fast")
         scales = lin._matrix(table.scale_factored, table.scale, table.scale_fp16,
                              "/model/embed_tokens.scales")
-        ins = [g.init("/model/embed_tokens.qweight", table.gather_data()), ids, scales]
+        n, k = table.shape  # (the table stored once with a tied head's: the same codes)
+        ins = [lin.codes(table, "/model/embed_tokens.qweight", (n, k * table.bits // 8)), ids, scales]
         if not table.default_zero:
             ins.append(g.init("/model/embed_tokens.zero_points", table.zero_points() if table.bits == 4
                               else table.zero))  # type: ignore[arg-type]
@@ -473,11 +551,13 @@ def exact_rows(weight: Blocks, data: DataFile) -> dict[str, object] | None:
     forms it cannot read (minima)."""
     if weight.minimum is not None or not np.all(weight.zero == weight.zero.flat[0]):
         return None
-    q = weight.gather_data()
-    (q_off, q_len) = data.put(q)
+    found = narrow(weight)
+    (q_off, q_len) = data.put(weight.gather_data() if found is None else found[0])
     spec: dict[str, object] = {"file": data.path.name, "rows": weight.shape[0], "cols": weight.shape[1],
                                "bits": weight.bits, "block": weight.block,
                                "zero": int(weight.zero.flat[0]), "qweight": [q_off, q_len]}
+    if found is not None:  # the codes at their own width (the head's products read the same bytes)
+        spec |= {"code_width": found[1], "code_low": found[2]}
     f = weight.scale_factored
     if f is not None:  # float16 per super-block x int8 per block, as the data file has them
         (b_off, b_len), (m_off, m_len) = data.put(f.base), data.put(f.mult)

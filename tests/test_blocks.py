@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,85 @@ def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
     x = rng.standard_normal((1, 3, hidden)).astype(np.float32)
     normed, logits = head.run(["normed", "logits"], {"hidden": x})
     assert np.abs(logits[0] - normed[0] @ w.T).max() <= 1e-4 * np.abs(logits).max()
+
+
+def test_a_tied_table_of_narrow_codes_is_stored_once_at_its_own_width(tmp_path) -> None:
+    """Fast mode, a tied table of 6-bit codes in 8-bit storage (Q6_K's): the embedding, the
+    head's product and the head's exact rows read one 6-bit copy of the codes, and each gives
+    the table's values (the exact rows decode the 6-bit stream themselves)."""
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.runtime import ExactRows
+    from edgelite.engine.session import open_model
+    from edgelite_export import graph
+
+    vocab, hidden = 96, 64
+    rng = np.random.default_rng(5)
+    q = rng.integers(128 - 32, 128 + 32, (vocab, hidden)).astype(np.uint8)
+    scale = rng.uniform(0.01, 0.02, (vocab, hidden // 16)).astype(np.float32)
+    table = blocks.Blocks(q=q, scale=scale, zero=np.full(scale.shape, 128, np.uint8), minimum=None,
+                          bits=8, block=16)
+    arch = graph.Arch(hidden=hidden, heads=2, kv_heads=2, head_dim=32, intermediate=128,
+                      vocab=vocab, eps=1e-5)
+    data = graph.DataFile(tmp_path / "embed_head.data")
+    graph.embed(arch, table, data, tmp_path / "embed.onnx")
+    graph.head(arch, np.ones(hidden, np.float32), table, "fast", data, tmp_path / "head.onnx")
+    spec = graph.exact_rows(table, data)
+    data.close()
+    assert spec is not None and spec["code_width"] == 6
+    assert data.path.stat().st_size <= q.nbytes * 6 // 8 + scale.nbytes + 4096
+    w = table.dequantize()
+    cfg = RuntimeConfig(threads=1)
+    emb = open_model((tmp_path / "embed.onnx").read_bytes(), tmp_path, cfg, "embed")
+    ids = np.array([[0, 5, 95, 17]])
+    assert np.array_equal(emb.run(None, {"input_ids": ids})[0][0], w[ids[0]])
+    head = open_model((tmp_path / "head.onnx").read_bytes(), tmp_path, cfg, "head")
+    x = rng.standard_normal((1, 1, hidden)).astype(np.float32)
+    normed, logits = head.run(["normed", "logits"], {"hidden": x})
+    exact = normed[0, 0] @ w.T
+    assert np.abs(logits[0, 0] - exact).max() <= 0.05 * np.abs(exact).max()  # (int8 activations)
+    rescored = logits[0, 0].copy()
+    ExactRows(spec, data.path, 8).rescore(normed[0, 0], rescored)
+    top = np.argsort(logits[0, 0])[-8:]
+    assert np.allclose(rescored[top], exact[top], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_codes_narrower_than_their_storage_are_widened_exactly_when_loaded(bits: int,
+                                                                           tmp_path) -> None:
+    """Codes that span fewer values than the storage holds are written at their own width
+    (graph.Linears.codes) and the graph gives the storage's bytes back exactly, for every
+    narrower width and with an offset: folded by onnxruntime, and by the engine's own folding
+    (engine/fold.py) as sessions load."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine import fold
+    from edgelite.engine.session import options
+    from edgelite_export.blocks import Blocks
+    from edgelite_export.graph import DataFile, Graph, Linears
+
+    rng = np.random.default_rng(bits)
+    for width in range(1, bits):
+        low = int(rng.integers(0, (1 << bits) - (1 << width) + 1))
+        q = (rng.integers(0, 1 << width, (24, 64)) + low).astype(np.uint8)
+        b = Blocks(q=q, scale=np.ones((24, 2), np.float32), zero=np.zeros((24, 2), np.uint8),
+                   minimum=None, bits=bits, block=32)
+        folder = tmp_path / f"w{width}"
+        folder.mkdir()
+        data = DataFile(folder / "m.data")
+        g = Graph("codes", data)
+        out = Linears(g, "fast").codes(b, "codes")
+        data.close()
+        assert any(n.op_type == "BitShift" for n in g.nodes)  # (written narrower)
+        # (counted as held once loaded: the storage's bytes, and a few small constants)
+        assert 0 <= g.param_bytes - b.packed().nbytes < 256
+        g.output(out, TensorProto.UINT8, list(b.packed().shape))
+        g.save(folder / "m.onnx")
+        plain = replace(RuntimeConfig(threads=1), fold_at_load=False)  # (onnxruntime folds)
+        got = ort.InferenceSession(str(folder / "m.onnx"), options(plain, folder),
+                                   providers=["CPUExecutionProvider"]).run(None, {})
+        assert np.array_equal(got[0], b.packed()), (bits, width, low)
+        folded = fold.fold((folder / "m.onnx").read_bytes(), folder)
+        assert folded.names == [out] and b"BitShift" not in folded.model
+        assert np.array_equal(folded.values[0].numpy(), b.packed()), (bits, width, low)

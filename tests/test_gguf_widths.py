@@ -58,5 +58,6 @@ def test_five_bit_blocks_in_8_bit_storage_when_speed_is_preferred(ggufs: dict[st
     small = build.run(str(ggufs["Q5_0"]), tmp_path / "size", build.Options(steps=4))
     large = build.run(str(ggufs["Q5_0"]), tmp_path / "speed", build.Options(steps=4, prefer="speed"))
     assert _widths(large.out) == {8} and large.report.passed
-    data = [sum(d.bytes for e in r.manifest.layers for d in e.data) for r in (small, large)]
-    assert data[0] < 0.85 * data[1], data
+    # (in memory: the 8-bit codes are widened from 6 bits a code in the files when they load)
+    held = [sum(e.param_bytes for e in r.manifest.layers) for r in (small, large)]
+    assert held[0] < 0.85 * held[1], held

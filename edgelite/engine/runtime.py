@@ -119,7 +119,10 @@ class ExactRows:
     def __init__(self, spec: dict, path: Path, k: int) -> None:
         rows, cols, self.bits, self.block = spec["rows"], spec["cols"], spec["bits"], spec["block"]
         q_off, _ = spec["qweight"]
-        self.q = np.memmap(path, np.uint8, "r", q_off, (rows, cols if self.bits == 8 else cols // 2))
+        # codes at their own width (8 codes in `width` bytes, less `low`), or in their storage
+        self.width, self.low = int(spec.get("code_width", 0)), int(spec.get("code_low", 0))
+        row_bytes = cols * self.width // 8 if self.width else cols if self.bits == 8 else cols // 2
+        self.q = np.memmap(path, np.uint8, "r", q_off, (rows, row_bytes))
         blocks = cols // self.block
         self.base = self.scales = None
         if "scale_base" in spec:  # a K-quant's float16 per super-block x integer per block
@@ -142,11 +145,22 @@ class ExactRows:
         s = np.repeat(self.base[top].astype(np.float32), per, axis=1) * self.mult[top].astype(np.float32)
         return s * self.factor if self.factor != 1 else s
 
+    def _widen(self, stream: np.ndarray) -> np.ndarray:
+        """(rows, cols * width / 8) bytes -> (rows, cols) codes."""
+        rows, w = len(stream), self.width
+        words = np.zeros((rows, stream.shape[1] // w, 8), np.uint8)
+        words[:, :, :w] = stream.reshape(rows, -1, w)
+        word = words.view("<u8")  # (rows, groups, 1): the first code in the lowest bits
+        codes = (word >> (np.arange(8, dtype=np.uint64) * np.uint64(w))) & np.uint64((1 << w) - 1)
+        return codes.reshape(rows, -1).astype(np.uint8) + np.uint8(self.low)
+
     def rescore(self, normed: np.ndarray, logits: np.ndarray) -> None:
         """logits (vocab,) of the fast head: its top k replaced by exact ones, in place."""
         top = np.argpartition(logits, -self.k)[-self.k:]
         q = self.q[top]
-        if self.bits == 4:
+        if self.width:
+            q = self._widen(q)
+        elif self.bits == 4:
             q = np.stack([q & 15, q >> 4], axis=-1).reshape(len(top), -1)
         w = (q.astype(np.float32) - self.zero) * np.repeat(self._row_scales(top), self.block, axis=1)
         logits[top] = w @ normed
