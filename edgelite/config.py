@@ -58,6 +58,9 @@ class RuntimeConfig:
     # numpy as a session loads and handed over as mapped file pages the kernel then drops
     # (engine/fold.py); off, onnxruntime folds it into heap tensors it keeps
     fold_at_load: bool = True
+    # while a session packs folded tensors, their mapped pages are dropped this often (0: only
+    # once it is made): a 1 B head's load peaked at 288 MiB holding its whole widened table
+    fold_trim_s: float = 0.005
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32

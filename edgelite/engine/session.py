@@ -3,8 +3,11 @@ opening a graph whose weights are in external data files."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnxruntime as ort
@@ -84,6 +87,30 @@ def _fold(model: bytes, folder: Path, what: str) -> fold.Folded | None:
         return None
 
 
+@contextlib.contextmanager
+def _trimming(folded: fold.Folded | None, every_s: float) -> Iterator[None]:
+    """While onnxruntime packs the folded tensors, their pages are dropped every `every_s`
+    (a page it has packed is not read again; one it has not is read back from the file): the
+    load's peak holds the packed copies and a few milliseconds of reading, not the whole
+    widened table as well."""
+    if folded is None or folded.mapping is None or every_s <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def trim() -> None:
+        while not stop.wait(every_s):
+            folded.release()
+
+    thread = threading.Thread(target=trim, name="fold-trim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str) -> ort.InferenceSession:
     """A session for a graph (bytes) whose external data files are in `folder`."""
     try:
@@ -92,7 +119,8 @@ def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str) -> ort
         if folded is not None:
             folded.add_to(opts)
             model = folded.model
-        session = ort.InferenceSession(model, opts, providers=providers(cfg))
+        with _trimming(folded, cfg.fold_trim_s):
+            session = ort.InferenceSession(model, opts, providers=providers(cfg))
         if folded is not None and folded.names:
             folded.release()
             _folded[session] = folded
