@@ -70,6 +70,13 @@ class RuntimeConfig:
     invariant: bool = True
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
+    @property
+    def plan_chunks(self) -> tuple[int, ...]:
+        """The prompt chunk sizes a plan may choose among where memory is short (the planner
+        takes the largest that fits): these, none below the pipeline's smallest."""
+        return (tuple(c for c in self.prefill_chunks if c >= self.pipeline_min_chunk)
+                or (max(self.prefill_chunks),))
+
 
 @dataclass(frozen=True)
 class GenerationConfig:

@@ -112,6 +112,7 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
             "ttft_ms": out["ttft_ms"], "measured_ms_per_token": out["decode_ms_per_token"],
             "predicted_ms_per_token": plan.get("expected_ms_per_token"),
             "plan": [(s["device"], s["first_layer"], s["last_layer"]) for s in plan.get("stages", [])],
+            "max_chunk": plan.get("max_chunk", 0),
             "node_peak_rss_mib": node_peaks,
             "client_peak_rss_mib": float(peak.group(1)) if peak else None}
 

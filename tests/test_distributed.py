@@ -170,3 +170,40 @@ def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, 
     with open(f"/proc/{node.proc.pid}/status") as f:
         peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
     assert peak <= 200, peak
+
+
+def test_a_plan_of_small_chunks_is_kept_to_them(exported, node_factory) -> None:
+    """A plan whose memory was counted for prompt chunks of 16 tokens: the client sends its
+    prompt in chunks of at most 16 (the same tokens as locally), and the node refuses a step
+    of more, naming the limit."""
+    import dataclasses
+
+    import numpy as np
+
+    from edgelite.errors import EdgeliteError
+
+    model = exported["llama"]
+    m = mf.load(model)
+    nodes = [node_factory()]
+    prompt = list(range(3, 43))  # 40 tokens: 16 + 16 + 8
+    local = asyncio.run(_tokens(LocalBackend(m, RuntimeConfig(threads=1)), prompt))
+
+    async def run() -> tuple[list[int], str]:
+        plan = dataclasses.replace(split_plan([(0, m.num_layers - 1)], [NodeAddr.parse(nodes[0].addr)],
+                                              m.num_layers), max_chunk=16)
+        backend = await open_backend(m, plan, TOKEN, None, RuntimeConfig(threads=1))
+        try:
+            got = await _tokens(backend, prompt, session="s1")
+            assert isinstance(backend, ClusterBackend)
+            backend.plane.part.cfg = dataclasses.replace(backend.plane.part.cfg, prefill_chunks=(64,))
+            try:  # (a client that ignores the plan's limit)
+                await backend.step("s2", np.array([prompt[:17]], np.int64))
+            except EdgeliteError as exc:
+                return got, str(exc)
+            return got, ""
+        finally:
+            await backend.close()
+
+    got, refused = asyncio.run(run())
+    assert got == local
+    assert "1-16 tokens" in refused and "chunks of 16" in refused, refused

@@ -172,3 +172,41 @@ def test_a_client_short_of_room_for_layer_0_leaves_every_layer_to_the_nodes() ->
         plan = solve(p)
         assert (plan.spans[0][0] == 0) == has_layer_0, plan.spans
         assert p.client_first == has_layer_0
+
+
+def test_a_plan_takes_smaller_prompt_chunks_where_memory_is_short(exported) -> None:
+    """Where the layers do not fit beside a 256-token chunk's scratch, the plan takes the
+    largest chunk that fits (Plan.max_chunk) instead of failing; with room it sets none; with
+    too little even for the smallest, it says so naming that chunk."""
+    import dataclasses
+
+    from edgelite import manifest as mf
+    from edgelite.planner.solve import plan
+
+    m = mf.load(exported["llama"])
+    m = dataclasses.replace(
+        m, layers=[dataclasses.replace(e, resident_bytes=40 * MiB, scratch_bytes=64 * MiB)
+                   for e in m.layers],
+        embed=dataclasses.replace(m.embed, resident_bytes=MiB, load_peak_bytes=0),
+        head=dataclasses.replace(m.head, resident_bytes=MiB, load_peak_bytes=0))
+    assert m.scratch_for(256) == 64 * MiB and m.scratch_for(64) < 20 * MiB < m.scratch_for(256)
+    layers = m.num_layers * 40 * MiB + m.kv_bytes(0, m.num_layers - 1, 512)
+
+    def cluster(node_bytes: int, client_bytes: int = 24 * MiB) -> dict:
+        return {"client": "c", "devices": [
+            {"name": "c", "flops": 1e9, "memory_bytes": client_bytes, "beta": 1.0},
+            {"name": "n", "flops": 1e10, "memory_bytes": node_bytes, "beta": 1.0}],
+            "links": [{"src": a, "dst": b, "latency_ms": 1.0, "bandwidth_mbps": 100.0}
+                      for a, b in (("c", "n"), ("n", "c"))]}
+
+    chunks = (16, 64, 256)
+    tight = cluster(layers + 20 * MiB)
+    with pytest.raises(PlanInfeasible):
+        plan(m, tight, kv_tokens=512)  # (a 256-token chunk only)
+    fitted = plan(m, tight, kv_tokens=512, chunks=chunks)
+    assert fitted.max_chunk == 64 and fitted.to_json()["max_chunk"] == 64
+    assert [(s.device, s.first, s.last) for s in fitted.stages] == [("n", 0, m.num_layers - 1)]
+    roomy = plan(m, cluster(layers + 100 * MiB, 100 * MiB), kv_tokens=512, chunks=chunks)
+    assert roomy.max_chunk == 0 and "max_chunk" not in roomy.to_json()
+    with pytest.raises(PlanInfeasible, match="with prompt chunks of 16 tokens, the smallest"):
+        plan(m, cluster(layers + 2 * MiB), kv_tokens=512, chunks=chunks)

@@ -8,6 +8,7 @@ from typing import Any
 
 import edgelite
 from edgelite.cli import jsonout, options, runner, views
+from edgelite.config import RuntimeConfig
 from edgelite.errors import EdgeliteError
 from edgelite.prober.cluster import cluster_spec
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise EdgeliteError("give --cluster cluster.json or --nodes HOST:PORT,...")
     plan = edgelite.plan(m, spec, args.objective, args.solver, not args.no_client_first,
-                         args.context)
+                         args.context, chunks=RuntimeConfig().plan_chunks)
     if args.json:
         print(jsonout.dumps(plan.to_json()))
     else:

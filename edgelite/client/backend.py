@@ -8,6 +8,7 @@ and its own prefix of the layers; the node stages run the rest).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -249,8 +250,12 @@ async def _deploy(manifest: Manifest, plan: Plan, token: str, cfg: ClientConfig,
 async def open_backend(manifest: Manifest, plan: Plan, token: str | None,
                        cfg: ClientConfig | None = None, runtime: RuntimeConfig | None = None,
                        routes: Routes | None = None, progress: Progress | None = None) -> Backend:
-    """Deploy `plan` and return a backend to generate with."""
+    """Deploy `plan` and return a backend to generate with (prompts in chunks of at most
+    the plan's `max_chunk`, where memory allowed no larger)."""
     cfg, runtime = cfg or ClientConfig(), runtime or RuntimeConfig()
+    if plan.max_chunk:
+        runtime = dataclasses.replace(runtime, prefill_chunks=tuple(
+            c for c in runtime.prefill_chunks if c <= plan.max_chunk) or (plan.max_chunk,))
     if not plan.remote:
         return LocalBackend(manifest, runtime)
     if token is None:

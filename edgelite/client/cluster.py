@@ -94,7 +94,8 @@ class Cluster:
                 nxt_cap = self.capabilities[stages[i + 1].addr]  # type: ignore[index]
             loaded = await self.links[s.addr].request(  # type: ignore[index]
                 m.Load(id=0, plan_id=self.plan_id, first=s.first, last=s.last, next=nxt,
-                       manifest=self.manifest.to_json(), next_capability=nxt_cap), m.Loaded,
+                       manifest=self.manifest.to_json(), next_capability=nxt_cap,
+                       max_chunk=plan.max_chunk), m.Loaded,
                 self.cfg.deploy_timeout_s)
             self.capabilities[s.addr] = loaded.capability  # type: ignore[index]
         self.plan = plan

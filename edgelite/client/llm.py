@@ -238,7 +238,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
             raise EdgeliteError(f"no node could be used ({'; '.join(d['reason'] for d in gone)}); "
                                 f"--allow-local runs on this device alone")
         plan = solve_plan(manifest, cluster_spec(probed), opts.objective, opts.solver,
-                          opts.client_first, opts.context)
+                          opts.client_first, opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks)
     plan = plan or _local_plan(manifest)
     backend = await open_backend(manifest, plan, token, client, runtime, routes,
                                  _phase(progress, "deploy"))
@@ -311,7 +311,7 @@ def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
         if probed is not None:
             spec = cluster_spec(without(probed, {str(a) for a in gone}))
             plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first,
-                              opts.context)
+                              opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks)
         elif alive:
             cuts = np.array_split(np.arange(manifest.num_layers), len(alive))
             plan = split_plan([(int(c[0]), int(c[-1])) for c in cuts], alive, manifest.num_layers)

@@ -228,6 +228,9 @@ class Load(Message):
     next: NodeAddr | None  # the stage after this one (None: the last stage)
     manifest: Json
     next_capability: str | None = bounds(max_len=ID, default=None)  # the next stage's capability
+    # the most tokens a step of this plan carries (its memory was planned for prompt chunks
+    # of this); 0: the model's default largest
+    max_chunk: int = bounds(0, 1 << 16, default=0)
 
 
 @message("load_ok")

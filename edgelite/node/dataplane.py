@@ -56,9 +56,10 @@ def check_forward(store: StageStore, msg: m.Forward, plan_id: str, fingerprint: 
         if hidden.dtype != np.float32 or hidden.ndim != 3 or hidden.shape[2] != stage.manifest.hidden_size:
             raise ProtocolError(f"forward.hidden: {hidden.dtype} {list(hidden.shape)}, expected "
                                 f"float32 (batch, seq, {stage.manifest.hidden_size})")
-        if hidden.shape[0] != 1 or not 1 <= hidden.shape[1] <= stage.layers.max_chunk:
+        if hidden.shape[0] != 1 or not 1 <= hidden.shape[1] <= stage.max_chunk:
             raise ProtocolError(f"forward.hidden: shape {list(hidden.shape)}; a step carries one "
-                                f"session's 1-{stage.layers.max_chunk} tokens (batch 1)")
+                                f"session's 1-{stage.max_chunk} tokens (batch 1; this plan's "
+                                f"memory was counted for chunks of {stage.max_chunk})")
     return stage
 
 

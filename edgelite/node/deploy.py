@@ -83,7 +83,7 @@ class Deploy:
         try:
             stage = await asyncio.to_thread(self.store.build, pid, msg.manifest, msg.first,
                                             msg.last, msg.next, owner, msg.next_capability,
-                                            domain, address)
+                                            domain, address, msg.max_chunk)
             try:
                 await self.data().install(stage)
             except BaseException:

@@ -47,6 +47,12 @@ class Stage:
     range_key: tuple[str, int, int] = ("", 0, 0)  # its LayerRange in StageStore.ranges
     kv_domain: str = ""  # whose KV its sessions store and restore (kv_domain())
     address: str = ""  # where its client connected from (its share of the KV budget)
+    chunk_limit: int = 0  # the most tokens its plan's steps carry (Load.max_chunk; 0: none)
+
+    @property
+    def max_chunk(self) -> int:
+        """The most tokens one of its steps may carry."""
+        return min(self.layers.max_chunk, self.chunk_limit or self.layers.max_chunk)
 
     @property
     def kv_layout(self) -> Layout:
@@ -119,9 +125,10 @@ class StageStore:
 
     def build(self, plan_id: str, manifest_json: dict[str, Any], first: int, last: int,
               next_addr: NodeAddr | None, owner: str,
-              next_capability: str | None = None, domain: str = "", address: str = "") -> Stage:
-        """Open a stage from deployed blobs (blocking: call in a thread), with a new capability.
-        It holds its layer range until `release`d (unload does that)."""
+              next_capability: str | None = None, domain: str = "", address: str = "",
+              max_chunk: int = 0) -> Stage:
+        """Open a stage from deployed blobs (blocking: call in a thread), with a new capability,
+        holding its range until `release`d; `max_chunk`: the most tokens its steps carry."""
         m = mf.parse(manifest_json, Path(self.blobs.dir))
         if not 0 <= first <= last < m.num_layers:
             raise EdgeliteError(f"load: layers {first}-{last} outside 0-{m.num_layers - 1}")
@@ -135,7 +142,7 @@ class StageStore:
         with self.ranges_lock:  # loads take turns: one range is never opened twice
             layers = self.ranges.get(key)
             if layers is None:
-                scratch = max(self.scratch_bytes, m.scratch)
+                scratch = max(self.scratch_bytes, m.scratch_for(max_chunk))
                 self.limits.fits(m, first, last, self._resident(), scratch)
                 layers = LayerRange(m, first, last, self.runtime, self.files(m))
                 try:
@@ -144,10 +151,10 @@ class StageStore:
                     layers.close()
                     raise
                 self.ranges[key] = layers
-                self.scratch_bytes = max(self.scratch_bytes, m.scratch)
+                self.scratch_bytes = max(self.scratch_bytes, m.scratch_for(max_chunk))
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
-                     next_capability, key, domain, address)
+                     next_capability, key, domain, address, max_chunk)
 
     def release(self, stage: Stage) -> None:
         """A stage no longer uses its layer range; the last user closes it."""

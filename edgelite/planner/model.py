@@ -250,6 +250,9 @@ class Plan:
     # when every layer stays on the client although there are nodes: the expected ms/token of
     # the best plan that gives the nodes at least one layer (inf: no node can hold one)
     with_nodes_ms: float | None = None
+    # the most tokens a step may carry (prompts go in chunks of at most this), where memory
+    # allowed no larger chunk; 0: no limit beyond the runtime's own
+    max_chunk: int = 0
 
     @property
     def remote(self) -> tuple[Stage, ...]:
@@ -276,4 +279,6 @@ class Plan:
         if self.with_nodes_ms is not None:
             out["with_nodes_ms_per_token"] = (None if math.isinf(self.with_nodes_ms)
                                               else round(self.with_nodes_ms, 4))
+        if self.max_chunk:
+            out["max_chunk"] = self.max_chunk
         return out

@@ -14,7 +14,7 @@ from typing import Any
 
 from edgelite.errors import EdgeliteError, MissingDependency, PlanInfeasible
 from edgelite.ids import NodeAddr
-from edgelite.manifest import Manifest
+from edgelite.manifest import SCRATCH_CHUNK, Manifest
 from edgelite.planner import dp, milp
 from edgelite.planner.model import Plan, Problem, Solution, Stage, Weights, predict
 from edgelite.planner.spec import KV_TOKENS, problem_from
@@ -122,14 +122,31 @@ def split_plan(ranges: list[tuple[int, int]], addrs: list[NodeAddr], n_layers: i
 
 def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency",
          solver: str = "auto", client_first: bool = True, kv_tokens: int = KV_TOKENS,
-         weights: Weights | None = None) -> Plan:
+         weights: Weights | None = None, chunks: tuple[int, ...] = (SCRATCH_CHUNK,)) -> Plan:
     """Place a model's layers on a cluster (devices and links, as `edgelite probe` measures
-    them or as cluster.json describes them). Reads only the manifest."""
-    p = room_for_layer_0(problem_from(manifest, cluster, objective, weights, client_first, kv_tokens))
-    best = solve(p, solver)
-    if p.m == 1 or any(s.device != p.devices[0].name for s in best.stages):
-        return best  # (the nodes run layers: by name, cluster.json devices have no address)
-    return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
+    them or as cluster.json describes them). Reads only the manifest. `chunks`: the prompt
+    chunk sizes a step may carry; where the layers do not fit beside the largest chunk's
+    scratch, the plan takes the largest that fits (Plan.max_chunk: prompts then go in smaller
+    chunks, slower to prefill)."""
+    sizes = sorted(set(chunks), reverse=True) or [SCRATCH_CHUNK]
+    short: PlanInfeasible | None = None
+    for chunk in sizes:
+        p = room_for_layer_0(problem_from(manifest, cluster, objective, weights, client_first,
+                                          kv_tokens, chunk))
+        try:
+            best = solve(p, solver)
+        except PlanInfeasible as exc:
+            log.info("with prompt chunks of %d tokens: %s", chunk, exc)
+            short = exc
+            continue
+        if chunk != sizes[0]:
+            best = dataclasses.replace(best, max_chunk=chunk)
+        if p.m == 1 or any(s.device != p.devices[0].name for s in best.stages):
+            return best  # (the nodes run layers: by name, cluster.json devices have no address)
+        return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
+    if len(sizes) > 1:
+        raise PlanInfeasible(f"{short} (with prompt chunks of {sizes[-1]} tokens, the smallest)")
+    raise short  # type: ignore[misc]
 
 
 def room_for_layer_0(p: Problem) -> Problem:

@@ -11,7 +11,7 @@ from typing import Any
 
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
-from edgelite.manifest import Manifest
+from edgelite.manifest import SCRATCH_CHUNK, Manifest
 from edgelite.planner.model import Device, Layer, Link, Problem, Weights
 
 KV_TOKENS = 2048  # context each layer reserves KV memory for
@@ -32,7 +32,9 @@ def _addr(device: dict[str, Any]) -> NodeAddr | None:
 
 def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
                  weights: Weights | None = None, client_first: bool = True,
-                 kv_tokens: int = KV_TOKENS) -> Problem:
+                 kv_tokens: int = KV_TOKENS, chunk: int = SCRATCH_CHUNK) -> Problem:
+    """The planner's problem; `chunk`: the largest prompt chunk a step may carry (what it
+    takes beyond the layers is counted on every device)."""
     try:
         devs = spec["devices"]
         names = [d["name"] for d in devs]
@@ -60,4 +62,4 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
     return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
                    client_first=client_first, client_reserved_bytes=reserved, objective=objective,
                    client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token),
-                   scratch_bytes=m.scratch)
+                   scratch_bytes=m.scratch_for(chunk))
