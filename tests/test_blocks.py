@@ -80,8 +80,6 @@ def test_rows_concat_and_reorder() -> None:
 def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
     """In exact mode a tied 8-bit table (Q8_0) is written once, as its two 4-bit halves, and
     both graphs read it: embedding rows equal the table's values, the head's logits x W^T."""
-    from edgelite.config import RuntimeConfig
-    from edgelite.engine.session import open_model
     from edgelite_export import graph
 
     vocab, hidden = 96, 64
@@ -98,23 +96,30 @@ def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
     one_table = table.q.nbytes + table.scale.size * 2 + vocab * (hidden // 32 // 2)  # + lo's zero points
     assert data.path.stat().st_size <= one_table + 4096, (data.path.stat().st_size, one_table)
     w = table.dequantize()
+    normed, logits = _embed_and_head(tmp_path, w, rng.standard_normal((1, 3, hidden)).astype(np.float32))
+    assert np.abs(logits[0] - normed[0] @ w.T).max() <= 1e-4 * np.abs(logits).max()
+
+
+def _embed_and_head(folder, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The embedding and head graphs in `folder`, loaded by the engine: the embedding's rows
+    are the table's `w`; the head's (normed, logits) for hidden states `x`."""
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.session import open_model
+
     cfg = RuntimeConfig(threads=1)
-    emb = open_model((tmp_path / "embed.onnx").read_bytes(), tmp_path, cfg, "embed")
+    emb = open_model((folder / "embed.onnx").read_bytes(), folder, cfg, "embed")
     ids = np.array([[0, 5, 95, 17]])
     assert np.array_equal(emb.run(None, {"input_ids": ids})[0][0], w[ids[0]])
-    head = open_model((tmp_path / "head.onnx").read_bytes(), tmp_path, cfg, "head")
-    x = rng.standard_normal((1, 3, hidden)).astype(np.float32)
+    head = open_model((folder / "head.onnx").read_bytes(), folder, cfg, "head")
     normed, logits = head.run(["normed", "logits"], {"hidden": x})
-    assert np.abs(logits[0] - normed[0] @ w.T).max() <= 1e-4 * np.abs(logits).max()
+    return normed, logits
 
 
 def test_a_tied_table_of_narrow_codes_is_stored_once_at_its_own_width(tmp_path) -> None:
     """Fast mode, a tied table of 6-bit codes in 8-bit storage (Q6_K's): the embedding, the
     head's product and the head's exact rows read one 6-bit copy of the codes, and each gives
     the table's values (the exact rows decode the 6-bit stream themselves)."""
-    from edgelite.config import RuntimeConfig
     from edgelite.engine.runtime import ExactRows
-    from edgelite.engine.session import open_model
     from edgelite_export import graph
 
     vocab, hidden = 96, 64
@@ -133,13 +138,7 @@ def test_a_tied_table_of_narrow_codes_is_stored_once_at_its_own_width(tmp_path) 
     assert spec is not None and spec["code_width"] == 6
     assert data.path.stat().st_size <= q.nbytes * 6 // 8 + scale.nbytes + 4096
     w = table.dequantize()
-    cfg = RuntimeConfig(threads=1)
-    emb = open_model((tmp_path / "embed.onnx").read_bytes(), tmp_path, cfg, "embed")
-    ids = np.array([[0, 5, 95, 17]])
-    assert np.array_equal(emb.run(None, {"input_ids": ids})[0][0], w[ids[0]])
-    head = open_model((tmp_path / "head.onnx").read_bytes(), tmp_path, cfg, "head")
-    x = rng.standard_normal((1, 1, hidden)).astype(np.float32)
-    normed, logits = head.run(["normed", "logits"], {"hidden": x})
+    normed, logits = _embed_and_head(tmp_path, w, rng.standard_normal((1, 1, hidden)).astype(np.float32))
     exact = normed[0, 0] @ w.T
     assert np.abs(logits[0, 0] - exact).max() <= 0.05 * np.abs(exact).max()  # (int8 activations)
     rescored = logits[0, 0].copy()
