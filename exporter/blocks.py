@@ -13,6 +13,7 @@ against the `gguf` package's dequantize.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -92,6 +93,25 @@ class Blocks:
         if self.minimum is not None:
             w = w + self.minimum[..., None]
         return w.reshape(n, k)
+
+    @cached_property
+    def narrow(self) -> tuple[np.ndarray, int, int] | None:
+        """The codes at their own width, when that is narrower than the storage: (stream, W,
+        smallest code), the stream holding each 8 codes (row-major, less the smallest) in W
+        bytes, the first in the lowest bits; None when the storage's width is theirs. Computed
+        once: a tied table's embedding, head and exact rows all write it."""
+        lo = int(self.q.min()) if self.q.size else 0
+        width = (int(self.q.max()) - lo).bit_length() if self.q.size else self.bits
+        if width >= self.bits or self.q.size % 8:
+            return None
+        width = max(width, 1)
+        values = (self.q.reshape(-1, 8) - np.uint8(lo)).astype(np.uint64)
+        word = np.zeros(len(values), np.uint64)
+        for j in range(8):
+            word |= values[:, j] << np.uint64(width * j)
+        del values
+        stream = word.view(np.uint8).reshape(-1, 8)[:, :width]  # (little-endian: low bytes)
+        return np.ascontiguousarray(stream), width, lo
 
     def packed(self) -> np.ndarray:
         """MatMulNBits' B: (N, K // block, block * bits // 8) uint8, the first value in the

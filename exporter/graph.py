@@ -286,17 +286,17 @@ class Linears:
         """MatMulNBits' B (or, with `shape`, the same bytes in that shape: GatherBlockQuantized's
         data): as it is, or, when its codes span fewer values than the storage holds (Q6_K's 64
         in 8-bit storage, Q3_K's 8 and Q2_K's 4 in 4-bit storage, the fifth bit of 5-bit codes
-        in 2-bit storage), at their own width in the file (`narrow`), widened to the storage by
+        in 2-bit storage), at their own width in the file (`Blocks.narrow`), widened to the storage by
         the graph when the model loads (engine/fold.py computes it before onnxruntime prepacks
         the product: the same kernel at the same speed; only the files shrink)."""
-        packed = b.packed()
-        shape = shape or packed.shape
-        found = narrow(b)
+        n, k = b.shape
+        shape = shape or (n, k // b.block, b.block * b.bits // 8)
+        found = b.narrow
         if found is None:
-            return self.g.init(name, packed.reshape(shape))
+            return self.g.init(name, b.packed().reshape(shape))
         stream, width, lo = found
         g = self.g
-        g.param_bytes += packed.nbytes - stream.size  # (held widened once loaded)
+        g.param_bytes += b.q.size * b.bits // 8 - stream.size  # (held widened once loaded)
         data = g.init(f"{name}.{width}bit", np.ascontiguousarray(stream))
         const: dict[int, str] = {}
 
@@ -351,24 +351,6 @@ class Linears:
             self.sums[key] = self.g.node("ReduceSum", [r, axes], 1, f"{base}/ReduceSum",
                                          keepdims=0)[0]
         return self.sums[key]
-
-
-def narrow(b: Blocks) -> tuple[np.ndarray, int, int] | None:
-    """The codes of `b` at their own width, when that is narrower than the storage: (stream,
-    W, smallest code), the stream holding each 8 codes (row-major, less the smallest) in W
-    bytes, the first in the lowest bits; None when the storage's width is theirs."""
-    lo = int(b.q.min()) if b.q.size else 0
-    width = (int(b.q.max()) - lo).bit_length() if b.q.size else b.bits
-    if width >= b.bits or b.q.size % 8:
-        return None
-    width = max(width, 1)
-    values = (b.q.reshape(-1, 8) - np.uint8(lo)).astype(np.uint64)
-    word = np.zeros(len(values), np.uint64)
-    for j in range(8):
-        word |= values[:, j] << np.uint64(width * j)
-    del values
-    stream = word.view(np.uint8).reshape(-1, 8)[:, :width]  # (little-endian: low bytes)
-    return np.ascontiguousarray(stream), width, lo
 
 
 def _pack(parts: list[Linear]) -> Linear | None:
@@ -551,7 +533,7 @@ def exact_rows(weight: Blocks, data: DataFile) -> dict[str, object] | None:
     forms it cannot read (minima)."""
     if weight.minimum is not None or not np.all(weight.zero == weight.zero.flat[0]):
         return None
-    found = narrow(weight)
+    found = weight.narrow
     (q_off, q_len) = data.put(weight.gather_data() if found is None else found[0])
     spec: dict[str, object] = {"file": data.path.name, "rows": weight.shape[0], "cols": weight.shape[1],
                                "bits": weight.bits, "block": weight.block,
