@@ -125,32 +125,31 @@ class Tensor:
     ints: list[int] = field(default_factory=list)
     location: str = ""
     offset: int = 0
-    length: int = -1
 
     @property
     def nbytes(self) -> int:
         return (int(np.prod(self.dims)) if self.dims else 1) * self.dtype.itemsize
 
-    def load_rows(self, folder: Path, lo: int, hi: int) -> np.ndarray:
-        """Rows lo..hi (of the first axis)."""
-        per = int(np.prod(self.dims[1:]))
-        if not self.location:
-            return self.load(folder)[lo:hi]
-        a = np.fromfile(folder / self.location, self.dtype, (hi - lo) * per,
-                        offset=self.offset + lo * per * self.dtype.itemsize)
-        if a.size != (hi - lo) * per:
+    def _read(self, folder: Path, start: int, count: int) -> np.ndarray:
+        """`count` elements from element `start` of its external data."""
+        a = np.fromfile(folder / self.location, self.dtype, count,
+                        offset=self.offset + start * self.dtype.itemsize)
+        if a.size != count:
             raise ModelFileError(f"{self.location}: {self.name} needs {self.nbytes} bytes at offset "
                                  f"{self.offset}; the file is shorter")
-        return a.reshape([hi - lo, *self.dims[1:]])
+        return a
+
+    def load_rows(self, folder: Path, lo: int, hi: int) -> np.ndarray:
+        """Rows lo..hi (of the first axis)."""
+        if not self.location:
+            return self.load(folder)[lo:hi]
+        per = int(np.prod(self.dims[1:]))
+        return self._read(folder, lo * per, (hi - lo) * per).reshape([hi - lo, *self.dims[1:]])
 
     def load(self, folder: Path) -> np.ndarray:
         count = int(np.prod(self.dims)) if self.dims else 1
         if self.location:
-            path = folder / self.location
-            a = np.fromfile(path, self.dtype, count, offset=self.offset)
-            if a.size != count:
-                raise ModelFileError(f"{self.location}: {self.name} needs {count * self.dtype.itemsize} "
-                                     f"bytes at offset {self.offset}; the file is shorter")
+            a = self._read(folder, 0, count)
         elif self.raw is not None:
             a = np.frombuffer(self.raw, self.dtype, count).copy()
         else:
@@ -181,9 +180,7 @@ def _tensor(buf: bytes) -> Tensor | None:
                 t.location = val
             elif key == "offset":
                 t.offset = int(val)
-            elif key == "length":
-                t.length = int(val)
-        elif number not in (T_DIMS,):
+        else:
             return None  # (float_data and the like: left to onnxruntime)
     if code not in DTYPES or (external and not t.location):
         return None
@@ -254,9 +251,9 @@ class _Evaluator:
     (a 100 MB table of narrow codes widened through ~30 nodes would otherwise hold several
     copies at once)."""
 
-    def __init__(self, nodes: list[tuple[bytes, Node]], folded: list[int], tensors: dict[str, Tensor],
+    def __init__(self, nodes: list[Node], folded: list[int], tensors: dict[str, Tensor],
                  folder: Path) -> None:
-        self.producer = {nodes[k][1].outputs[0]: nodes[k][1] for k in folded}
+        self.producer = {nodes[k].outputs[0]: nodes[k] for k in folded}
         self.tensors, self.folder = tensors, folder
 
     def _cone(self, name: str) -> list[Node]:
@@ -425,11 +422,11 @@ def fold(model: bytes, folder: Path, spill: Path | None = None) -> Folded:
         graph, nodes, inits, outputs = _parse(model)
     except (ValueError, UnicodeDecodeError, KeyError, IndexError) as exc:
         raise ModelFileError(f"not a valid ONNX model: {exc}") from exc
-    tensors = {t.name: t for _, t in inits if t is not None}
+    tensors = {t.name: t for t in inits if t is not None}
     placeholder = next((t.location for t in tensors.values() if t.location), "")
     const = set(tensors)
     folded: list[int] = []
-    for k, (_, n) in enumerate(nodes):
+    for k, n in enumerate(nodes):
         if (n.op in RULES and n.domain in ("", "ai.onnx") and n.inputs and len(n.outputs) == 1
                 and all(i in const for i in n.inputs)):
             folded.append(k)
@@ -437,12 +434,12 @@ def fold(model: bytes, folder: Path, spill: Path | None = None) -> Folded:
     if not folded or not placeholder:
         return Folded(model, [], [], None)
     done = set(folded)
-    read_later = {i for k, (_, n) in enumerate(nodes) if k not in done for i in n.inputs} | outputs
+    read_later = {i for k, n in enumerate(nodes) if k not in done for i in n.inputs} | outputs
     run = _Evaluator(nodes, folded, tensors, folder)
     where: dict[str, tuple[int, np.dtype[Any], tuple[int, ...]]] = {}
     out = tempfile.TemporaryFile(dir=_writable(spill or folder))
     try:
-        for name in (nodes[k][1].outputs[0] for k in folded):
+        for name in (nodes[k].outputs[0] for k in folded):
             if name in read_later:
                 pos = out.seek(0, os.SEEK_END)
                 pos += out.write(b"\0" * (-pos % ALIGN))
@@ -461,7 +458,7 @@ def fold(model: bytes, folder: Path, spill: Path | None = None) -> Folded:
         buf = (np.frombuffer(mapping, dtype, count, pos).reshape(shape) if count and mapping
                else np.zeros(shape, dtype))
         ort_values.append(ort.OrtValue.ortvalue_from_numpy(buf))
-    kept = _rewrite(model, graph, done, read_later, where, placeholder)
+    kept = _rewrite(model, graph, inits, done, read_later, where, placeholder)
     log.debug("folded %d nodes into %d tensors (%.1f MiB)", len(done), len(names),
               (mapping.size() if mapping else 0) / 2**20)
     return Folded(kept, names, ort_values, mapping)
@@ -471,8 +468,9 @@ def _writable(folder: Path) -> Path | None:
     return folder if os.access(folder, os.W_OK) else None
 
 
-def _parse(model: bytes) -> tuple[bytes, list[tuple[bytes, Node]], list[tuple[bytes, Tensor | None]],
-                                  set[str]]:
+def _parse(model: bytes) -> tuple[bytes, list[Node], list[Tensor | None], set[str]]:
+    """The graph's bytes, its nodes, its initializers (None: one left to onnxruntime) in order,
+    and its outputs' names."""
     graph = b""
     for number, _, value in fields(model):
         if number == MODEL_GRAPH:
@@ -480,9 +478,9 @@ def _parse(model: bytes) -> tuple[bytes, list[tuple[bytes, Node]], list[tuple[by
     nodes, inits, outputs = [], [], set()
     for number, _, value in fields(graph):
         if number == GRAPH_NODE:
-            nodes.append((bytes(value), _node(bytes(value))))  # type: ignore[arg-type]
+            nodes.append(_node(bytes(value)))  # type: ignore[arg-type]
         elif number == GRAPH_INIT:
-            inits.append((bytes(value), _tensor(bytes(value))))  # type: ignore[arg-type]
+            inits.append(_tensor(bytes(value)))  # type: ignore[arg-type]
         elif number == GRAPH_OUTPUT:
             outputs.add(value_name(bytes(value)))  # type: ignore[arg-type]
     return graph, nodes, inits, outputs
@@ -498,19 +496,20 @@ def _declare(name: str, dtype: np.dtype[Any], shape: tuple[int, ...], location: 
     return encode(items)
 
 
-def _rewrite(model: bytes, graph: bytes, done: set[int], read_later: set[str],
-             where: dict[str, tuple[int, np.dtype[Any], tuple[int, ...]]], placeholder: str) -> bytes:
-    """The graph without the folded nodes and the initializers only they read, declaring the
-    folded tensors instead."""
+def _rewrite(model: bytes, graph: bytes, inits: list[Tensor | None], done: set[int],
+             read_later: set[str], where: dict[str, tuple[int, np.dtype[Any], tuple[int, ...]]],
+             placeholder: str) -> bytes:
+    """The graph without the folded nodes and the initializers only they read (`inits`: as
+    _parse found them, in order), declaring the folded tensors instead."""
     out: list[Field] = []
-    k = 0
+    k = i = 0
     for number, wire, value in fields(graph):
         if number == GRAPH_NODE:
             k += 1
             if k - 1 in done:
                 continue
         elif number == GRAPH_INIT:
-            t = _tensor(bytes(value))  # type: ignore[arg-type]
+            t, i = inits[i], i + 1
             if t is not None and t.name not in read_later:
                 continue  # (read only by folded nodes)
         out.append((number, wire, value))
