@@ -142,7 +142,7 @@ class StageStore:
         with self.ranges_lock:  # loads take turns: one range is never opened twice
             layers = self.ranges.get(key)
             if layers is None:
-                scratch = max(self.scratch_bytes, m.scratch_for(max_chunk))
+                scratch = max(self.scratch_bytes, own := m.scratch_for(max_chunk))
                 self.limits.fits(m, first, last, self._resident(), scratch)
                 layers = LayerRange(m, first, last, self.runtime, self.files(m))
                 try:
@@ -151,7 +151,7 @@ class StageStore:
                     layers.close()
                     raise
                 self.ranges[key] = layers
-                self.scratch_bytes = max(self.scratch_bytes, m.scratch_for(max_chunk))
+                self.scratch_bytes = max(self.scratch_bytes, own)
             self.users[key] = self.users.get(key, 0) + 1
         return Stage(plan_id, m, first, last, layers, next_addr, owner, secrets.token_hex(16),
                      next_capability, key, domain, address, max_chunk)
