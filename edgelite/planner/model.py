@@ -250,8 +250,8 @@ class Plan:
     # when every layer stays on the client although there are nodes: the expected ms/token of
     # the best plan that gives the nodes at least one layer (inf: no node can hold one)
     with_nodes_ms: float | None = None
-    # the most tokens a step may carry (prompts go in chunks of at most this), where memory
-    # allowed no larger chunk; 0: no limit beyond the runtime's own
+    # the most tokens a step may carry (prompts go in chunks of at most this), the chunk whose
+    # scratch the plan counted; 0: the manifest's SCRATCH_CHUNK, which nodes assume
     max_chunk: int = 0
 
     @property

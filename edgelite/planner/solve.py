@@ -139,7 +139,7 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
             log.info("with prompt chunks of %d tokens: %s", chunk, exc)
             short = exc
             continue
-        if chunk != sizes[0]:
+        if chunk != SCRATCH_CHUNK:  # (what a node counts when told nothing: Load.max_chunk 0)
             best = dataclasses.replace(best, max_chunk=chunk)
         if p.m == 1 or any(s.device != p.devices[0].name for s in best.stages):
             return best  # (the nodes run layers: by name, cluster.json devices have no address)
