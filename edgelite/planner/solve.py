@@ -163,11 +163,12 @@ def room_for_layer_0(p: Problem) -> Problem:
 
 def with_nodes_ms(p: Problem) -> float:
     """Expected ms/token of the best plan that gives the nodes at least one layer (the client
-    may hold all but one layer's bytes); inf when no such plan fits. Says why a plan keeps every
-    layer on the client."""
+    may hold all but one layer's bytes, beside its scratch); inf when no such plan fits. Says
+    why a plan keeps every layer on the client."""
     total = sum(L.mem_bytes for L in p.layers)
     client = p.devices[0]
-    memory = min(client.memory_bytes, int((total - 1 + p.client_reserved_bytes) / client.beta))
+    memory = min(client.memory_bytes,
+                 int((total - 1 + p.client_reserved_bytes + p.scratch_bytes) / client.beta))
     q = dataclasses.replace(p, devices=(dataclasses.replace(client, memory_bytes=memory),
                                         *p.devices[1:]))
     try:
