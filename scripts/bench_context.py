@@ -1,15 +1,23 @@
-"""Decode speed and memory against context length: the in-place KV engine beside a dynamic
-cache, SmolLM2-135M fp32 and int4 (fast), 1 thread.
+"""Decode speed and memory against context length, SmolLM2-135M (int4 fast; fp32 for memory),
+1 thread (issues 14 and 40).
 
-- "static": edgelite's engine (preallocated KV slots bound in place; attention reads the real
-  length).
-- "dynamic": the same layer graphs with the KV passed in and returned as new tensors every step
-  (what a concatenating cache does: each token copies the whole cache of every layer).
-Decode ms/token is timed at contexts 50, 500, 1000 and 2000 (prompts of random tokens, in
-alternating order). Memory: a node process serving all 30 layers, its RSS after loading, after a
-2,000-token prompt and after the session ends; the same for the single process. Prints one JSON.
+- Attention alone, per layer, at 1,000 and 4,000 positions of context: onnxruntime's
+  GroupQueryAttention (what `--no-invariant` runs) beside engine/attention.py's plain
+  operators with float32 and float16 KV, one decode row, 30 layers' KV buffers in turn (so
+  each layer's KV comes from memory, not cache, as in a real step). Each path's KV bytes read
+  per second against the machine's read bandwidth, measured in the same run (numpy's sum over
+  one 512 MiB array).
+- Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
+  states), for the default (plain attention, float32 KV), float16 KV and `--no-invariant`
+  (GroupQueryAttention), in alternating order round by round.
+- Quality of float16 KV: mean KL divergence and top-1 agreement against float32 KV over the
+  exporter's fixed text, and each one's KL divergence from the fp32 export (the reference).
+- Memory: a node process serving all 30 layers, its RSS after loading, after a 2,000-token
+  prompt and after the session ends, for each KV dtype; the same for the single process.
 
-    python scripts/bench_context.py
+Prints one JSON.
+
+    python scripts/bench_context.py [--models DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -27,95 +35,197 @@ from pathlib import Path
 import numpy as np
 from bench_local import edgelite_export, rss_mib
 
-CONTEXTS = (50, 500, 1000, 2000)
+CONTEXTS = (50, 1000, 4000)
+ATTENTION_CONTEXTS = (1000, 4000)
+CONFIGS = ("plain-float32", "plain-float16", "gqa-float32")
+LAYERS = 30
 
 
-class DynamicCache:
-    """The layer graphs run with a new, concatenated KV every step (the old engine's cost)."""
-
-    def __init__(self, layers) -> None:  # layers: edgelite.engine.layers.LayerRange
-        self.r = layers
-        m = layers.manifest
-        self.kv = {j: [np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)] * 2
-                   for j in range(layers.first, layers.last + 1)}
-
-    def step(self, hidden: np.ndarray) -> np.ndarray:
-        r, n = self.r, hidden.shape[1]
-        past = next(iter(self.kv.values()))[0].shape[2]
-        common = {"seqlens_k": np.array([past + n - 1], np.int32),
-                  "total_seq": np.array(past + n, np.int32), **r.ropes}
-        for session, (lo, hi) in zip(r.sessions, r.groups, strict=True):
-            wants = {i.name for i in session.get_inputs()}
-            feed = {k: v for k, v in common.items() if k in wants} | {f"hidden_{lo}": hidden}
-            for j in range(lo, hi + 1):
-                feed[f"past_key_{j}"], feed[f"past_value_{j}"] = self.kv[j]
-            names = [f"hidden_{hi + 1}"] + [f"present_{x}_{j}" for j in range(lo, hi + 1)
-                                            for x in ("key", "value")]
-            out = session.run(names, feed)
-            for i, j in enumerate(range(lo, hi + 1)):
-                self.kv[j] = [out[1 + 2 * i], out[2 + 2 * i]]
-            hidden = out[0]
-        return hidden
+def bandwidth() -> float:
+    """GB/s numpy reads one large array at (its sum: one pass, one thread), best of 5."""
+    a = np.ones(128 * 2**20, np.float32)  # 512 MiB
+    best = min(_timed(a.sum) for _ in range(5))
+    return a.nbytes / best / 1e9
 
 
-def decode_ms(layers, kind: str, context: int, steps: int, rng: np.random.Generator) -> float:
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _attention_model(heads: int, kv: int, d: int, rot: int, cap: int) -> bytes:
+    """One GroupQueryAttention node as an exported layer has it (packed q, k, v)."""
+    from onnx import TensorProto, helper
+
+    f32 = TensorProto.FLOAT
+    kv_shape = [1, kv, cap, d]
+    inputs = [helper.make_tensor_value_info("hidden_0", f32, [1, "n", (heads + 2 * kv) * d]),
+              helper.make_tensor_value_info("past_key_0", f32, kv_shape),
+              helper.make_tensor_value_info("past_value_0", f32, kv_shape),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_seq", TensorProto.INT32, []),
+              helper.make_tensor_value_info("cos_cache", f32, [cap, rot // 2]),
+              helper.make_tensor_value_info("sin_cache", f32, [cap, rot // 2])]
+    node = helper.make_node("GroupQueryAttention", ["hidden_0", "", "", "past_key_0", "past_value_0",
+                                                    "seqlens_k", "total_seq", "cos_cache", "sin_cache"],
+                            ["hidden_1", "present_key_0", "present_value_0"], domain="com.microsoft",
+                            num_heads=heads, kv_num_heads=kv, scale=d ** -0.5, do_rotary=1)
+    graph = helper.make_graph([node], "attention", inputs, [
+        helper.make_tensor_value_info("hidden_1", f32, [1, "n", heads * d]),
+        helper.make_tensor_value_info("present_key_0", f32, kv_shape),
+        helper.make_tensor_value_info("present_value_0", f32, kv_shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def attention(model: Path, rounds: int, reps: int) -> dict:
+    """Per-layer decode attention time of each path at each context (see the module's text)."""
+    import onnxruntime as ort
+
+    from edgelite import manifest as mf
+    from edgelite.engine.attention import plain_attention
+
+    m = mf.load(model)
+    heads, kv, d, rot = m.num_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
+    cap = max(ATTENTION_CONTEXTS) + 64
+    base = _attention_model(heads, kv, d, rot, cap)
+    graphs = {"gqa-float32": (base, np.float32), "plain-float32": (plain_attention(base, d, rot), np.float32),
+              "plain-float16": (plain_attention(base, d, rot, "float16"), np.float16)}
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    rng = np.random.default_rng(0)
+    angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(0, rot, 2) / rot))
+    tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
+    row = rng.standard_normal((1, 1, (heads + 2 * kv) * d)).astype(np.float32)
+    times: dict[str, list[float]] = {}
+    for ctx in ATTENTION_CONTEXTS:
+        for name, (graph, dtype) in graphs.items():
+            s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+            bufs = [[rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2)]
+                    for _ in range(LAYERS)]
+            seq, total = np.array([ctx], np.int32), np.array(ctx + 1, np.int32)
+            out = np.zeros((1, 1, heads * d), np.float32)
+            binds = []
+            for k, v in bufs:
+                io = s.io_binding()
+                for n, arr in (("hidden_0", row), ("seqlens_k", seq), ("total_seq", total), *tables.items()):
+                    io.bind_cpu_input(n, arr)
+                for kind, arr in (("key", k), ("value", v)):
+                    io.bind_input(f"past_{kind}_0", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
+                    io.bind_output(f"present_{kind}_0", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
+                io.bind_output("hidden_1", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+                binds.append(io)
+            key = f"{name}@{ctx}"
+            for _ in range(rounds * reps):
+                t = time.perf_counter()
+                for io in binds:
+                    s.run_with_iobinding(io)
+                times.setdefault(key, []).append((time.perf_counter() - t) / LAYERS * 1e6)
+            del binds, bufs, s
+    gbs = bandwidth()
+    out_: dict = {"numpy_read_gb_s": round(gbs, 2), "paths": {}}
+    for key, ts in times.items():
+        name, ctx = key.split("@")
+        item = 2 if name.endswith("float16") else 4
+        read = 2 * kv * int(ctx) * d * item  # the KV bytes one layer's step reads
+        us = statistics.median(ts)
+        out_["paths"][key] = {"us_per_layer": round(us, 1), "kv_bytes": read,
+                              "gb_s": round(read / us / 1e3, 2),
+                              "of_bandwidth": round(read / us / 1e3 / gbs, 3)}
+    return out_
+
+
+def decode_ms(layers, context: int, steps: int, rng: np.random.Generator) -> float:
     h = layers.manifest.hidden_size
     prompt = rng.standard_normal((1, context, h)).astype(np.float32)
     token = rng.standard_normal((1, 1, h)).astype(np.float32)
-    if kind == "static":
-        slot = layers.pool.acquire()
-        for a in range(0, context, layers.max_chunk):
-            layers.step(slot, prompt[:, a:a + layers.max_chunk])
-        run = lambda: layers.step(slot, token)  # noqa: E731
-    else:
-        cache = DynamicCache(layers)
-        for a in range(0, context, layers.max_chunk):
-            cache.step(prompt[:, a:a + layers.max_chunk])
-        run = lambda: cache.step(token)  # noqa: E731
-    run()
+    slot = layers.pool.acquire()
+    for a in range(0, context, layers.max_chunk):
+        layers.step(slot, prompt[:, a:a + layers.max_chunk])
+    layers.step(slot, token)
     t0 = time.perf_counter()
     for _ in range(steps):
-        run()
+        layers.step(slot, token)
     ms = (time.perf_counter() - t0) / steps * 1e3
-    if kind == "static":
-        layers.pool.release(slot)
+    layers.pool.release(slot)
     return ms
+
+
+def runtime(config: str):
+    from edgelite.config import RuntimeConfig
+
+    path, dtype = config.split("-")
+    return RuntimeConfig(threads=1, invariant=path == "plain", kv_dtype=dtype)
 
 
 def speed(model: Path, rounds: int, steps: int) -> dict:
     from edgelite import manifest as mf
-    from edgelite.config import RuntimeConfig
     from edgelite.engine.layers import LayerRange, export_files
 
     m = mf.load(model)
-    layers = LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1), export_files(m))
+    ranges = {c: LayerRange(m, 0, m.num_layers - 1, runtime(c), export_files(m)) for c in CONFIGS}
     rng = np.random.default_rng(0)
     got: dict[str, list[float]] = {}
     for r in range(rounds):
-        order = [(k, c) for c in CONTEXTS for k in ("static", "dynamic")]
-        for kind, ctx in order if r % 2 == 0 else order[::-1]:
-            got.setdefault(f"{kind}@{ctx}", []).append(decode_ms(layers, kind, ctx, steps, rng))
+        order = [(c, ctx) for ctx in CONTEXTS for c in CONFIGS]
+        for c, ctx in order if r % 2 == 0 else order[::-1]:
+            got.setdefault(f"{c}@{ctx}", []).append(decode_ms(ranges[c], ctx, steps, rng))
     med = {k: round(statistics.median(v), 3) for k, v in got.items()}
     return {"layers_decode_ms": med,
-            "static_1000_vs_50_speed": round(med["static@50"] / med["static@1000"], 3),
-            "static_vs_dynamic_speed_at_2000": round(med["dynamic@2000"] / med["static@2000"], 3)}
+            "speed_vs_context_50": {c: {str(ctx): round(med[f"{c}@50"] / med[f"{c}@{ctx}"], 3)
+                                        for ctx in CONTEXTS[1:]} for c in CONFIGS}}
 
 
-def local_memory(model: Path) -> dict:
-    """RSS of a single process (this one is fresh: run as a child)."""
+def quality(fast: Path, reference: Path) -> dict:
+    """float16 KV against float32 KV over the exporter's fixed text (see the module's text)."""
+    from edgelite import manifest as mf
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.runtime import LocalChain
+    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite_export.reference_text import TEXT
+
+    def log_probs(path: Path, dtype: str) -> np.ndarray:
+        chain = LocalChain(mf.load(path), RuntimeConfig(threads=2, kv_dtype=dtype))
+        x = chain.logits_all("t", np.array([text])).astype(np.float64)
+        x -= x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    text = Tokenizer(mf.load(fast)).encode(TEXT)
+    ref = log_probs(reference, "float32")
+    f32, f16 = log_probs(fast, "float32"), log_probs(fast, "float16")
+
+    def kl(p: np.ndarray, q: np.ndarray) -> float:
+        return float((np.exp(p) * (p - q)).sum(-1).mean())
+
+    return {"positions": len(text), "kl_float16_from_float32_kv": kl(f32, f16),
+            "top1_float16_vs_float32_kv": round(float((f32.argmax(-1) == f16.argmax(-1)).mean()), 4),
+            "kl_from_fp32_export": {"float32_kv": kl(ref, f32), "float16_kv": kl(ref, f16)},
+            "kl_increase": kl(ref, f16) - kl(ref, f32)}
+
+
+def local_memory(model: Path, dtype: str) -> dict:
+    """RSS of a single process (this one is fresh: run as a child), its heap set up as the
+    CLI sets it (edgelite/heap.py)."""
+    from edgelite import heap
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
     from edgelite.engine.runtime import LocalChain
 
+    heap.give_back_large_blocks()
     m = mf.load(model)
-    chain = LocalChain(m, RuntimeConfig(threads=1))
+    chain = LocalChain(m, RuntimeConfig(threads=1, kv_dtype=dtype))
     loaded = rss_mib()
     chain.forward("s", np.random.default_rng(0).integers(0, 1000, (1, 2000)))
     after = rss_mib()
     capacity = chain.layers.pool.bucket_bytes(2000) / 2**20
     chain.end("s")
     return {"rss_loaded_mib": round(loaded, 1), "rss_after_2000_mib": round(after, 1),
-            "rss_after_end_mib": round(rss_mib(), 1), "kv_capacity_mib": round(capacity, 1)}
+            "rss_after_end_mib": round(rss_mib(), 1), "kv_capacity_mib": round(capacity, 1),
+            "kv_bytes_per_token": chain.layers.pool.token_bytes}
 
 
 def node_rss(pid: int) -> float:
@@ -123,7 +233,7 @@ def node_rss(pid: int) -> float:
         return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
 
 
-async def node_memory(model: Path) -> dict:
+async def node_memory(model: Path, dtype: str) -> dict:
     from edgelite import manifest as mf
     from edgelite.cli.localnodes import TOKEN, start_node
     from edgelite.client.backend import open_backend
@@ -132,7 +242,8 @@ async def node_memory(model: Path) -> dict:
     from edgelite.planner.solve import split_plan
 
     m = mf.load(model)
-    node = start_node(Path(tempfile.mkdtemp()) / "n", threads=1, kv_budget_mb=1024)
+    node = start_node(Path(tempfile.mkdtemp()) / "n", threads=1, kv_budget_mb=1024,
+                      extra=("--kv-dtype", dtype))
     try:
         plan = split_plan([(0, m.num_layers - 1)], [NodeAddr("127.0.0.1", node.port)], m.num_layers)
         be = await open_backend(m, plan, TOKEN, runtime=RuntimeConfig(threads=1))
@@ -147,7 +258,8 @@ async def node_memory(model: Path) -> dict:
         await be.close()
     finally:
         node.kill()
-    capacity = 2048 * m.kv_bytes_per_token(0, m.num_layers - 1) / 2**20
+    item = 2 if dtype == "float16" else 4
+    capacity = 2048 * m.kv_bytes_per_token(0, m.num_layers - 1) * item / 4 / 2**20
     return {"rss_loaded_mib": round(loaded, 1), "rss_after_2000_mib": round(after, 1),
             "rss_after_end_mib": round(ended, 1), "kv_capacity_mib": round(capacity, 1),
             "within_bound": after <= loaded + capacity + 64 and ended <= loaded + 64}
@@ -157,24 +269,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=5, help="attention timings per round")
     ap.add_argument("--models", type=Path, default=Path("models/bench"))
-    ap.add_argument("--local-memory", help=argparse.SUPPRESS)  # child: a model folder
+    ap.add_argument("--local-memory", nargs=2, help=argparse.SUPPRESS)  # child: a model, a dtype
     args = ap.parse_args()
     if args.local_memory:
-        print(json.dumps(local_memory(Path(args.local_memory))))
+        print(json.dumps(local_memory(Path(args.local_memory[0]), args.local_memory[1])))
         return
-    out = {}
-    for name, flags in (("fp32", ("--quantize", "none")), ("int4_fast", ())):
-        model = edgelite_export(args.models / f"smol-{name.replace('_', '-')}", *flags)
-        child = subprocess.run([sys.executable, __file__, "--local-memory", str(model)],
+    fast = edgelite_export(args.models / "smol-int4-fast")
+    reference = edgelite_export(args.models / "smol-fp32", "--quantize", "none")
+    out: dict = {"attention": attention(fast, args.rounds, args.reps),
+                 "decode": speed(fast, args.rounds, args.steps),
+                 "float16_quality": quality(fast, reference), "memory": {}}
+    for dtype in ("float32", "float16"):
+        child = subprocess.run([sys.executable, __file__, "--local-memory", str(fast), dtype],
                                capture_output=True, text=True, check=True)
         local = json.loads(child.stdout.strip().splitlines()[-1])
         local["within_bound"] = (local["rss_after_2000_mib"] <= local["rss_loaded_mib"]
                                  + local["kv_capacity_mib"] + 64
                                  and local["rss_after_end_mib"] <= local["rss_loaded_mib"] + 64)
-        out[name] = {**speed(model, args.rounds, args.steps), "single_process_memory": local,
-                     "node_memory": asyncio.run(node_memory(model))}
-    print(json.dumps({"model": "SmolLM2-135M-Instruct", "threads": 1, "contexts": CONTEXTS,
+        out["memory"][dtype] = {"single_process": local, "node": asyncio.run(node_memory(fast, dtype))}
+    print(json.dumps({"model": "SmolLM2-135M-Instruct int4 fast", "threads": 1, "contexts": CONTEXTS,
                       "results": out}, indent=1))
 
 

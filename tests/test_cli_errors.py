@@ -122,8 +122,9 @@ def test_help_shows_defaults_and_verbose_goes_anywhere(exported) -> None:
 
 
 def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
-    """--threads 0, a node's --data-dir it cannot write, an empty raw prompt, and --nodes
-    without a token: each a one-line error naming what to change, no traceback."""
+    """--threads 0, a node's --data-dir it cannot write, an empty raw prompt, --nodes
+    without a token, --kv-dtype float16 with --no-invariant or an unknown KV dtype: each a
+    one-line error naming what to change, no traceback."""
     model = str(exported["llama"])
     cases = [(("generate", "--model", model, "--threads", "0", "hi"), 2,
               "'0' is not a thread count (1 or more)"),
@@ -131,7 +132,13 @@ def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
               "--data-dir /proc/nope: cannot write there"),
              (("generate", "--model", model, "--raw", ""), 1, "the prompt is empty"),
              (("generate", "--model", model, "--nodes", "127.0.0.1:9", "hi"), 1,
-              "the cluster token is needed: --token or EDGELITE_TOKEN")]
+              "the cluster token is needed: --token or EDGELITE_TOKEN"),
+             (("generate", "--model", model, "--kv-dtype", "float16", "--no-invariant", "hi"), 1,
+              "--kv-dtype float16 needs the invariant attention: drop --no-invariant"),
+             (("node", "--token", "x" * 32, "--port", "0", "--kv-dtype", "float16", "--no-invariant"),
+              1, "--kv-dtype float16 needs the invariant attention: drop --no-invariant"),
+             (("generate", "--model", model, "--kv-dtype", "int3", "hi"), 2,
+              "argument --kv-dtype: invalid choice: 'int3'")]
     for args, code, words in cases:
         res = _cli(*args)
         err = res.stderr.strip()

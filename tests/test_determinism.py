@@ -1,4 +1,4 @@
-"""The same request gives the same answer (engine/invariant.py): each position's output is the
+"""The same request gives the same answer (engine/attention.py): each position's output is the
 same bit for bit however its step was cut (one token, chunks, padding), so a reply's ids and
 log probabilities do not depend on the KV store, the split or other sessions running beside
 it. The full check, on SmolLM2 with failover and HTTP, is scripts/check_determinism.py."""
@@ -84,3 +84,40 @@ def test_store_hit_splits_and_two_at_once_give_the_local_reply(exported, node_fa
     for name, got in out.items():
         for reply in (got if isinstance(got, list) else [got]):
             assert reply[:2] == (ids, lps), name  # type: ignore[index]
+
+
+@pytest.mark.e2e
+def test_float16_kv_gives_one_reply_locally_from_the_store_and_on_nodes(exported, node_factory,
+                                                                         tmp_path: Path) -> None:
+    """--kv-dtype float16: each position costs half; the reply is the same locally, after a
+    store hit and split over two float16 nodes (ids and log probabilities exactly), and close
+    to the float32 KV's."""
+    model = exported["qwen2"]
+    m = mf.load(model)
+    half = replace(CFG, kv_dtype="float16")
+    full_range = LayerRange(m, 0, m.num_layers - 1, CFG, export_files(m))
+    half_range = LayerRange(m, 0, m.num_layers - 1, half, export_files(m))
+    assert half_range.pool.token_bytes * 2 == full_range.pool.token_bytes
+    nodes = [node_factory(extra=("--kv-dtype", "float16")) for _ in range(2)]
+    off = replace(half, kv_store=KVStoreConfig(budget_bytes=0))
+    on = replace(half, kv_store=KVStoreConfig(dir=str(tmp_path / "kv")))
+
+    async def main() -> dict[str, tuple[list[int], list[float], int]]:
+        out = {}
+        async with edgelite.connect(model, runtime=replace(off, kv_dtype="float32")) as llm:
+            out["float32"] = await _reply(llm)
+        async with edgelite.connect(model, runtime=off) as llm:
+            out["alone"] = await _reply(llm)
+        async with edgelite.connect(model, runtime=on) as llm:
+            out["miss"] = await _reply(llm)
+            out["hit"] = await _reply(llm)
+        async with edgelite.connect(model, nodes=[n.addr for n in nodes], token=TOKEN,
+                                    split=[(0, 0), (1, m.num_layers - 1)], runtime=off) as llm:
+            out["split"] = await _reply(llm)
+        return out
+
+    out = asyncio.run(main())
+    assert out["hit"][2] > 0
+    for name in ("miss", "hit", "split"):
+        assert out[name][:2] == out["alone"][:2], name
+    np.testing.assert_allclose(out["alone"][1], out["float32"][1], atol=0.05)

@@ -51,6 +51,20 @@ def toks(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.int32)
 
 
+def test_float16_kv_is_stored_at_its_width_and_only_for_its_layout(tmp_path: Path) -> None:
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    half = Layout("f" * 64, 0, 2, 2, 8, "float16")
+    a = toks(40)
+    kv = kv_for(a).astype(np.float16)
+    assert store.put(half, a, kv) > 0
+    entry = sum(p.stat().st_size for p in tmp_path.glob("*.kv"))
+    assert kv.nbytes < entry < kv.nbytes + 4096  # 2 bytes a value, and the header
+    hit = store.get(half, a)
+    assert hit is not None and hit.kv.dtype == np.float16 and np.array_equal(hit.kv, kv)
+    assert store.get(LAYOUT, a) is None  # the float32 layout's query misses it
+    assert layout_from_json(half.to_json()) == half
+
+
 def test_the_longest_stored_prefix_comes_back_exactly(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     a = toks(70)
@@ -90,7 +104,7 @@ def test_some_layers_of_an_entry_come_back_and_a_peers_layout_is_checked(tmp_pat
     good = LAYOUT.to_json()
     assert layout_from_json(good) == LAYOUT
     for bad in (None, [], {**good, "extra": 1}, {**good, "first": "0"}, {**good, "first": 3},
-                {**good, "kv_heads": 0}, {**good, "dtype": "float16"}, {**good, "last": 1 << 20},
+                {**good, "kv_heads": 0}, {**good, "dtype": "int8"}, {**good, "last": 1 << 20},
                 {**good, "fingerprint": 5}, {k: v for k, v in good.items() if k != "head_dim"}):
         with pytest.raises(ValueError):
             layout_from_json(bad)

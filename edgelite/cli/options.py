@@ -41,7 +41,22 @@ def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="this device's layers compute a decode step with one-row kernels "
                         "(slightly faster at long contexts; the reply may then depend on "
                         "chunking and the KV store)")
+    kv_dtype_flag(p)
     kv_store_flags(p, "$EDGELITE_HOME/kv, EDGELITE_HOME defaulting to ~/.edgelite")
+
+
+def kv_dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", choices=("float32", "float16"), default=RuntimeConfig.kv_dtype,
+                   help="what this device's KV cache holds: float16 halves the memory each "
+                        "position of context costs (not with --no-invariant)")
+
+
+def kv_dtype(args: argparse.Namespace) -> str:
+    """--kv-dtype, checked against --no-invariant."""
+    dtype = getattr(args, "kv_dtype", RuntimeConfig.kv_dtype)
+    if dtype != "float32" and getattr(args, "no_invariant", False):
+        raise EdgeliteError(f"--kv-dtype {dtype} needs the invariant attention: drop --no-invariant")
+    return dtype
 
 
 def kv_store_flags(p: argparse.ArgumentParser, where: str) -> None:
@@ -245,7 +260,7 @@ async def found_nodes(args: argparse.Namespace) -> list[NodeAddr]:
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False),
                          invariant=not getattr(args, "no_invariant", False),
-                         kv_store=kv_store_config(args))
+                         kv_dtype=kv_dtype(args), kv_store=kv_store_config(args))
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

@@ -24,7 +24,7 @@ from edgelite.errors import EdgeliteError, KVBudgetExceeded
 
 PAGE = mmap.PAGESIZE
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux and Android (x86 and ARM)
-ITEM = 4  # float32
+KV_DTYPES = {"float32": np.float32, "float16": np.float16}
 RELEASE_POSITIONS = 64  # a windowed layer gives expired positions back this many at a time
 # the most positions a session may take back (`KVPool.rollback`: the drafts a speculative
 # step's verification rejected); windowed layers keep this many more than their window
@@ -61,8 +61,11 @@ class KVPool:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
                  slots_per_slab: int, buckets: tuple[int, ...], windows: tuple[int, ...] = (),
-                 slack: int = 0, context: int = 0) -> None:
-        row = kv_heads * head_dim * ITEM  # bytes of one position of one layer's K (or V)
+                 slack: int = 0, context: int = 0, dtype: str = "float32") -> None:
+        if dtype not in KV_DTYPES:
+            raise EdgeliteError(f"KV dtype {dtype!r}: one of {', '.join(KV_DTYPES)}")
+        self.dtype = np.dtype(KV_DTYPES[dtype])
+        row = kv_heads * head_dim * self.dtype.itemsize  # one position of one layer's K (or V)
         step = PAGE // math.gcd(PAGE, row)  # capacities whose slot regions start on a page
         self.capacity = -(-capacity // step) * step  # positions per slot (incl. padding room)
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -91,7 +94,7 @@ class KVPool:
         n = self.slots_per_slab
         size = self.layers * 2 * n * self.slot_bytes
         buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
-        array = np.frombuffer(buf, np.float32).reshape(
+        array = np.frombuffer(buf, self.dtype).reshape(
             self.layers, 2, n, self.kv_heads, self.capacity, self.head_dim)
         slab = Slab(buf, array, [None] * n)
         self.slabs.append(slab)
@@ -117,7 +120,8 @@ class KVPool:
         narrowest = min(w for w in self.windows if w) + MAX_ROLLBACK
         if slot.length - narrowest < slot.released + RELEASE_POSITIONS:
             return
-        head = self.capacity * self.head_dim * ITEM  # one head's positions, contiguous
+        item = self.dtype.itemsize
+        head = self.capacity * self.head_dim * item  # one head's positions, contiguous
         for layer, window in enumerate(self.windows):
             if not window:
                 continue
@@ -127,7 +131,7 @@ class KVPool:
                 for h in range(self.kv_heads):
                     a = base + h * head
                     start = -(-a // PAGE) * PAGE
-                    end = (a + upto * self.head_dim * ITEM) // PAGE * PAGE
+                    end = (a + upto * self.head_dim * item) // PAGE * PAGE
                     if end > start:
                         slot.slab.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
         slot.released = slot.length - narrowest

@@ -60,6 +60,9 @@ class CorruptEntry(Exception):
     """An entry file that fails a check (read as a miss)."""
 
 
+STORED = {"float32": "<f4", "float16": "<f2"}  # the KV dtypes a layout may have
+
+
 @dataclass(frozen=True)
 class Layout:
     """What an entry's KV is: whose layers, and how they are laid out. Entries of another
@@ -78,6 +81,11 @@ class Layout:
     @property
     def layers(self) -> int:
         return self.last - self.first + 1
+
+    @property
+    def item(self) -> np.dtype:
+        """The KV's numpy dtype, little-endian (as stored and sent)."""
+        return np.dtype(STORED[self.dtype])
 
     def to_json(self) -> dict:
         out = {"fingerprint": self.fingerprint, "first": self.first, "last": self.last,
@@ -102,12 +110,12 @@ def layout_from_json(obj: object) -> Layout:
     if not isinstance(domain, str) or len(domain) > 64:
         raise ValueError("a KV layout's domain is a string of at most 64 characters")
     ints = [obj[k] for k in ("first", "last", "kv_heads", "head_dim")]
-    if not isinstance(fp, str) or len(fp) > 128 or dtype != "float32":
-        raise ValueError("a KV layout's fingerprint is a string, its dtype float32")
+    if not isinstance(fp, str) or len(fp) > 128 or dtype not in STORED:
+        raise ValueError(f"a KV layout's fingerprint is a string, its dtype one of {', '.join(STORED)}")
     if any(type(v) is not int or not 0 <= v < 1 << 16 for v in ints) or ints[0] > ints[1] \
             or not (ints[2] and ints[3]):
         raise ValueError(f"KV layout fields out of range: {ints}")
-    return Layout(fp, *ints, domain=domain)
+    return Layout(fp, *ints, dtype=dtype, domain=domain)
 
 
 def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:
@@ -124,7 +132,7 @@ def block_hashes(layout: Layout, tokens: np.ndarray, block: int) -> list[str]:
 @dataclass(frozen=True)
 class Hit:
     length: int  # tokens whose KV `kv` holds (a prefix of the query)
-    kv: np.ndarray  # (layers, 2, kv_heads, length, head_dim) float32 (a view of get's `into`)
+    kv: np.ndarray  # (layers, 2, kv_heads, length, head_dim) of the layout's dtype (a view of get's `into`)
 
 
 class KVStore:
@@ -456,9 +464,9 @@ SECTIONS = ("sha256", "crc32")  # the checksum of each section: token ids, KV
 
 def encode(layout: Layout, tokens: np.ndarray, kv: np.ndarray) -> tuple[bytes, list[bytes | memoryview]]:
     """(header bytes, payload sections) of an entry (the KV section is a view of `kv` when it
-    is contiguous little-endian float32 already: no copy)."""
+    is contiguous and of the layout's little-endian dtype already: no copy)."""
     sections: list[bytes | memoryview] = [tokens.astype("<i4").tobytes(),
-                                          memoryview(np.ascontiguousarray(kv, "<f4")).cast("B")]
+                                          memoryview(np.ascontiguousarray(kv, layout.item)).cast("B")]
     meta = {"layout": layout.to_json(), "tokens": len(tokens),
             "sections": [[len(s), _digest(s, kind)] for s, kind in zip(sections, SECTIONS, strict=True)]}
     body = json.dumps(meta, sort_keys=True).encode()
@@ -531,8 +539,8 @@ def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
         raise ValueError(f"layers {wanted} of an entry of {layout.layers}")
     shape = (len(wanted), *layout.shape(k)[1:])
     if into is None:
-        into = np.empty(shape, np.float32)
-    elif (into.dtype != np.float32 or into.ndim != 5 or into.shape[:3] != shape[:3]
+        into = np.empty(shape, layout.item)
+    elif (into.dtype != layout.item or into.ndim != 5 or into.shape[:3] != shape[:3]
           or into.shape[3] < k or into.shape[4] != shape[4]):
         raise ValueError(f"KV of {list(shape)} does not fit an array of {list(into.shape)}")
     with open(path, "rb") as f:
@@ -541,12 +549,12 @@ def read_entry(path: Path, layout: Layout, tokens: np.ndarray,
             raise CorruptEntry(f"stored for {meta['layout']}, not {layout.to_json()}")
         n = meta["tokens"]
         (tsize, tsha), (ksize, ksha) = meta["sections"]
-        if tsize != 4 * n or ksize != 4 * int(np.prod(layout.shape(n))) or n < k:
+        if tsize != 4 * n or ksize != layout.item.itemsize * int(np.prod(layout.shape(n))) or n < k:
             raise CorruptEntry("section sizes do not match the header")
         stored = np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
         if not np.array_equal(stored[:k], tokens):
             raise CorruptEntry("stored for other tokens")
-        block = np.empty((n, layout.head_dim), np.float32)  # one head's positions as stored
+        block = np.empty((n, layout.head_dim), layout.item)  # one head's positions as stored
         raw, crc = memoryview(block).cast("B"), 0
         for li in range(layout.layers):
             for kind in range(2):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import invariant, onnxgraph, rope
+from edgelite.engine import attention, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -91,6 +91,12 @@ class LayerRange:
 
     def __post_init__(self) -> None:
         m = self.manifest
+        if self.cfg.kv_dtype != "float32" and not self.cfg.invariant:
+            raise EdgeliteError(f"a {self.cfg.kv_dtype} KV needs the invariant attention "
+                                "(drop --no-invariant, or use --kv-dtype float32)")
+        # attention in plain operators over the valid KV (engine/attention.py), else
+        # onnxruntime's GroupQueryAttention, which batches decode steps of several sessions
+        self.plain = self.cfg.invariant
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
         entries = m.layers[self.first:self.last + 1]
@@ -98,11 +104,10 @@ class LayerRange:
         self.sessions = [self._open(lo, hi) for lo, hi in self.groups]
         self.chunks = tuple(sorted(self.cfg.prefill_chunks))
         context = min(m.max_positions, max(self.cfg.kv_buckets))
-        # (invariant: a step writes one position more, see engine/invariant.py)
         self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
-                           context + self.chunks[-1] + self.cfg.invariant, self.cfg.kv_slab_slots,
-                           self.cfg.kv_buckets,
-                           tuple(e.window for e in entries), self.chunks[-1], context)
+                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets,
+                           tuple(e.window for e in entries), self.chunks[-1], context,
+                           self.cfg.kv_dtype)
         inputs = {i.name for s in self.sessions for i in s.get_inputs()}
         self.ropes: dict[str, np.ndarray] = {}  # RoPE table inputs the graph has -> their tables
         for suffix, local in (("", False), ("_local", True)):
@@ -117,8 +122,8 @@ class LayerRange:
         entries = m.layers[lo:hi + 1]
         model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
                                f"layers_{lo}_{hi}", [e.file for e in entries])
-        if self.cfg.invariant:
-            model = invariant.pad_attention(model)
+        if self.plain:
+            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.cfg.kv_dtype)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}")
 
     def _check_shapes(self) -> None:
@@ -148,7 +153,8 @@ class LayerRange:
     def layout(self) -> Layout:
         """What this range's KV is (the KV store's entries are kept per layout)."""
         m = self.manifest
-        return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, m.head_dim)
+        return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, m.head_dim,
+                      self.cfg.kv_dtype)
 
     @property
     def max_chunk(self) -> int:
@@ -174,7 +180,7 @@ class LayerRange:
         buffers = [np.zeros((rows, chunk, h), np.float32) for _ in range(len(self.sessions) + 1)]
         b = Binding([s.io_binding() for s in self.sessions], buffers[0], np.zeros(rows, np.int32),
                     np.zeros((), np.int32), buffers[-1], buffers[1:-1])
-        f32, i32 = np.float32, np.int32
+        f32, i32, kv = np.float32, np.int32, self.pool.dtype
         for i, ((first, last), io) in enumerate(zip(self.groups, b.io, strict=True)):
             names = {x.name for x in self.sessions[i].get_inputs()}
             for name, arr, dtype in ((f"hidden_{first}", buffers[i], f32), ("seqlens_k", b.seqlens, i32),
@@ -185,8 +191,8 @@ class LayerRange:
             for j in range(first, last + 1):
                 k, v = slab.views(j - self.first, lo, hi)
                 for kind, arr in (("key", k), ("value", v)):
-                    io.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, list(arr.shape), arr.ctypes.data)
-                    io.bind_output(f"present_{kind}_{j}", "cpu", 0, f32, list(arr.shape), arr.ctypes.data)
+                    io.bind_input(f"past_{kind}_{j}", "cpu", 0, kv, list(arr.shape), arr.ctypes.data)
+                    io.bind_output(f"present_{kind}_{j}", "cpu", 0, kv, list(arr.shape), arr.ctypes.data)
             out = buffers[i + 1]
             io.bind_output(f"hidden_{last + 1}", "cpu", 0, f32, list(out.shape), out.ctypes.data)
         self.bindings[key] = b
@@ -243,7 +249,7 @@ class LayerRange:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
         -> the same. Slots between them that are not stepping get a dummy token written past
         their real length (it is overwritten by their next step)."""
-        if self.cfg.invariant:
+        if self.plain:
             raise EdgeliteError("an invariant range runs decode steps one session at a time")
         slab = slots[0].slab
         if any(s.slab is not slab for s in slots) or len({s.index for s in slots}) != len(slots):

@@ -327,8 +327,8 @@ class KvExport(Message):
 
 @message("kv_export_ok")
 class KvExportReady(Message):
-    """`length` positions are ready as `size` bytes (float32 (layers, 2, kv_heads, length,
-    head_dim)) under `handle` (0 positions: nothing stored, no handle)."""
+    """`length` positions are ready as `size` bytes (the layout's dtype, (layers, 2, kv_heads,
+    length, head_dim)) under `handle` (0 positions: nothing stored, no handle)."""
 
     id: int = bounds(-RID, RID)
     length: int = bounds(0, MAX_KV_TOKENS)

@@ -39,14 +39,14 @@ def kv_tokens(raw: bytes, what: str) -> np.ndarray:
 
 def export_bytes(layout: Layout, layers: int, positions: int) -> int:
     """The bytes of `layers` layers' KV of `positions` positions, as an export carries them
-    (float32)."""
-    return 4 * layers * 2 * layout.kv_heads * positions * layout.head_dim
+    (the layout's dtype)."""
+    return layout.item.itemsize * layers * 2 * layout.kv_heads * positions * layout.head_dim
 
 
 # ---- the node that held the layers --------------------------------------------------------
 @dataclass
 class Export:
-    data: memoryview  # float32 (layers, 2, kv_heads, length, head_dim), as bytes
+    data: memoryview  # the layout's dtype (layers, 2, kv_heads, length, head_dim), as bytes
     deadline: float  # monotonic time after which it is dropped
     owner: str  # the connection (peer) it is for: dropped when that is gone
 
@@ -99,7 +99,7 @@ class Exports:
                                     f"(max_kv_export_bytes); try later")
             if not n:
                 return m.KvExportReady(id=msg.id, length=0, size=0)
-            into = np.empty((count, 2, layout.kv_heads, n, layout.head_dim), np.float32)
+            into = np.empty((count, 2, layout.kv_heads, n, layout.head_dim), layout.item)
             lo = msg.first - layout.first
             hit = await to_end(lambda: store.get(layout, tokens[:n], into=into,
                                                  layers=range(lo, lo + count)))
@@ -271,7 +271,7 @@ async def _fetch(p: Piece, timeout_s: float) -> np.ndarray:
 
 
 def _copy_in(p: Piece, raw: np.ndarray, part: np.ndarray, n: int) -> None:
-    kv = raw.view("<f4").reshape(p.count, 2, part.shape[2], p.length, part.shape[4])[:, :, :, :n]
+    kv = raw.view(p.layout.item).reshape(p.count, 2, part.shape[2], p.length, part.shape[4])[:, :, :, :n]
     if not np.isfinite(kv).all():
         raise ProtocolError("a node sent KV holding non-finite values")
     part[:, :, :, :n] = kv
