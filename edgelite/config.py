@@ -64,12 +64,12 @@ class RuntimeConfig:
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32
-    # every row of a step is computed as it would be in any other step (engine/attention.py):
+    # every row of a step is computed as it would be in any other step (engine/invariant.py):
     # the reply does not depend on chunking, the split, the KV store or load; decode steps of
     # several sessions then run one by one (onnxruntime batches only one-row steps)
     invariant: bool = True
     # what the KV cache holds: "float32", or "float16" (half the memory a position costs;
-    # needs `invariant`, whose attention reads it: engine/attention.py)
+    # needs `invariant`; attention then runs in plain operators: engine/attention.py)
     kv_dtype: str = "float32"
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 

@@ -8,8 +8,9 @@
   per second against the machine's read bandwidth, measured in the same run (numpy's sum over
   one 512 MiB array).
 - Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
-  states), for the default (plain attention, float32 KV), float16 KV and `--no-invariant`
-  (GroupQueryAttention), in alternating order round by round.
+  states), and the prefill of those prompts (256-token chunks), for the default (float32 KV,
+  GroupQueryAttention with one-row steps padded to two), float16 KV (plain operators) and
+  `--no-invariant` (GroupQueryAttention as it is), in alternating order round by round.
 - Quality of float16 KV: mean KL divergence and top-1 agreement against float32 KV over the
   exporter's fixed text, and each one's KL divergence from the fp32 export (the reference).
 - Memory: a node process serving all 30 layers, its RSS after loading, after a 2,000-token
@@ -37,7 +38,7 @@ from bench_local import edgelite_export, rss_mib
 
 CONTEXTS = (50, 1000, 4000)
 ATTENTION_CONTEXTS = (1000, 4000)
-CONFIGS = ("plain-float32", "plain-float16", "gqa-float32")
+CONFIGS = ("padded-float32", "plain-float16", "gqa-float32")
 LAYERS = 30
 
 
@@ -139,27 +140,30 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     return out_
 
 
-def decode_ms(layers, context: int, steps: int, rng: np.random.Generator) -> float:
+def decode_ms(layers, context: int, steps: int, rng: np.random.Generator) -> tuple[float, float]:
+    """(prefill ms of a `context`-token prompt, decode ms/token after it)."""
     h = layers.manifest.hidden_size
     prompt = rng.standard_normal((1, context, h)).astype(np.float32)
     token = rng.standard_normal((1, 1, h)).astype(np.float32)
     slot = layers.pool.acquire()
+    t0 = time.perf_counter()
     for a in range(0, context, layers.max_chunk):
         layers.step(slot, prompt[:, a:a + layers.max_chunk])
+    prefill = (time.perf_counter() - t0) * 1e3
     layers.step(slot, token)
     t0 = time.perf_counter()
     for _ in range(steps):
         layers.step(slot, token)
     ms = (time.perf_counter() - t0) / steps * 1e3
     layers.pool.release(slot)
-    return ms
+    return prefill, ms
 
 
 def runtime(config: str):
     from edgelite.config import RuntimeConfig
 
     path, dtype = config.split("-")
-    return RuntimeConfig(threads=1, invariant=path == "plain", kv_dtype=dtype)
+    return RuntimeConfig(threads=1, invariant=path != "gqa", kv_dtype=dtype)
 
 
 def speed(model: Path, rounds: int, steps: int) -> dict:
@@ -170,12 +174,16 @@ def speed(model: Path, rounds: int, steps: int) -> dict:
     ranges = {c: LayerRange(m, 0, m.num_layers - 1, runtime(c), export_files(m)) for c in CONFIGS}
     rng = np.random.default_rng(0)
     got: dict[str, list[float]] = {}
+    pre: dict[str, list[float]] = {}
     for r in range(rounds):
         order = [(c, ctx) for ctx in CONTEXTS for c in CONFIGS]
         for c, ctx in order if r % 2 == 0 else order[::-1]:
-            got.setdefault(f"{c}@{ctx}", []).append(decode_ms(ranges[c], ctx, steps, rng))
+            p, d = decode_ms(ranges[c], ctx, steps, rng)
+            got.setdefault(f"{c}@{ctx}", []).append(d)
+            pre.setdefault(f"{c}@{ctx}", []).append(p)
     med = {k: round(statistics.median(v), 3) for k, v in got.items()}
     return {"layers_decode_ms": med,
+            "layers_prefill_ms": {k: round(statistics.median(v), 1) for k, v in pre.items()},
             "speed_vs_context_50": {c: {str(ctx): round(med[f"{c}@50"] / med[f"{c}@{ctx}"], 3)
                                         for ctx in CONTEXTS[1:]} for c in CONFIGS}}
 

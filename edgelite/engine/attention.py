@@ -12,16 +12,16 @@ A joined range's GroupQueryAttention nodes are rewritten as a session loads (no 
   (`G x n` rows), a causal (and window) mask is added, Softmax, and one product with the
   values.
 
-Why: onnxruntime's CPU GroupQueryAttention computes a one-row step with other kernels than a
-step of several, so a decoded position came out differently from the same position in a
-prompt chunk (this project padded a one-row step to two rows before, at 0.75x the decode speed at
-1,000 positions of context). Here every
-product has at least two rows (a KV head's group; a model whose groups are one head each
-runs its rows twice), and onnxruntime's float MatMul gives each row the same result whatever
-the number of rows; a masked position adds exactly nothing. So a position comes out the
-same decoded, in any chunking, after a KV store restore or a rollback. And the KV may be
-stored at 16 bits (`RuntimeConfig.kv_dtype`), which GroupQueryAttention on CPU reads only
-with 16-bit queries.
+Used for a 16-bit KV (`RuntimeConfig.kv_dtype` float16), which onnxruntime's CPU
+GroupQueryAttention reads only with 16-bit queries. Every position comes out the same
+decoded, in any chunking, after a KV store restore or a rollback: every product has at least
+two rows (a KV head's query group; a model whose groups are one head each runs its rows
+twice), onnxruntime's float MatMul gives each row the same result whatever the number of
+rows, and a masked position adds exactly nothing. A float32 KV keeps GroupQueryAttention
+(engine/invariant.py pads its one-row steps): measured on SmolLM2, these operators decode at
+about its speed and faster at long contexts, but a prompt chunk materialises its scores,
+mask sum and probabilities whole, so prefill takes 1.3-2.2x as long (scripts/bench_context.py,
+docs/benchmarks.md).
 
 The shape arithmetic (the step's rows from the hidden input, its positions from
 `total_seq`) is in the graph and shared by the range's layers, so one session serves decode

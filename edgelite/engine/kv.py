@@ -1,9 +1,11 @@
 """Preallocated KV caches: one slot per session, in slabs of a few slots per layer range.
 
 Every layer's keys and values of a slab are one buffer (slots, kv_heads, capacity, head_dim),
-bound to GroupQueryAttention as both its past and present input: each step writes its new
-positions in place and attention reads only the session's real length. A batch of decode steps
-binds the slots it covers, so sessions of different lengths run together without copying.
+bound to the attention as both its past and present input: each step writes its new
+positions in place and attention reads only the session's real length. The buffers hold
+`RuntimeConfig.kv_dtype` (float32, or float16 at half the memory a position). A batch of
+decode steps binds the slots it covers, so sessions of different lengths run together without
+copying.
 
 The memory is reserved, not committed: pages are touched as positions are written, and a
 session's pages go back to the operating system when it ends (madvise), so a process holds what

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, onnxgraph, rope
+from edgelite.engine import attention, invariant, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -94,9 +94,10 @@ class LayerRange:
         if self.cfg.kv_dtype != "float32" and not self.cfg.invariant:
             raise EdgeliteError(f"a {self.cfg.kv_dtype} KV needs the invariant attention "
                                 "(drop --no-invariant, or use --kv-dtype float32)")
-        # attention in plain operators over the valid KV (engine/attention.py), else
-        # onnxruntime's GroupQueryAttention, which batches decode steps of several sessions
-        self.plain = self.cfg.invariant
+        # a 16-bit KV: attention in plain operators over the valid KV (engine/attention.py);
+        # float32: onnxruntime's GroupQueryAttention, its one-row steps padded to two rows
+        # when invariant (engine/invariant.py), else batching decode steps of several sessions
+        self.plain = self.cfg.kv_dtype != "float32"
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
         entries = m.layers[self.first:self.last + 1]
@@ -104,8 +105,9 @@ class LayerRange:
         self.sessions = [self._open(lo, hi) for lo, hi in self.groups]
         self.chunks = tuple(sorted(self.cfg.prefill_chunks))
         context = min(m.max_positions, max(self.cfg.kv_buckets))
+        extra = self.cfg.invariant and not self.plain  # (a padded step writes one position more)
         self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
-                           context + self.chunks[-1], self.cfg.kv_slab_slots, self.cfg.kv_buckets,
+                           context + self.chunks[-1] + extra, self.cfg.kv_slab_slots, self.cfg.kv_buckets,
                            tuple(e.window for e in entries), self.chunks[-1], context,
                            self.cfg.kv_dtype)
         inputs = {i.name for s in self.sessions for i in s.get_inputs()}
@@ -124,6 +126,8 @@ class LayerRange:
                                f"layers_{lo}_{hi}", [e.file for e in entries])
         if self.plain:
             model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.cfg.kv_dtype)
+        elif self.cfg.invariant:
+            model = invariant.pad_attention(model)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}")
 
     def _check_shapes(self) -> None:
@@ -249,7 +253,7 @@ class LayerRange:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
         -> the same. Slots between them that are not stepping get a dummy token written past
         their real length (it is overwritten by their next step)."""
-        if self.plain:
+        if self.cfg.invariant:
             raise EdgeliteError("an invariant range runs decode steps one session at a time")
         slab = slots[0].slab
         if any(s.slab is not slab for s in slots) or len({s.index for s in slots}) != len(slots):

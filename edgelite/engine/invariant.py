@@ -1,0 +1,159 @@
+"""Attention whose every row is the same however many rows run together.
+
+onnxruntime's GroupQueryAttention computes a step of one new position (a decode token) with
+other kernels than a step of several (a prompt chunk: matrix products instead of vector ones),
+so the same position comes out a little different (7e-7 measured) when decoded than when it
+was part of a chunk. Under int8 activations (fast mode) such a difference flips roundings and
+grows: the reply then depends on how the prompt was chunked, on the split, and on whether its
+KV came from the KV store. With two or more rows the results are the same row by row,
+whatever their number, their chunk's boundaries or what came before (measured bit for bit;
+the other ops of a fast layer, MatMulNBits at accuracy level 4, MatMul and the norms, are
+the same for any number of rows already).
+
+`pad_attention` rewrites a joined range so that a one-row step's attention runs on two rows,
+the row and a copy of it, and drops the copy from its output; steps of several rows run as
+they are. The shape arithmetic is in the graph (the step's rows from the hidden input's
+shape, `pad` 1 for one row, else 0), so one session serves both. The copy's keys and values
+are written one position past the step's (a KV slot holds one position more; the next step
+overwrites them). The price is a one-row step through the several-row kernels: little at
+short contexts, more at long ones (they pack K and V: bench_invariant.py). onnxruntime
+refuses several rows per session in a batch of sessions, so a range rewritten so runs decode
+steps one session at a time.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from edgelite.engine.onnxgraph import (
+    GRAPH_INIT,
+    GRAPH_INPUT,
+    GRAPH_NODE,
+    MODEL_GRAPH,
+    Field,
+    encode,
+    fields,
+    value_name,
+)
+from edgelite.errors import ModelFileError
+
+# NodeProto, AttributeProto and TensorProto field numbers, and the types used here
+NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR = 1, 2, 3, 4, 5
+ATTR_NAME, ATTR_I, ATTR_TYPE, ATTR_INT = 1, 3, 20, 2
+TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
+INT32, INT64 = 6, 7
+PREFIX = "edgelite_invariant"  # names of what the rewrite adds
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], name: str,
+          ints: dict[str, int] | None = None) -> bytes:
+    items: list[Field] = [*((NODE_INPUT, 2, i.encode()) for i in inputs),
+                          *((NODE_OUTPUT, 2, o.encode()) for o in outputs),
+                          (NODE_NAME, 2, name.encode()), (NODE_OP, 2, op.encode())]
+    for key, value in (ints or {}).items():
+        items.append((NODE_ATTR, 2, encode([(ATTR_NAME, 2, key.encode()),
+                                            (ATTR_I, 0, value & (2**64 - 1)),
+                                            (ATTR_TYPE, 0, ATTR_INT)])))
+    return encode(items)
+
+
+def _tensor(name: str, kind: int, values: list[int], dims: list[int]) -> bytes:
+    raw = struct.pack(f"<{len(values)}{'i' if kind == INT32 else 'q'}", *values)
+    return encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
+                   (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
+
+
+def _parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
+    op, inputs, outputs, rest = "", [], [], []
+    for number, wire, value in fields(node):
+        if number == NODE_OP:
+            op = value.decode()  # type: ignore[union-attr]
+        elif number == NODE_INPUT:
+            inputs.append(value.decode())  # type: ignore[union-attr]
+        elif number == NODE_OUTPUT:
+            outputs.append(value.decode())  # type: ignore[union-attr]
+        else:
+            rest.append((number, wire, value))
+    return op, inputs, outputs, rest
+
+
+def pad_attention(model: bytes) -> bytes:
+    """The model with each GroupQueryAttention given two rows for a one-row step (see the
+    module's text)."""
+    try:
+        return _pad(model)
+    except (ValueError, UnicodeDecodeError, IndexError) as exc:
+        raise ModelFileError(f"cannot make the range's attention row-invariant: {exc}") from exc
+
+
+def _pad(model: bytes) -> bytes:
+    out: list[Field] = []
+    for number, wire, value in fields(model):
+        if number == MODEL_GRAPH:
+            value = _pad_graph(value)  # type: ignore[arg-type]
+        out.append((number, wire, value))
+    return encode(out)
+
+
+def _pad_graph(graph: bytes) -> bytes:
+    items: list[Field] = []
+    hidden = ""
+    count = 0
+    for number, wire, value in fields(graph):
+        if number == GRAPH_INPUT and not hidden and value_name(value).startswith("hidden_"):  # type: ignore[arg-type]
+            hidden = value_name(value)  # type: ignore[arg-type]
+        if number != GRAPH_NODE:
+            items.append((number, wire, value))
+            continue
+        op, inputs, outputs, rest = _parts(value)  # type: ignore[arg-type]
+        if op != "GroupQueryAttention":
+            items.append((number, wire, value))
+            continue
+        count += 1
+        tag = f"{PREFIX}/{count}"
+        new_inputs = list(inputs)
+        for i in range(3):  # query, key, value (key and value are empty when packed)
+            if inputs[i]:
+                padded = f"{tag}/padded_{i}"
+                items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
+                                                   padded, {"axis": 1})))
+                new_inputs[i] = padded
+        seqlens, total = inputs[5], inputs[6]  # (the range's own inputs, shared by its layers)
+        new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
+        wide = f"{tag}/output_padded"
+        items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
+                                             (NODE_OUTPUT, 2, wide.encode()),
+                                             *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
+                                             (NODE_OP, 2, op.encode()), *rest])))
+        items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
+                                                     f"{PREFIX}/one_1d"], [outputs[0]],
+                                           f"{tag}/drop_pad")))
+    if not count:
+        return graph
+    if not hidden:
+        raise ValueError("the range has no hidden_* input")
+    return encode([*_shared(hidden, seqlens, total), *items,
+                   *((GRAPH_INIT, 2, c) for c in _constants())])
+
+
+def _shared(hidden: str, seqlens: str, total: str) -> list[Field]:
+    """The nodes every attention of the range shares: m, the step's rows (from the hidden
+    input's shape); pad, 1 when m is 1, else 0; rows, the indices [0, ..., m - 1] and one more
+    0 when padded (a copy of the only row); seqlens and total plus pad."""
+    p = PREFIX
+    spec = [("Gather", ["shape", "one"], "m", {"axis": 0}),
+            ("Equal", ["m", "one"], "single", {}), ("Cast", ["single"], "pad", {"to": INT64}),
+            ("Add", ["m", "pad"], "n", {}), ("Range", ["zero", "n", "one"], "range", {}),
+            ("Sub", ["m", "one"], "last", {}), ("Min", ["range", "last"], "rows", {}),
+            ("Unsqueeze", ["m", "zero_1d"], "m_1d", {}), ("Cast", ["pad"], "pad32", {"to": INT32})]
+    out = [(GRAPH_NODE, 2, _node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
+    out += [(GRAPH_NODE, 2, _node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", attrs))
+            for op, ins, o, attrs in spec]
+    for name in (seqlens, total):
+        out.append((GRAPH_NODE, 2, _node("Add", [name, f"{p}/pad32"], [f"{p}/{name}"], f"{p}/{name}")))
+    return out
+
+
+def _constants() -> list[bytes]:
+    return [_tensor(f"{PREFIX}/zero", INT64, [0], []), _tensor(f"{PREFIX}/one", INT64, [1], []),
+            _tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]), _tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]
