@@ -41,6 +41,7 @@ from edgelite.engine.onnxgraph import (
     Field,
     encode,
     fields,
+    node_parts,
     value_name,
 )
 from edgelite.errors import ModelFileError
@@ -105,20 +106,6 @@ def _attrs(rest: list[Field]) -> dict[str, int | float]:
     return out
 
 
-def _parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
-    op, inputs, outputs, rest = "", [], [], []
-    for number, wire, value in fields(node):
-        if number == NODE_OP:
-            op = value.decode()  # type: ignore[union-attr]
-        elif number == NODE_INPUT:
-            inputs.append(value.decode())  # type: ignore[union-attr]
-        elif number == NODE_OUTPUT:
-            outputs.append(value.decode())  # type: ignore[union-attr]
-        else:
-            rest.append((number, wire, value))
-    return op, inputs, outputs, rest
-
-
 def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32") -> bytes:
     """The joined range with each GroupQueryAttention rewritten (see the module's text); its KV
     inputs and outputs of `kv_dtype` ("float32" or "float16")."""
@@ -164,7 +151,7 @@ class _Rewrite:
             if number != GRAPH_NODE:
                 items.append((number, wire, value))
                 continue
-            op, inputs, outputs, rest = _parts(value)  # type: ignore[arg-type]
+            op, inputs, outputs, rest = node_parts(value)  # type: ignore[arg-type]
             if op != "GroupQueryAttention":
                 items.append((number, wire, value))
                 continue

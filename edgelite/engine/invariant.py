@@ -33,6 +33,7 @@ from edgelite.engine.onnxgraph import (
     Field,
     encode,
     fields,
+    node_parts,
     value_name,
 )
 from edgelite.errors import ModelFileError
@@ -63,20 +64,6 @@ def _tensor(name: str, kind: int, values: list[int], dims: list[int]) -> bytes:
                    (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
 
 
-def _parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
-    op, inputs, outputs, rest = "", [], [], []
-    for number, wire, value in fields(node):
-        if number == NODE_OP:
-            op = value.decode()  # type: ignore[union-attr]
-        elif number == NODE_INPUT:
-            inputs.append(value.decode())  # type: ignore[union-attr]
-        elif number == NODE_OUTPUT:
-            outputs.append(value.decode())  # type: ignore[union-attr]
-        else:
-            rest.append((number, wire, value))
-    return op, inputs, outputs, rest
-
-
 def pad_attention(model: bytes) -> bytes:
     """The model with each GroupQueryAttention given two rows for a one-row step (see the
     module's text)."""
@@ -105,7 +92,7 @@ def _pad_graph(graph: bytes) -> bytes:
         if number != GRAPH_NODE:
             items.append((number, wire, value))
             continue
-        op, inputs, outputs, rest = _parts(value)  # type: ignore[arg-type]
+        op, inputs, outputs, rest = node_parts(value)  # type: ignore[arg-type]
         if op != "GroupQueryAttention":
             items.append((number, wire, value))
             continue

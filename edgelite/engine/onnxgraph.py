@@ -19,6 +19,7 @@ from edgelite.errors import ModelFileError
 MODEL_IR_VERSION, MODEL_OPSET, MODEL_GRAPH = 1, 8, 7
 GRAPH_NODE, GRAPH_NAME, GRAPH_INIT, GRAPH_INPUT, GRAPH_OUTPUT = 1, 2, 5, 11, 12
 VALUE_NAME = 1
+NODE_INPUT, NODE_OUTPUT, NODE_OP = 1, 2, 4
 TENSOR_EXTERNAL = 13
 ENTRY_KEY, ENTRY_VALUE = 1, 2
 Field = tuple[int, int, bytes | int]  # (number, wire type, value: bytes for type 2, else int)
@@ -83,6 +84,21 @@ def encode(items: list[Field]) -> bytes:
         else:
             out += int(value).to_bytes(8 if wire == 1 else 4, "little")  # type: ignore[arg-type]
     return bytes(out)
+
+
+def node_parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
+    """A NodeProto's op type, inputs, outputs and its other fields (attributes, name...)."""
+    op, inputs, outputs, rest = "", [], [], []
+    for number, wire, value in fields(node):
+        if number == NODE_OP:
+            op = value.decode()  # type: ignore[union-attr]
+        elif number == NODE_INPUT:
+            inputs.append(value.decode())  # type: ignore[union-attr]
+        elif number == NODE_OUTPUT:
+            outputs.append(value.decode())  # type: ignore[union-attr]
+        else:
+            rest.append((number, wire, value))
+    return op, inputs, outputs, rest
 
 
 def value_name(value_info: bytes) -> str:
