@@ -33,26 +33,29 @@ from __future__ import annotations
 import struct
 
 from edgelite.engine.onnxgraph import (
+    FLOAT,
     GRAPH_INIT,
     GRAPH_INPUT,
     GRAPH_NODE,
     GRAPH_OUTPUT,
-    MODEL_GRAPH,
+    INT64,
+    NODE_ATTR,
     Field,
+    each_node,
     encode,
     fields,
-    node_parts,
+    hidden_input,
+    make_node,
+    make_tensor,
     value_name,
+    with_graph,
 )
 from edgelite.errors import ModelFileError
 
-# NodeProto, AttributeProto, TensorProto and TypeProto field numbers, and the types used here
-NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
-ATTR_NAME, ATTR_F, ATTR_I, ATTR_INTS, ATTR_TYPE = 1, 2, 3, 8, 20
-ATTR_KIND_INT, ATTR_KIND_INTS = 2, 7
-TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
+# AttributeProto and TypeProto field numbers, and the 16-bit float type
+ATTR_NAME, ATTR_F, ATTR_I = 1, 2, 3
 VALUE_TYPE, TYPE_TENSOR, TENSOR_ELEM = 2, 1, 1
-FLOAT, INT64, BOOL, FLOAT16 = 1, 7, 9, 10
+FLOAT16 = 10
 ELEM = {"float32": FLOAT, "float16": FLOAT16}
 MS = "com.microsoft"
 P = "edgelite_attn"  # names of what the rewrite adds
@@ -64,28 +67,7 @@ WINDOW_ALIGN = 256
 
 def _node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "",
           **attrs: int | list[int]) -> Field:
-    items: list[Field] = [*((NODE_INPUT, 2, i.encode()) for i in inputs),
-                          *((NODE_OUTPUT, 2, o.encode()) for o in outputs),
-                          (NODE_NAME, 2, name.encode()), (NODE_OP, 2, op.encode())]
-    if domain:
-        items.append((NODE_DOMAIN, 2, domain.encode()))
-    for key, value in attrs.items():
-        if isinstance(value, list):
-            body: list[Field] = [(ATTR_NAME, 2, key.encode()),
-                                 *((ATTR_INTS, 0, v & (2**64 - 1)) for v in value),
-                                 (ATTR_TYPE, 0, ATTR_KIND_INTS)]
-        else:
-            body = [(ATTR_NAME, 2, key.encode()), (ATTR_I, 0, value & (2**64 - 1)),
-                    (ATTR_TYPE, 0, ATTR_KIND_INT)]
-        items.append((NODE_ATTR, 2, encode(body)))
-    return GRAPH_NODE, 2, encode(items)
-
-
-def _tensor(name: str, kind: int, values: list[float], dims: list[int]) -> Field:
-    fmt = {INT64: "q", FLOAT: "f"}[kind]
-    raw = struct.pack(f"<{len(values)}{fmt}", *values)
-    return GRAPH_INIT, 2, encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
-                                  (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
+    return GRAPH_NODE, 2, make_node(op, inputs, outputs, name, domain, **attrs)
 
 
 def _attrs(rest: list[Field]) -> dict[str, int | float]:
@@ -112,12 +94,7 @@ def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str 
     if kv_dtype not in ELEM:
         raise ModelFileError(f"KV dtype {kv_dtype!r}: one of {', '.join(ELEM)}")
     try:
-        out: list[Field] = []
-        for number, wire, value in fields(model):
-            if number == MODEL_GRAPH:
-                value = _Rewrite(head_dim, rotary_dim, kv_dtype).graph(value)  # type: ignore[arg-type]
-            out.append((number, wire, value))
-        return encode(out)
+        return with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype).graph)
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot rewrite the range's attention: {exc}") from exc
 
@@ -128,13 +105,13 @@ class _Rewrite:
         self.consts: dict[str, Field] = {}
         self.shared: list[Field] = []
         self.masks: dict[int, tuple[str, str]] = {}  # window -> (mask, first)
-        self.shapes: dict[str, str] = {}  # tiled masks
+        self.tiled: dict[str, str] = {}  # masks repeated for a query group
         self.kv_names: set[str] = set()
 
     def const(self, name: str, kind: int, values: list[float], dims: list[int]) -> str:
         full = f"{P}/c/{name}"
         if full not in self.consts:
-            self.consts[full] = _tensor(full, kind, values, dims)
+            self.consts[full] = (GRAPH_INIT, 2, make_tensor(full, kind, values, dims))
         return full
 
     def ints(self, *values: int) -> str:
@@ -145,16 +122,12 @@ class _Rewrite:
         items: list[Field] = []
         total = ""
         count = 0
-        hidden = next((value_name(v) for n, _, v in fields(graph)  # type: ignore[arg-type]
-                       if n == GRAPH_INPUT and value_name(v).startswith("hidden_")), "")  # type: ignore[arg-type]
-        for number, wire, value in fields(graph):
-            if number != GRAPH_NODE:
-                items.append((number, wire, value))
+        hidden = hidden_input(graph)
+        for field, node in each_node(graph, "GroupQueryAttention"):
+            if node is None:
+                items.append(field)
                 continue
-            op, inputs, outputs, rest = node_parts(value)  # type: ignore[arg-type]
-            if op != "GroupQueryAttention":
-                items.append((number, wire, value))
-                continue
+            inputs, outputs, rest = node
             if not hidden:
                 raise ValueError("the range has no hidden_* input")
             if not total:
@@ -224,7 +197,7 @@ class _Rewrite:
         self.indices[kv_heads] = a("Concat", cols, t, axis=-1)  # (n, kv_heads, 3)
         return self.indices[kv_heads]
 
-    def _mask(self, window: int) -> tuple[str, str, str]:
+    def _mask(self, window: int) -> tuple[str, str]:
         """(mask, first): the additive mask (n, T'), 0 where a row may attend and -inf where
         not, over the key positions first..T-1 that attention reads (a windowed layer's first
         is its window's start, rounded down to WINDOW_ALIGN)."""
@@ -260,9 +233,9 @@ class _Rewrite:
         mask, first = self._mask(window)
         if copies > 1:
             key = f"{P}/mask_w{window}_x{copies}"
-            if key not in self.shapes:
-                self.shapes[key] = self._add("Tile", [mask, self.ints(copies, 1)], key)
-            mask = self.shapes[key]
+            if key not in self.tiled:
+                self.tiled[key] = self._add("Tile", [mask, self.ints(copies, 1)], key)
+            mask = self.tiled[key]
         return mask, first
 
     def _layer(self, i: int, inputs: list[str], outputs: list[str],

@@ -23,87 +23,52 @@ steps one session at a time.
 
 from __future__ import annotations
 
-import struct
-
 from edgelite.engine.onnxgraph import (
     GRAPH_INIT,
-    GRAPH_INPUT,
     GRAPH_NODE,
-    MODEL_GRAPH,
+    INT32,
+    INT64,
+    NODE_INPUT,
+    NODE_OP,
+    NODE_OUTPUT,
     Field,
+    each_node,
     encode,
-    fields,
-    node_parts,
-    value_name,
+    hidden_input,
+    make_node,
+    make_tensor,
+    with_graph,
 )
 from edgelite.errors import ModelFileError
 
-# NodeProto, AttributeProto and TensorProto field numbers, and the types used here
-NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR = 1, 2, 3, 4, 5
-ATTR_NAME, ATTR_I, ATTR_TYPE, ATTR_INT = 1, 3, 20, 2
-TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
-INT32, INT64 = 6, 7
 PREFIX = "edgelite_invariant"  # names of what the rewrite adds
-
-
-def _node(op: str, inputs: list[str], outputs: list[str], name: str,
-          ints: dict[str, int] | None = None) -> bytes:
-    items: list[Field] = [*((NODE_INPUT, 2, i.encode()) for i in inputs),
-                          *((NODE_OUTPUT, 2, o.encode()) for o in outputs),
-                          (NODE_NAME, 2, name.encode()), (NODE_OP, 2, op.encode())]
-    for key, value in (ints or {}).items():
-        items.append((NODE_ATTR, 2, encode([(ATTR_NAME, 2, key.encode()),
-                                            (ATTR_I, 0, value & (2**64 - 1)),
-                                            (ATTR_TYPE, 0, ATTR_INT)])))
-    return encode(items)
-
-
-def _tensor(name: str, kind: int, values: list[int], dims: list[int]) -> bytes:
-    raw = struct.pack(f"<{len(values)}{'i' if kind == INT32 else 'q'}", *values)
-    return encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
-                   (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
 
 
 def pad_attention(model: bytes) -> bytes:
     """The model with each GroupQueryAttention given two rows for a one-row step (see the
     module's text)."""
     try:
-        return _pad(model)
+        return with_graph(model, _pad_graph)
     except (ValueError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot make the range's attention row-invariant: {exc}") from exc
 
 
-def _pad(model: bytes) -> bytes:
-    out: list[Field] = []
-    for number, wire, value in fields(model):
-        if number == MODEL_GRAPH:
-            value = _pad_graph(value)  # type: ignore[arg-type]
-        out.append((number, wire, value))
-    return encode(out)
-
-
 def _pad_graph(graph: bytes) -> bytes:
     items: list[Field] = []
-    hidden = ""
     count = 0
-    for number, wire, value in fields(graph):
-        if number == GRAPH_INPUT and not hidden and value_name(value).startswith("hidden_"):  # type: ignore[arg-type]
-            hidden = value_name(value)  # type: ignore[arg-type]
-        if number != GRAPH_NODE:
-            items.append((number, wire, value))
+    for field, node in each_node(graph, "GroupQueryAttention"):
+        if node is None:
+            items.append(field)
             continue
-        op, inputs, outputs, rest = node_parts(value)  # type: ignore[arg-type]
-        if op != "GroupQueryAttention":
-            items.append((number, wire, value))
-            continue
+        inputs, outputs, rest = node
         count += 1
         tag = f"{PREFIX}/{count}"
         new_inputs = list(inputs)
         for i in range(3):  # query, key, value (key and value are empty when packed)
             if inputs[i]:
                 padded = f"{tag}/padded_{i}"
-                items.append((GRAPH_NODE, 2, _node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
-                                                   padded, {"axis": 1})))
+                items.append((GRAPH_NODE, 2, make_node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
+                                                       padded, axis=1)))
                 new_inputs[i] = padded
         seqlens, total = inputs[5], inputs[6]  # (the range's own inputs, shared by its layers)
         new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
@@ -111,12 +76,13 @@ def _pad_graph(graph: bytes) -> bytes:
         items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
                                              (NODE_OUTPUT, 2, wide.encode()),
                                              *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
-                                             (NODE_OP, 2, op.encode()), *rest])))
-        items.append((GRAPH_NODE, 2, _node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
-                                                     f"{PREFIX}/one_1d"], [outputs[0]],
-                                           f"{tag}/drop_pad")))
+                                             (NODE_OP, 2, b"GroupQueryAttention"), *rest])))
+        items.append((GRAPH_NODE, 2, make_node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
+                                                         f"{PREFIX}/one_1d"], [outputs[0]],
+                                               f"{tag}/drop_pad")))
     if not count:
         return graph
+    hidden = hidden_input(graph)
     if not hidden:
         raise ValueError("the range has no hidden_* input")
     return encode([*_shared(hidden, seqlens, total), *items,
@@ -133,14 +99,15 @@ def _shared(hidden: str, seqlens: str, total: str) -> list[Field]:
             ("Add", ["m", "pad"], "n", {}), ("Range", ["zero", "n", "one"], "range", {}),
             ("Sub", ["m", "one"], "last", {}), ("Min", ["range", "last"], "rows", {}),
             ("Unsqueeze", ["m", "zero_1d"], "m_1d", {}), ("Cast", ["pad"], "pad32", {"to": INT32})]
-    out = [(GRAPH_NODE, 2, _node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
-    out += [(GRAPH_NODE, 2, _node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", attrs))
+    out = [(GRAPH_NODE, 2, make_node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
+    out += [(GRAPH_NODE, 2, make_node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", **attrs))
             for op, ins, o, attrs in spec]
     for name in (seqlens, total):
-        out.append((GRAPH_NODE, 2, _node("Add", [name, f"{p}/pad32"], [f"{p}/{name}"], f"{p}/{name}")))
+        out.append((GRAPH_NODE, 2, make_node("Add", [name, f"{p}/pad32"], [f"{p}/{name}"], f"{p}/{name}")))
     return out
 
 
 def _constants() -> list[bytes]:
-    return [_tensor(f"{PREFIX}/zero", INT64, [0], []), _tensor(f"{PREFIX}/one", INT64, [1], []),
-            _tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]), _tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]
+    return [make_tensor(f"{PREFIX}/zero", INT64, [0], []), make_tensor(f"{PREFIX}/one", INT64, [1], []),
+            make_tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]),
+            make_tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]
