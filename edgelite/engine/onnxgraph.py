@@ -22,6 +22,8 @@ GRAPH_NODE, GRAPH_NAME, GRAPH_INIT, GRAPH_INPUT, GRAPH_OUTPUT = 1, 2, 5, 11, 12
 VALUE_NAME = 1
 NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
 ATTR_NAME, ATTR_I, ATTR_INTS, ATTR_TYPE, ATTR_KIND_INT, ATTR_KIND_INTS = 1, 3, 8, 20, 2, 7
+ATTR_F, ATTR_KIND_FLOAT = 2, 1
+OPSET_DOMAIN, OPSET_VERSION = 1, 2
 TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
 FLOAT, INT32, INT64 = 1, 6, 7  # TensorProto data types
 TENSOR_EXTERNAL = 13
@@ -132,9 +134,19 @@ def with_graph(model: bytes, rewrite: Callable[[bytes], bytes]) -> bytes:
                    for n, w, v in fields(model)])
 
 
+def with_opset(model: bytes, domain: str, version: int) -> bytes:
+    """The ModelProto importing `domain` at `version` too (unchanged if it imports it)."""
+    for n, _, v in fields(model):
+        if n == MODEL_OPSET and any(fn == OPSET_DOMAIN and fv == domain.encode()
+                                    for fn, _, fv in fields(v)):  # type: ignore[arg-type]
+            return model
+    return model + encode([(MODEL_OPSET, 2, encode([(OPSET_DOMAIN, 2, domain.encode()),
+                                                    (OPSET_VERSION, 0, version)]))])
+
+
 def make_node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "",
-              **attrs: int | list[int]) -> bytes:
-    """A NodeProto with integer (or integer list) attributes."""
+              **attrs: int | float | list[int]) -> bytes:
+    """A NodeProto with integer, float or integer list attributes."""
     items: list[Field] = [*((NODE_INPUT, 2, i.encode()) for i in inputs),
                           *((NODE_OUTPUT, 2, o.encode()) for o in outputs),
                           (NODE_NAME, 2, name.encode()), (NODE_OP, 2, op.encode())]
@@ -145,6 +157,10 @@ def make_node(op: str, inputs: list[str], outputs: list[str], name: str, domain:
             body: list[Field] = [(ATTR_NAME, 2, key.encode()),
                                  *((ATTR_INTS, 0, v & (2**64 - 1)) for v in value),
                                  (ATTR_TYPE, 0, ATTR_KIND_INTS)]
+        elif isinstance(value, float):
+            body = [(ATTR_NAME, 2, key.encode()),
+                    (ATTR_F, 5, struct.unpack("<I", struct.pack("<f", value))[0]),
+                    (ATTR_TYPE, 0, ATTR_KIND_FLOAT)]
         else:
             body = [(ATTR_NAME, 2, key.encode()), (ATTR_I, 0, value & (2**64 - 1)),
                     (ATTR_TYPE, 0, ATTR_KIND_INT)]
