@@ -71,6 +71,12 @@ class RuntimeConfig:
     # what the KV cache holds: "float32", or "float16" (half the memory a position costs;
     # needs `invariant`; attention then runs in plain operators: engine/attention.py)
     kv_dtype: str = "float32"
+    # where `invariant`, attention runs in edgelite's own operator (engine/attend.c, compiled
+    # for the device at first use: engine/kernel.py), which reads the valid KV once a step;
+    # off, or where no C compiler works, onnxruntime's operators (engine/attention.py,
+    # engine/invariant.py)
+    attention_kernel: bool = True
+    kernel_build_s: float = 180.0  # the longest a build of it may take before it is given up
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @property

@@ -1,4 +1,4 @@
-"""Where a client keeps its files: $EDGELITE_HOME, else ~/.edgelite."""
+"""Where a client keeps its files: $EDGELITE_HOME, else ~/.edgelite; and the machine's build cache."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ KV_KEY_FILE = "kv_key"  # in home(): the secret under which nodes keep this clie
 
 def home() -> Path:
     return Path(os.environ.get("EDGELITE_HOME") or Path.home() / ".edgelite")
+
+
+def cache() -> Path:
+    """Where this machine keeps what it builds for itself (engine/kernel.py's libraries, named
+    by what they were built from): $EDGELITE_CACHE, else $XDG_CACHE_HOME/edgelite, else
+    ~/.cache/edgelite. Shared by every edgelite home on the machine."""
+    if os.environ.get("EDGELITE_CACHE"):
+        return Path(os.environ["EDGELITE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgelite"
 
 
 def kv_key() -> str | None:

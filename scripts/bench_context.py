@@ -38,7 +38,7 @@ from bench_local import edgelite_export, rss_mib
 
 CONTEXTS = (50, 1000, 4000)
 ATTENTION_CONTEXTS = (1000, 4000)
-CONFIGS = ("padded-float32", "plain-float16", "gqa-float32")
+CONFIGS = ("kernel-float32", "kernel-float16", "padded-float32", "plain-float16", "gqa-float32")
 LAYERS = 30
 
 
@@ -87,17 +87,25 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     import onnxruntime as ort
 
     from edgelite import manifest as mf
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine import kernel
     from edgelite.engine.attention import plain_attention
 
     m = mf.load(model)
     heads, kv, d, rot = m.num_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
     cap = max(ATTENTION_CONTEXTS) + 64
     base = _attention_model(heads, kv, d, rot, cap)
+    library = kernel.library(RuntimeConfig(threads=1))
+    if library is None:
+        raise SystemExit("no attention kernel could be built here (see the warning above)")
     graphs = {"gqa-float32": (base, np.float32), "plain-float32": (plain_attention(base, d, rot), np.float32),
-              "plain-float16": (plain_attention(base, d, rot, "float16"), np.float16)}
+              "plain-float16": (plain_attention(base, d, rot, "float16"), np.float16),
+              "kernel-float32": (plain_attention(base, d, rot, "float32", True), np.float32),
+              "kernel-float16": (plain_attention(base, d, rot, "float16", True), np.float16)}
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.register_custom_ops_library(str(library))
     rng = np.random.default_rng(0)
     angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(0, rot, 2) / rot))
     tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
@@ -163,7 +171,8 @@ def runtime(config: str):
     from edgelite.config import RuntimeConfig
 
     path, dtype = config.split("-")
-    return RuntimeConfig(threads=1, invariant=path != "gqa", kv_dtype=dtype)
+    return RuntimeConfig(threads=1, invariant=path != "gqa", kv_dtype=dtype,
+                         attention_kernel=path == "kernel")
 
 
 def speed(model: Path, rounds: int, steps: int) -> dict:

@@ -1,9 +1,12 @@
-"""engine/attention.py: GroupQueryAttention rewritten in plain operators over the valid KV gives
-onnxruntime's own results (float32 KV), the same bit for bit however a sequence's steps are
-cut (float32 and float16 KV), for grouped, one-per-head and windowed attention, packed or not."""
+"""engine/attention.py: GroupQueryAttention rewritten in plain operators over the valid KV, or
+into engine/attend.c's operator (built by engine/kernel.py), gives onnxruntime's own results
+(float32 KV), the same bit for bit however a sequence's steps are cut (float32 and float16 KV),
+for grouped, one-per-head and windowed attention, packed or not. engine/kernel.py builds,
+checks and rebuilds its library, and says in one line why there is none."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgelite.config import RuntimeConfig
+from edgelite.engine import kernel
 from edgelite.engine.attention import plain_attention
 from edgelite.engine.session import options
 from edgelite.errors import ModelFileError
@@ -50,10 +54,13 @@ def _model(heads: int, kv: int, window: int, packed: bool) -> bytes:
     return model.SerializeToString()
 
 
-def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int]) -> np.ndarray:
+def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int],
+         library: Path | None = None) -> np.ndarray:
     """The attention output of every position, run in steps of `cuts` positions, the KV bound
     in place as engine/layers.py binds it."""
     opts = options(RuntimeConfig(threads=1), Path("."))  # (the process's thread pool, if made)
+    if library is not None:
+        opts.register_custom_ops_library(str(library))
     s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
     kv = [np.zeros((1, feeds["k"].shape[2] // D, CAP, D), dtype) for _ in range(2)]
     angles = np.outer(np.arange(CAP), 1.0 / 10000 ** (np.arange(0, ROT, 2) / ROT))
@@ -80,10 +87,13 @@ def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int
     return np.concatenate(out, axis=1)
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["operators", "kernel"])
 @pytest.mark.parametrize("heads,kv,window,packed", [(4, 2, 0, True), (6, 2, 0, False), (4, 4, 0, True),
                                                      (4, 2, 5, False), (3, 3, 4, True)])
 def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_cut(
-        heads: int, kv: int, window: int, packed: bool) -> None:
+        heads: int, kv: int, window: int, packed: bool, use_kernel: bool) -> None:
+    library = kernel.library(RuntimeConfig(threads=1)) if use_kernel else None
+    assert library is not None or not use_kernel, "no attention kernel on a machine with a C compiler"
     rng = np.random.default_rng(heads * 10 + kv + window)
     n = 300 if window else 21  # (past 256: a windowed layer's keys then start further on)
     feeds = {"hidden_0": rng.standard_normal((1, n, heads * D)).astype(np.float32),
@@ -92,11 +102,12 @@ def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_
     model = _model(heads, kv, window, packed)
     reference = _run(model, np.float32, feeds, [8, 8, n - 16])
     for dtype, name, tol in ((np.float32, "float32", 1e-5), (np.float16, "float16", 2e-2)):
-        plain = plain_attention(model, D, ROT, name)
-        whole = _run(plain, dtype, feeds, [16, n - 16])
+        plain = plain_attention(model, D, ROT, name, use_kernel)
+        whole = _run(plain, dtype, feeds, [16, n - 16], library)
         np.testing.assert_allclose(whole, reference, atol=tol, rtol=tol, err_msg=name)
         for cuts in ([1] * n, [3, 1, 16, n - 20], [2, 7, n - 9]):
-            np.testing.assert_array_equal(_run(plain, dtype, feeds, cuts), whole, err_msg=f"{name} {cuts}")
+            got = _run(plain, dtype, feeds, cuts, library)
+            np.testing.assert_array_equal(got, whole, err_msg=f"{name} {cuts}")
 
 
 def test_a_graph_it_cannot_rewrite_gets_one_line() -> None:
@@ -106,3 +117,32 @@ def test_a_graph_it_cannot_rewrite_gets_one_line() -> None:
         plain_attention(model.SerializeToString(), D, ROT)
     with pytest.raises(ModelFileError, match="KV dtype 'int4'"):
         plain_attention(_model(4, 2, 0, True), D, ROT, "int4")
+
+
+def test_the_kernel_is_rebuilt_over_a_broken_library_and_missing_compilers_get_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("EDGELITE_CACHE", str(tmp_path))
+    cfg = RuntimeConfig(threads=1)
+    built = kernel._build(cfg)
+    assert built is not None and built.parent == tmp_path / "kernels" and kernel.check(built, cfg) is None
+    built.write_bytes(b"not a library")  # (a truncated copy, another machine's build)
+    assert kernel.check(built, cfg) is not None
+    again = kernel._build(cfg)
+    assert again == built and kernel.check(again, cfg) is None
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    monkeypatch.delenv("CC", raising=False)
+    again.unlink()
+    with caplog.at_level("WARNING", "edgelite.engine.kernel"):
+        assert kernel._build(cfg) is None
+    [record] = caplog.records
+    assert "no C compiler" in record.getMessage() and "pkg install clang" in record.getMessage()
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    (tmp_path / "cc").write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    (tmp_path / "cc").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    caplog.clear()
+    with caplog.at_level("WARNING", "edgelite.engine.kernel"):
+        assert kernel._build(cfg) is None
+    [record] = caplog.records
+    assert "cc: internal error" in record.getMessage() and "\n" not in record.getMessage()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import struct
 
+from edgelite.engine import kernel
 from edgelite.engine.onnxgraph import (
     FLOAT,
     GRAPH_INIT,
@@ -49,6 +50,7 @@ from edgelite.engine.onnxgraph import (
     make_tensor,
     value_name,
     with_graph,
+    with_opset,
 )
 from edgelite.errors import ModelFileError
 
@@ -58,6 +60,7 @@ VALUE_TYPE, TYPE_TENSOR, TENSOR_ELEM = 2, 1, 1
 FLOAT16 = 10
 ELEM = {"float32": FLOAT, "float16": FLOAT16}
 MS = "com.microsoft"
+KERNEL_OPS = {"float32": "Attend", "float16": "Attend16"}  # engine/attend.c's operators
 P = "edgelite_attn"  # names of what the rewrite adds
 # a windowed layer reads its keys from a multiple of this many positions on (the window's
 # start rounded down): every position then sits at the same place within the products' and
@@ -66,7 +69,7 @@ WINDOW_ALIGN = 256
 
 
 def _node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "",
-          **attrs: int | list[int]) -> Field:
+          **attrs: int | float | list[int]) -> Field:
     return GRAPH_NODE, 2, make_node(op, inputs, outputs, name, domain, **attrs)
 
 
@@ -88,20 +91,23 @@ def _attrs(rest: list[Field]) -> dict[str, int | float]:
     return out
 
 
-def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32") -> bytes:
+def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32",
+                    use_kernel: bool = False) -> bytes:
     """The joined range with each GroupQueryAttention rewritten (see the module's text); its KV
-    inputs and outputs of `kv_dtype` ("float32" or "float16")."""
+    inputs and outputs of `kv_dtype` ("float32" or "float16"). `use_kernel`: attention by
+    engine/attend.c's operator (the session must register engine/kernel.py's library)."""
     if kv_dtype not in ELEM:
         raise ModelFileError(f"KV dtype {kv_dtype!r}: one of {', '.join(ELEM)}")
     try:
-        return with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype).graph)
+        out = with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel).graph)
+        return with_opset(out, kernel.DOMAIN, 1) if use_kernel else out
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot rewrite the range's attention: {exc}") from exc
 
 
 class _Rewrite:
-    def __init__(self, head_dim: int, rotary_dim: int, kv_dtype: str) -> None:
-        self.d, self.rot, self.kv_dtype = head_dim, rotary_dim, kv_dtype
+    def __init__(self, head_dim: int, rotary_dim: int, kv_dtype: str, use_kernel: bool) -> None:
+        self.d, self.rot, self.kv_dtype, self.kernel = head_dim, rotary_dim, kv_dtype, use_kernel
         self.consts: dict[str, Field] = {}
         self.shared: list[Field] = []
         self.masks: dict[int, tuple[str, str]] = {}  # window -> (mask, first)
@@ -271,15 +277,23 @@ class _Rewrite:
             k = a("RotaryEmbedding", [k, self.pos_ids, cos, sin], "k_rot", MS, num_heads=kv_heads,
                   rotary_embedding_dim=self.rot, interleaved=0)
         index = self._indices(kv_heads)
-        rows = max(g, 2)  # (a group of one query head runs twice: two rows a product)
-        mask, first = self._tiled(window, rows)
-        valid = {}
-        for kind, new, past, present in (("k", k, past_k, present_k), ("v", v, past_v, present_v)):
+        present = {}
+        for kind, new, past, out in (("k", k, past_k, present_k), ("v", v, past_v, present_v)):
             new = a("Reshape", [new, self.ints(-1, kv_heads, d)], f"{kind}_rows")  # (n, kv, d)
             if self.kv_dtype != "float32":
                 new = a("Cast", [new], f"{kind}_stored", to=ELEM[self.kv_dtype])
-            nodes.append(_node("ScatterND", [past, index, new], [present], f"{t}/{kind}_write"))
-            x = a("Slice", [present, first, self.total, self.ints(2)], f"{kind}_valid")  # (1, kv, T', d)
+            nodes.append(_node("ScatterND", [past, index, new], [out], f"{t}/{kind}_write"))
+            present[kind] = out
+        if self.kernel:
+            nodes.append(_node(KERNEL_OPS[self.kv_dtype], [q, present_k, present_v, self.total], [outputs[0]],
+                               f"{t}/attend", kernel.DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
+                               local_window_size=window, scale=scale))
+            return nodes
+        rows = max(g, 2)  # (a group of one query head runs twice: two rows a product)
+        mask, first = self._tiled(window, rows)
+        valid = {}
+        for kind, x in present.items():
+            x = a("Slice", [x, first, self.total, self.ints(2)], f"{kind}_valid")  # (1, kv, T', d)
             if self.kv_dtype != "float32":
                 x = a("Cast", [x], f"{kind}_wide", to=FLOAT)
             valid[kind] = x

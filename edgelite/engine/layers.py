@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, onnxgraph, rope
+from edgelite.engine import attention, invariant, kernel, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -94,10 +94,15 @@ class LayerRange:
         if self.cfg.kv_dtype != "float32" and not self.cfg.invariant:
             raise EdgeliteError(f"a {self.cfg.kv_dtype} KV needs the invariant attention "
                                 "(drop --no-invariant, or use --kv-dtype float32)")
-        # a 16-bit KV: attention in plain operators over the valid KV (engine/attention.py);
-        # float32: onnxruntime's GroupQueryAttention, its one-row steps padded to two rows
-        # when invariant (engine/invariant.py), else batching decode steps of several sessions
-        self.plain = self.cfg.kv_dtype != "float32"
+        # invariant: attention by engine/attend.c's operator where it could be built (the
+        # library, engine/kernel.py), else for a 16-bit KV in onnxruntime's plain operators
+        # over the valid KV (engine/attention.py) and for float32 its GroupQueryAttention with
+        # one-row steps padded to two rows (engine/invariant.py); not invariant:
+        # GroupQueryAttention as it is, batching decode steps of several sessions
+        self.library = (kernel.library(self.cfg)
+                        if self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernel.HEAD_DIMS
+                        else None)
+        self.plain = self.library is not None or self.cfg.kv_dtype != "float32"
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
         entries = m.layers[self.first:self.last + 1]
@@ -125,10 +130,11 @@ class LayerRange:
         model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
                                f"layers_{lo}_{hi}", [e.file for e in entries])
         if self.plain:
-            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.cfg.kv_dtype)
+            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.cfg.kv_dtype,
+                                              self.library is not None)
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
-        return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}")
+        return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}", self.library)
 
     def _check_shapes(self) -> None:
         """The graphs' fixed input dimensions against the manifest (a manifest that disagrees

@@ -111,10 +111,14 @@ def _trimming(folded: fold.Folded | None, every_s: float) -> Iterator[None]:
         thread.join()
 
 
-def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str) -> ort.InferenceSession:
-    """A session for a graph (bytes) whose external data files are in `folder`."""
+def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str,
+               library: Path | None = None) -> ort.InferenceSession:
+    """A session for a graph (bytes) whose external data files are in `folder`; `library`:
+    a custom operator library it uses (engine/kernel.py)."""
     try:
         opts = options(cfg, folder)
+        if library is not None:
+            opts.register_custom_ops_library(str(library))
         folded = _fold(model, folder, what) if cfg.fold_at_load else None
         if folded is not None:
             folded.add_to(opts)

@@ -1,0 +1,445 @@
+/* edgelite's attention kernel: an onnxruntime custom operator, compiled on the device that
+ * runs it (engine/kernel.py) and used by engine/attention.py.
+ *
+ * Operators (domain "edgelite"): Attend (float32 KV) and Attend16 (float16 KV).
+ *   inputs:  q      float32 (1, n, heads * d), rotated
+ *            key    (1, kv_heads, capacity, d), this step's rows already written
+ *            value  (1, kv_heads, capacity, d)
+ *            total  int64 (1): the positions valid after this step (the step's rows are the
+ *                   last n of them)
+ *   output:  float32 (1, n, heads * d)
+ *   attributes: num_heads, kv_num_heads, local_window_size (-1: none), scale (0: d^-1/2)
+ *
+ * Each row attends to its own causal window only and is computed by the same sequence of
+ * float operations whatever the step holds (fixed-lane dot products, sums in position order,
+ * no fast-math): a row comes out bit for bit the same in any chunking. It reads each KV
+ * position once per row and KV head (the group's query heads share the read), so a decode
+ * step reads the valid KV once, at memory speed.
+ *
+ * The onnxruntime C API is used through its function table (OrtApi), whose order is fixed
+ * across versions: only the entries named below, all present since onnxruntime 1.x's first
+ * API versions. No onnxruntime header is needed to build this file. */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define API_VERSION 12 /* what this file asks onnxruntime for (1.12 and later give it) */
+#define OP_VERSION 12  /* the OrtCustomOp layout below (up to the I/O characteristics) */
+
+/* OrtApi entries (indices into its table of function pointers) */
+enum {
+    CREATE_STATUS = 0,
+    CREATE_DOMAIN = 26,
+    DOMAIN_ADD = 27,
+    ADD_DOMAIN = 28,
+    TENSOR_DATA = 51,
+    DIMS_COUNT = 61,
+    DIMS = 62,
+    TYPE_AND_SHAPE = 65,
+    ATTR_FLOAT = 85,
+    ATTR_INT = 86,
+    INPUT = 90,
+    OUTPUT = 91,
+    RELEASE_STATUS = 93,
+    RELEASE_SHAPE = 99,
+};
+enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
+enum { ERR_FAIL = 1 };
+
+typedef void *status_t;
+typedef void *(*const *api_t);
+typedef struct {
+    api_t (*get_api)(uint32_t version);
+    const char *(*version)(void);
+} api_base_t;
+
+typedef status_t (*create_status_fn)(int, const char *);
+typedef status_t (*create_domain_fn)(const char *, void **);
+typedef status_t (*domain_add_fn)(void *, const void *);
+typedef status_t (*add_domain_fn)(void *, void *);
+typedef status_t (*tensor_data_fn)(const void *, void **);
+typedef status_t (*dims_count_fn)(const void *, size_t *);
+typedef status_t (*dims_fn)(const void *, int64_t *, size_t);
+typedef status_t (*type_and_shape_fn)(const void *, void **);
+typedef status_t (*attr_float_fn)(const void *, const char *, float *);
+typedef status_t (*attr_int_fn)(const void *, const char *, int64_t *);
+typedef status_t (*input_fn)(const void *, size_t, const void **);
+typedef status_t (*output_fn)(void *, size_t, const int64_t *, size_t, void **);
+typedef void (*release_fn)(void *);
+
+#define CALL(api, index, type) ((type)(api)[index])
+
+/* 1 when onnxruntime's call succeeded; a failure's status is released */
+static int ok(api_t api, status_t status) {
+    if (status) CALL(api, RELEASE_STATUS, release_fn)(status);
+    return !status;
+}
+
+struct custom_op {
+    uint32_t version;
+    void *(*create)(const struct custom_op *, api_t, const void *);
+    const char *(*name)(const struct custom_op *);
+    const char *(*provider)(const struct custom_op *);
+    int (*input_type)(const struct custom_op *, size_t);
+    size_t (*input_count)(const struct custom_op *);
+    int (*output_type)(const struct custom_op *, size_t);
+    size_t (*output_count)(const struct custom_op *);
+    void (*compute)(void *, void *);
+    void (*destroy)(void *);
+    int (*input_kind)(const struct custom_op *, size_t);
+    int (*output_kind)(const struct custom_op *, size_t);
+};
+
+typedef struct {
+    struct custom_op op;
+    const char *op_name;
+    int half; /* float16 KV */
+} attend_op;
+
+typedef struct {
+    api_t api;
+    int half;
+    int64_t heads, kv_heads, window;
+    float scale;
+} kernel;
+
+#define LANES 8 /* float lanes of the vector type below (two registers on 128-bit NEON) */
+#define BLOCK 32 /* KV positions widened at a time */
+#define MAX_D 256 /* the largest head size */
+#define TILE_ROWS 16 /* query rows that share each KV block's reading */
+#define TILE_BYTES (1 << 19) /* a tile's scores at most (fewer rows at long contexts) */
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof(v)); }
+
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+static inline float lanes_sum(vf v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* lane l: lanes_sum(a[l]), the same sums in the same order, for 8 vectors at once */
+static inline vf lanes_sum8(const vf *a) {
+    vf s[4], u[2];
+    for (int i = 0; i < 4; i++)
+        s[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = SHUFFLE(s[2 * i], s[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(s[2 * i], s[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+static inline float widen(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n float16 values as float32 (exact either way: the hardware's conversion where it has one) */
+static void widen_n(const uint16_t *h, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < n; i++) out[i] = widen(h[i]);
+}
+
+/* e^x for x <= 0 (a score less the row's largest), LANES at a time: x = n ln2 + r with
+ * |r| <= ln2/2 (ln2 in two parts), e^r by a degree-7 polynomial (Cephes' expf
+ * coefficients), times 2^n built in the exponent bits; below -87 it gives e^-87 (~1e-38) */
+static inline vf exp_neg(vf x) {
+    vf low = splat(-87.0f);
+    x = pick(x < low, low, x);
+    vf t = x * splat(1.44269504088896341f) + splat(0.5f);
+    vi n = __builtin_convertvector(t, vi); /* toward zero: one too high where t < 0 */
+    n = n + (vi)(__builtin_convertvector(n, vf) > t); /* (true is -1): now floor(t) */
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * splat(0.693359375f);
+    r = r - nf * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    return p * (vf)((n + 127) << 23);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* q . k over d values (a multiple of LANES) */
+INLINE float dot(const float *q, const float *k, int64_t d) {
+    vf acc = splat(0.0f);
+    for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * load(k + i);
+    return lanes_sum(acc);
+}
+
+/* rows first..first+count-1 of one KV head's plane as float32: in place for a float32 KV,
+ * else widened into buf */
+INLINE const float *rows_f32(const void *plane, int64_t first, int64_t count, int64_t d, int half, float *buf) {
+    if (!half) return (const float *)plane + first * d;
+    widen_n((const uint16_t *)plane + first * d, buf, count * d);
+    return buf;
+}
+
+/* softmax in place over one head's count scores */
+static void softmax(float *s, int64_t count) {
+    int64_t j = 0;
+    vf top = splat(-INFINITY), sums = splat(0.0f);
+    for (; j + LANES <= count; j += LANES) {
+        vf x = load(s + j);
+        top = pick(x > top, x, top);
+    }
+    float best = -INFINITY;
+    for (int l = 0; l < LANES; l++) best = top[l] > best ? top[l] : best;
+    for (; j < count; j++) best = s[j] > best ? s[j] : best;
+    vf b = splat(best);
+    for (j = 0; j + LANES <= count; j += LANES) {
+        vf e = exp_neg(load(s + j) - b);
+        store(s + j, e);
+        sums += e;
+    }
+    if (j < count) { /* the tail, padded with -inf (e^-87: counted nowhere) */
+        float tail[LANES];
+        for (int l = 0; l < LANES; l++) tail[l] = j + l < count ? s[j + l] : -INFINITY;
+        vf e = exp_neg(load(tail) - b);
+        for (int l = 0; l < LANES && j + l < count; l++) {
+            s[j + l] = e[l];
+            sums[l] += e[l];
+        }
+    }
+    float inv = 1.0f / lanes_sum(sums);
+    for (j = 0; j < count; j++) s[j] *= inv;
+}
+
+/* a tile of rows (consecutive positions pos0..pos0+rows-1) against one KV head: each row r
+ * attends to its own positions lo_r..pos_r (lo_r: its window's start, else 0). q: rows x g x d
+ * (scaled) -> out: rows x g x d. Every KV block (BLOCK positions from a multiple of BLOCK) is
+ * read, and widened, once for all the tile's rows. A row's result does not depend on the tile
+ * it is in: its dot products are taken 8 positions at a time over whole groups aligned to
+ * multiples of 8 and one by one at its range's ragged ends (both are the same sums), its
+ * softmax runs over its own range, and its values are summed in position order.
+ * scores: rows x g x span scratch (span: the tile's positions), buf: BLOCK x d scratch.
+ * Inlined with d and half constant (attend_head), so that a head's d values stay in
+ * registers; every row of a model runs the same instance. */
+INLINE void attend_tile(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
+                        int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
+    int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
+#define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
+    for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
+        int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
+        const float *k = rows_f32(keys, first, end - first + 1, d, half, buf); /* (position first) */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
+            for (int64_t h = 0; h < g; h++) {
+                const float *qh = q + (r * g + h) * d;
+                float *sh = scores + (r * g + h) * span; /* (position lo0) */
+                int64_t j = lo;
+                for (; j <= hi && j % LANES; j++) sh[j - lo0] = dot(qh, k + (j - first) * d, d);
+                for (; j + LANES - 1 <= hi; j += LANES) { /* LANES positions' dot products at once */
+                    vf acc[LANES];
+                    for (int l = 0; l < LANES; l++) acc[l] = splat(0.0f);
+                    for (int64_t i = 0; i < d; i += LANES) {
+                        vf qi = load(qh + i);
+                        for (int l = 0; l < LANES; l++) acc[l] += qi * load(k + (j - first + l) * d + i);
+                    }
+                    store(sh + j - lo0, lanes_sum8(acc));
+                }
+                for (; j <= hi; j++) sh[j - lo0] = dot(qh, k + (j - first) * d, d);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < g; h++)
+            softmax(scores + (r * g + h) * span + LO(r) - lo0, pos0 + r - LO(r) + 1);
+    memset(out, 0, (size_t)(rows * g * d) * sizeof(float));
+    for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
+        int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
+        const float *v = rows_f32(values, first, end - first + 1, d, half, buf);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
+            for (int64_t h = 0; h < g && lo <= hi; h++) {
+                const float *p = scores + (r * g + h) * span; /* (position lo0) */
+                float *o = out + (r * g + h) * d;
+                vf acc[MAX_D / LANES];
+                for (int64_t i = 0; i < d / LANES; i++) acc[i] = load(o + i * LANES);
+                for (int64_t j = lo; j <= hi; j++) {
+                    vf pj = splat(p[j - lo0]);
+                    for (int64_t i = 0; i < d / LANES; i++) acc[i] += pj * load(v + (j - first) * d + i * LANES);
+                }
+                for (int64_t i = 0; i < d / LANES; i++) store(o + i * LANES, acc[i]);
+            }
+        }
+    }
+#undef LO
+}
+
+#define HEAD(D, HALF) attend_tile(q, keys, values, pos0, rows, window, g, D, HALF, scores, buf, out)
+
+/* attend_tile for this model's head size and KV dtype */
+static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
+                        int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
+    if (half) {
+        if (d == 64) HEAD(64, 1);
+        else if (d == 128) HEAD(128, 1);
+        else HEAD(d, 1);
+    } else {
+        if (d == 64) HEAD(64, 0);
+        else if (d == 128) HEAD(128, 0);
+        else HEAD(d, 0);
+    }
+}
+
+static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
+    void *info = NULL;
+    size_t count = 0;
+    if (!ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(value, &info))) return 0;
+    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &count)) && count == want &&
+               ok(api, CALL(api, DIMS, dims_fn)(info, dims, want));
+    CALL(api, RELEASE_SHAPE, release_fn)(info);
+    return good;
+}
+
+static void compute(void *state, void *ctx) {
+    kernel *k = (kernel *)state;
+    api_t api = k->api;
+    const void *in[4];
+    for (size_t i = 0; i < 4; i++)
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i]) return;
+    int64_t qd[3], kd[4], vd[4], td[1];
+    if (!shape(api, in[0], qd, 3) || !shape(api, in[1], kd, 4) || !shape(api, in[2], vd, 4) ||
+        !shape(api, in[3], td, 1))
+        return;
+    void *out_value = NULL;
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, qd, 3, &out_value)) || !out_value) return;
+    void *data[5];
+    const void *values[5] = {in[0], in[1], in[2], in[3], out_value};
+    for (int i = 0; i < 5; i++)
+        if (!ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(values[i], &data[i]))) return;
+    void *q_data = data[0], *k_data = data[1], *v_data = data[2], *t_data = data[3], *o_data = data[4];
+    int64_t n = qd[1], heads = k->heads, kv = k->kv_heads, d = kd[3], cap = kd[2];
+    int64_t total = td[0] == 1 ? ((const int64_t *)t_data)[0] : -1;
+    float *o = (float *)o_data;
+    memset(o, 0, (size_t)(qd[0] * qd[1] * qd[2]) * sizeof(float));
+    /* a step that does not fit the KV it is given (the graph is ours: never expected) leaves
+     * zeros rather than reading outside the buffers */
+    if (qd[0] != 1 || kd[0] != 1 || kd[1] != kv || memcmp(kd, vd, sizeof(kd)) || qd[2] != heads * d ||
+        heads % kv || total < n || total > cap || d < 1 || d % LANES || d > MAX_D)
+        return;
+    int64_t g = heads / kv, start = total - n;
+    float scale = k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d);
+    size_t item = k->half ? 2 : 4, plane = (size_t)(cap * d) * item;
+    /* rows a tile: as many as keep its scores within TILE_BYTES (any count gives the same) */
+    int64_t span = total, rows = (int64_t)(TILE_BYTES / sizeof(float)) / (g * span);
+    rows = rows < 1 ? 1 : rows > TILE_ROWS ? TILE_ROWS : rows;
+    rows = rows > n ? n : rows;
+    float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(2 * rows * g * d) + (size_t)(BLOCK * d)) *
+                                     sizeof(float));
+    if (!scratch) return;
+    float *scores = scratch, *qs = scores + rows * g * span, *acc = qs + rows * g * d, *buf = acc + rows * g * d;
+    const float *q = (const float *)q_data;
+    for (int64_t h = 0; h < kv; h++) {
+        for (int64_t r0 = 0; r0 < n; r0 += rows) {
+            int64_t m = n - r0 < rows ? n - r0 : rows;
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t i = 0; i < g * d; i++) qs[r * g * d + i] = q[((r0 + r) * heads + h * g) * d + i] * scale;
+            attend_head(qs, (const char *)k_data + (size_t)h * plane, (const char *)v_data + (size_t)h * plane,
+                        start + r0, m, k->window, g, d, k->half, scores, buf, acc);
+            for (int64_t r = 0; r < m; r++)
+                memcpy(o + ((r0 + r) * heads + h * g) * d, acc + r * g * d, (size_t)(g * d) * sizeof(float));
+        }
+    }
+    free(scratch);
+}
+
+static void *create(const struct custom_op *op, api_t api, const void *info) {
+    kernel *k = (kernel *)calloc(1, sizeof(kernel));
+    if (!k) return NULL;
+    k->api = api;
+    k->half = ((const attend_op *)op)->half;
+    k->window = -1;
+    if (CALL(api, ATTR_INT, attr_int_fn)(info, "num_heads", &k->heads) ||
+        CALL(api, ATTR_INT, attr_int_fn)(info, "kv_num_heads", &k->kv_heads) || k->heads < 1 ||
+        k->kv_heads < 1) {
+        k->heads = k->kv_heads = 1; /* compute() then refuses every step (zeros) */
+    }
+    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "local_window_size", &k->window);
+    (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "scale", &k->scale);
+    return k;
+}
+
+static void destroy(void *state) { free(state); }
+static const char *op_name(const struct custom_op *op) { return ((const attend_op *)op)->op_name; }
+static const char *provider(const struct custom_op *op) { (void)op; return "CPUExecutionProvider"; }
+static size_t input_count(const struct custom_op *op) { (void)op; return 4; }
+static size_t output_count(const struct custom_op *op) { (void)op; return 1; }
+static int output_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static int required(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
+
+static int input_type(const struct custom_op *op, size_t i) {
+    if (i == 0) return ELEM_FLOAT;
+    if (i == 3) return ELEM_INT64;
+    return ((const attend_op *)op)->half ? ELEM_FLOAT16 : ELEM_FLOAT;
+}
+
+#define ATTEND_OP(label, is_half)                                                                    \
+    {{OP_VERSION, create, op_name, provider, input_type, input_count, output_type, output_count, compute, \
+      destroy, required, required},                                                                 \
+     label, is_half}
+
+static attend_op ops[2] = {ATTEND_OP("Attend", 0), ATTEND_OP("Attend16", 1)};
+
+status_t RegisterCustomOps(void *options, const api_base_t *base) {
+    api_t api = base->get_api(API_VERSION);
+    if (!api) return NULL; /* cannot even report it; the session then fails on the unknown op */
+    void *domain = NULL;
+    status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
+    for (int i = 0; !status && i < 2; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
+    if (!status) status = CALL(api, ADD_DOMAIN, add_domain_fn)(options, domain);
+    return status;
+}

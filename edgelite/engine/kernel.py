@@ -1,0 +1,174 @@
+"""engine/attend.c, the attention operator, built for this device the first time a range needs
+it and kept under the edgelite home (kernels/), one library per source, compiler and machine.
+
+It is compiled here rather than shipped: phones have no wheel of ours to carry one, Termux has
+clang (`pkg install clang`), and `-march=native` then fits the very core that runs it. Where
+no C compiler works, or onnxruntime refuses the library, attention falls back to onnxruntime's
+operators (engine/attention.py, engine/invariant.py), slower at long contexts, and says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from edgelite import paths
+from edgelite.config import RuntimeConfig
+from edgelite.engine import session
+from edgelite.engine.onnxgraph import FLOAT, INT64, encode, make_node
+
+log = logging.getLogger(__name__)
+DOMAIN = "edgelite"  # the operators' ONNX domain (attend.c registers it)
+SOURCE = Path(__file__).with_name("attend.c")
+HEAD_DIMS = range(8, 257, 8)  # the head sizes attend.c computes (multiples of its 8 lanes, up to 256)
+COMPILERS = ("cc", "clang", "gcc")  # tried in this order after $CC
+# every build: optimised, no reassociation or fused multiply-add (a row's sums are the same
+# sequence of roundings in every step), position-independent for dlopen
+FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if any
+_lock = threading.Lock()
+_built: list[Path | None] = []  # once looked for: the library, or None when none could be built
+
+
+def library(cfg: RuntimeConfig) -> Path | None:
+    """The built library, built now if this device has none yet; None (logged once) when it
+    cannot be built."""
+    with _lock:
+        if not _built:
+            _built.append(_build(cfg))
+        return _built[0]
+
+
+def _compilers() -> list[str]:
+    names = [os.environ["CC"]] if os.environ.get("CC") else []
+    return [p for p in (shutil.which(n) for n in (*names, *COMPILERS)) if p]
+
+
+def _build(cfg: RuntimeConfig) -> Path | None:
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        log.warning("attention kernel: cannot read %s (%s); using onnxruntime's operators", SOURCE, exc)
+        return None
+    compilers = _compilers()
+    if not compilers:
+        log.warning("attention kernel: no C compiler (cc, clang, gcc; Termux: pkg install clang); "
+                    "using onnxruntime's operators, slower at long contexts")
+        return None
+    folder = paths.cache() / "kernels"
+    errors = []
+    for cc in compilers:
+        tag = hashlib.sha256(source + cc.encode() + platform.machine().encode() + " ".join(FLAGS).encode())
+        target = folder / f"attend-{tag.hexdigest()[:16]}.so"
+        if target.is_file():
+            error = check(target, cfg)
+            if error is None:
+                return target
+            errors.append(error)
+        for native in (*NATIVE, None):
+            error = _compile(cc, native, target, cfg.kernel_build_s) or check(target, cfg)
+            if error is None:
+                log.info("attention kernel built: %s (%s %s)", target, Path(cc).name, native or "")
+                return target
+            target.unlink(missing_ok=True)
+            errors.append(error)
+    log.warning("attention kernel: %s; using onnxruntime's operators, slower at long contexts", errors[-1])
+    return None
+
+
+def check(library: Path, cfg: RuntimeConfig) -> str | None:
+    """None when onnxruntime loads `library` and its operator gives what plain numpy gives
+    (both KV dtypes, a windowed layer, a chunk of rows); else what went wrong, in one line."""
+    import onnxruntime as ort
+
+    heads, kv, d, cap = 4, 2, 16, 24
+    rng = np.random.default_rng(0)
+    try:
+        opts = session.options(cfg, Path("."))  # (the process's thread pool, if it has one)
+        opts.register_custom_ops_library(str(library))
+        for dtype, op in ((np.float32, "Attend"), (np.float16, "Attend16")):
+            run = ort.InferenceSession(_model(op, heads, kv, d, cap, 5), opts,
+                                       providers=["CPUExecutionProvider"]).run
+            q = rng.standard_normal((1, 3, heads * d)).astype(np.float32)
+            k, v = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
+            total = np.array([13], np.int64)
+            got = run(None, {"q": q, "k": k, "v": v, "total": total})[0]
+            want = _reference(q, k, v, 13, heads, 5)
+            if got.shape != want.shape or not np.allclose(got, want, atol=1e-4):
+                return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        return f"onnxruntime {ort.__version__} cannot run it: {first}"
+    return None
+
+
+def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, total: int, heads: int,
+               window: int) -> np.ndarray:
+    n, kv, d = q.shape[1], k.shape[1], k.shape[3]
+    out = np.zeros((1, n, heads * d), np.float32)
+    for r in range(n):
+        pos = total - n + r
+        lo = max(0, pos - window + 1)
+        for h in range(heads):
+            g = h // (heads // kv)
+            s = k[0, g, lo:pos + 1].astype(np.float64) @ q[0, r, h * d:(h + 1) * d] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[0, r, h * d:(h + 1) * d] = p / p.sum() @ v[0, g, lo:pos + 1].astype(np.float64)
+    return out
+
+
+def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes:
+    """A model of one attend.c operator (protobuf by hand: phones have no `onnx` package)."""
+    half = 10  # TensorProto FLOAT16
+
+    def value(name: str, elem: int, dims: list[int | str]) -> bytes:
+        shape = encode([(1, 2, encode([(2, 2, x.encode())] if isinstance(x, str) else [(1, 0, x)]))
+                        for x in dims])
+        tensor = encode([(1, 0, elem), (2, 2, shape)])
+        return encode([(1, 2, name.encode()), (2, 2, encode([(1, 2, tensor)]))])
+
+    kv_elem = half if op.endswith("16") else FLOAT
+    node = make_node(op, ["q", "k", "v", "total"], ["out"], "attend", DOMAIN, num_heads=heads,
+                     kv_num_heads=kv, local_window_size=window, scale=d ** -0.5)
+    graph = encode([(1, 2, node), (2, 2, b"check"),
+                    (11, 2, value("q", FLOAT, [1, "n", heads * d])),
+                    (11, 2, value("k", kv_elem, [1, kv, cap, d])),
+                    (11, 2, value("v", kv_elem, [1, kv, cap, d])),
+                    (11, 2, value("total", INT64, [1])),
+                    (12, 2, value("out", FLOAT, [1, "n", heads * d]))])
+    return encode([(1, 0, 8), (7, 2, graph), (8, 2, encode([(1, 2, b""), (2, 0, 17)])),
+                   (8, 2, encode([(1, 2, DOMAIN.encode()), (2, 0, 1)]))])
+
+
+def _compile(cc: str, native: str | None, target: Path, timeout_s: float) -> str | None:
+    """None when `target` was built; else what went wrong, in one line."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write in {target.parent}: {exc}"
+    cmd = [cc, *FLAGS, *([native] if native else []), "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if done.returncode:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            return f"{Path(cc).name} {native or ''}: {lines[0] if lines else f'exit {done.returncode}'}"
+        os.replace(tmp, target)  # (atomic: other processes see the whole library or none)
+        return None
+    except subprocess.TimeoutExpired:
+        return f"{Path(cc).name} took over {timeout_s:.0f} s"
+    except OSError as exc:
+        return f"{Path(cc).name}: {exc}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
