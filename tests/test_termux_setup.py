@@ -33,7 +33,7 @@ def _run(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]
 def test_node_setup_then_again_then_client(tmp_path: Path) -> None:
     res, calls = _run(tmp_path)
     assert res.returncode == 0, res.stderr
-    assert calls[0] == "pkg install -y python python-numpy python-onnxruntime python-msgpack"
+    assert calls[0] == "pkg install -y python python-numpy python-onnxruntime python-msgpack clang"
     assert "pip install --no-deps edgelite" in calls
     everything = " ".join(calls)
     for pc_side in ("torch", "onnx ", "transformers", "highspy", "uvloop", "tokenizers"):
