@@ -1,6 +1,7 @@
 """What a phone has: a venv with only the core dependencies and the onnxruntime Termux ships
 (1.29.0; no highspy, uvloop, torch, onnx, transformers) runs node processes, plans (with the
-exact DP, saying so), deploys and generates the same ids as the full install; the int4 export
+exact DP, saying so), deploys and generates the same ids as the full install (the int4 fast
+export's: up to a near tie, which each onnxruntime's rounding breaks its own way); the int4 export
 (MatMulNBits, GroupQueryAttention, GatherBlockQuantized, ...) loads and runs on it too."""
 
 from __future__ import annotations
@@ -38,6 +39,30 @@ def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return py
 
 
+# onnxruntime 1.29 and 1.32 compute the int4 fast export's int8-activation products with other
+# kernels: measured, the same position's top-two logit margin differs by up to 0.2 between them
+NEAR_TIE = 0.3
+
+
+def _same_until_a_near_tie(model: Path, prompt: list[int], core: list[int], full: list[int]) -> None:
+    """The two installs' ids are the same, or part where the full install itself had its two
+    likeliest tokens within NEAR_TIE logits (a tie either rounding may break its own way)."""
+    import numpy as np
+
+    from edgelite import manifest as mf
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine.runtime import LocalChain
+
+    if core == full:
+        return
+    same = [a == b for a, b in zip(core, full, strict=False)]
+    at = same.index(False) if False in same else len(same)
+    logits = LocalChain(mf.load(model), RuntimeConfig(threads=1)).logits_all(
+        "tie", np.array([prompt + full[:at]]))
+    top = np.sort(np.asarray(logits, np.float64).reshape(len(prompt) + at, -1)[-1])[-2:]
+    assert top[1] - top[0] < NEAR_TIE, (at, core, full, float(top[1] - top[0]))
+
+
 def _core(py: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "EDGELITE_TOKEN": TOKEN}
     return subprocess.run([str(py), "-m", "edgelite", *args], capture_output=True, text=True,
@@ -55,7 +80,12 @@ def test_core_install_runs_the_int4_export(core_python: Path, smollm2_int4: Path
     core = _core(core_python, *args)
     assert core.returncode == 0, core.stderr[-2000:]
     full = run_cli(*args)
-    assert json.loads(core.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
+    from edgelite import manifest as mf
+    from edgelite.engine.tokenizer import Tokenizer
+
+    prompt = Tokenizer(mf.load(smollm2_int4)).chat_prompt([{"role": "user", "content": "What is a phone?"}])
+    _same_until_a_near_tie(smollm2_int4, prompt, json.loads(core.stdout)["token_ids"],
+                           json.loads(full.stdout)["token_ids"])
 
 
 def test_core_install_runs_gguf_widths(core_python: Path, ggufs: dict[str, Path],
