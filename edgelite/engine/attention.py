@@ -1,4 +1,5 @@
-"""Attention over the valid KV in plain operators, in place of GroupQueryAttention.
+"""Attention over the valid KV, in place of GroupQueryAttention: engine/attend.c's operator,
+or plain onnxruntime operators.
 
 A joined range's GroupQueryAttention nodes are rewritten as a session loads (no re-export):
 
@@ -6,22 +7,25 @@ A joined range's GroupQueryAttention nodes are rewritten as a session loads (no 
   GroupQueryAttention rotates them), cast to the KV dtype and written into the session's KV
   slot by a ScatterND whose output is bound to the same buffer as its input (onnxruntime writes
   the rows in place and copies nothing else);
-- attention reads only the slot's valid positions (a Slice up to the step's total, from the
-  window's first position on windowed layers), widened to float32 where the KV is float16;
-- the query rows of each KV head's group are one matrix product against that head's keys
-  (`G x n` rows), a causal (and window) mask is added, Softmax, and one product with the
-  values.
+- with the kernel (`use_kernel`: the session registers engine/kernel.py's library), one
+  `edgelite` Attend (float32 KV) or Attend16 (float16) node takes the rotated queries, the
+  slot's K and V and the step's total, and gives the attention output (see attend.c);
+- without it, attention reads only the slot's valid positions (a Slice up to the step's
+  total, from the window's first position on windowed layers), widened to float32 where the
+  KV is float16; the query rows of each KV head's group are one matrix product against that
+  head's keys (`G x n` rows), a causal (and window) mask is added, Softmax, and one product
+  with the values.
 
-Used for a 16-bit KV (`RuntimeConfig.kv_dtype` float16), which onnxruntime's CPU
-GroupQueryAttention reads only with 16-bit queries. Every position comes out the same
+The plain operators serve a 16-bit KV where there is no kernel (onnxruntime's CPU
+GroupQueryAttention reads one only with 16-bit queries). Every position comes out the same
 decoded, in any chunking, after a KV store restore or a rollback: every product has at least
 two rows (a KV head's query group; a model whose groups are one head each runs its rows
 twice), onnxruntime's float MatMul gives each row the same result whatever the number of
-rows, and a masked position adds exactly nothing. A float32 KV keeps GroupQueryAttention
-(engine/invariant.py pads its one-row steps): measured on SmolLM2, these operators decode at
-about its speed and faster at long contexts, but a prompt chunk materialises its scores,
-mask sum and probabilities whole, so prefill takes 1.3-2.2x as long (scripts/bench_context.py,
-docs/benchmarks.md).
+rows, and a masked position adds exactly nothing. Without the kernel a float32 KV keeps
+GroupQueryAttention (engine/invariant.py pads its one-row steps): measured on SmolLM2, these
+operators decode at about its speed and faster at long contexts, but a prompt chunk
+materialises its scores, mask sum and probabilities whole, so prefill takes 1.3-2.2x as long
+(scripts/bench_context.py, docs/benchmarks.md).
 
 The shape arithmetic (the step's rows from the hidden input, its positions from
 `total_seq`) is in the graph and shared by the range's layers, so one session serves decode
