@@ -24,13 +24,13 @@ from edgelite.errors import ModelFileError
 D, CAP, ROT = 16, 320, 16
 
 
-def _model(heads: int, kv: int, window: int, packed: bool) -> bytes:
+def _model(heads: int, kv: int, window: int, packed: bool, d: int = D) -> bytes:
     f32 = TensorProto.FLOAT
-    width = (heads + 2 * kv) * D if packed else heads * D
+    width = (heads + 2 * kv) * d if packed else heads * d
     inputs = [helper.make_tensor_value_info("hidden_0", f32, [1, "n", width])]
     if not packed:
-        inputs += [helper.make_tensor_value_info(x, f32, [1, "n", kv * D]) for x in ("k", "v")]
-    kv_shape = [1, kv, CAP, D]
+        inputs += [helper.make_tensor_value_info(x, f32, [1, "n", kv * d]) for x in ("k", "v")]
+    kv_shape = [1, kv, CAP, d]
     inputs += [helper.make_tensor_value_info("past_key_0", f32, kv_shape),
                helper.make_tensor_value_info("past_value_0", f32, kv_shape),
                helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
@@ -45,7 +45,7 @@ def _model(heads: int, kv: int, window: int, packed: bool) -> bytes:
         ["hidden_1", "present_key_0", "present_value_0"], domain="com.microsoft",
         num_heads=heads, kv_num_heads=kv, scale=0.3, do_rotary=1, rotary_interleaved=0, **extra)
     graph = helper.make_graph([node], "g", inputs, [
-        helper.make_tensor_value_info("hidden_1", f32, [1, "n", heads * D]),
+        helper.make_tensor_value_info("hidden_1", f32, [1, "n", heads * d]),
         helper.make_tensor_value_info("present_key_0", f32, kv_shape),
         helper.make_tensor_value_info("present_value_0", f32, kv_shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -55,14 +55,14 @@ def _model(heads: int, kv: int, window: int, packed: bool) -> bytes:
 
 
 def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int],
-         library: Path | None = None) -> np.ndarray:
+         library: Path | None = None, d: int = D) -> np.ndarray:
     """The attention output of every position, run in steps of `cuts` positions, the KV bound
     in place as engine/layers.py binds it."""
     opts = options(RuntimeConfig(threads=1), Path("."))  # (the process's thread pool, if made)
     if library is not None:
         opts.register_custom_ops_library(str(library))
     s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
-    kv = [np.zeros((1, feeds["k"].shape[2] // D, CAP, D), dtype) for _ in range(2)]
+    kv = [np.zeros((1, feeds["k"].shape[2] // d, CAP, d), dtype) for _ in range(2)]
     angles = np.outer(np.arange(CAP), 1.0 / 10000 ** (np.arange(0, ROT, 2) / ROT))
     tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
     names = {i.name for i in s.get_inputs()}
@@ -88,25 +88,27 @@ def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int
 
 
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["operators", "kernel"])
-@pytest.mark.parametrize("heads,kv,window,packed", [(4, 2, 0, True), (6, 2, 0, False), (4, 4, 0, True),
-                                                     (4, 2, 5, False), (3, 3, 4, True)])
+# (the kernel: head size 16 and a group of 9 take its general tile, 32 its grouped one)
+@pytest.mark.parametrize("heads,kv,window,packed,d", [
+    (4, 2, 0, True, 16), (6, 2, 0, False, 32), (4, 4, 0, True, 32), (4, 2, 5, False, 16),
+    (4, 2, 40, False, 32), (3, 3, 4, True, 32), (9, 1, 3, True, 32)])
 def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_cut(
-        heads: int, kv: int, window: int, packed: bool, use_kernel: bool) -> None:
+        heads: int, kv: int, window: int, packed: bool, d: int, use_kernel: bool) -> None:
     library = kernel.library(RuntimeConfig(threads=1)) if use_kernel else None
     assert library is not None or not use_kernel, "no attention kernel on a machine with a C compiler"
     rng = np.random.default_rng(heads * 10 + kv + window)
     n = 300 if window else 21  # (past 256: a windowed layer's keys then start further on)
-    feeds = {"hidden_0": rng.standard_normal((1, n, heads * D)).astype(np.float32),
-             "k": rng.standard_normal((1, n, kv * D)).astype(np.float32),
-             "v": rng.standard_normal((1, n, kv * D)).astype(np.float32)}
-    model = _model(heads, kv, window, packed)
-    reference = _run(model, np.float32, feeds, [8, 8, n - 16])
+    feeds = {"hidden_0": rng.standard_normal((1, n, heads * d)).astype(np.float32),
+             "k": rng.standard_normal((1, n, kv * d)).astype(np.float32),
+             "v": rng.standard_normal((1, n, kv * d)).astype(np.float32)}
+    model = _model(heads, kv, window, packed, d)
+    reference = _run(model, np.float32, feeds, [8, 8, n - 16], None, d)
     for dtype, name, tol in ((np.float32, "float32", 1e-5), (np.float16, "float16", 2e-2)):
-        plain = plain_attention(model, D, ROT, name, use_kernel)
-        whole = _run(plain, dtype, feeds, [16, n - 16], library)
+        plain = plain_attention(model, d, ROT, name, use_kernel)
+        whole = _run(plain, dtype, feeds, [16, n - 16], library, d)
         np.testing.assert_allclose(whole, reference, atol=tol, rtol=tol, err_msg=name)
         for cuts in ([1] * n, [3, 1, 16, n - 20], [2, 7, n - 9]):
-            got = _run(plain, dtype, feeds, cuts, library)
+            got = _run(plain, dtype, feeds, cuts, library, d)
             np.testing.assert_array_equal(got, whole, err_msg=f"{name} {cuts}")
 
 
