@@ -68,9 +68,10 @@ class RuntimeConfig:
     # the reply does not depend on chunking, the split, the KV store or load; decode steps of
     # several sessions then run one by one (onnxruntime batches only one-row steps)
     invariant: bool = True
-    # what the KV cache holds: "float32", or "float16" (half the memory a position costs;
-    # needs `invariant`; attention then runs in plain operators: engine/attention.py)
-    kv_dtype: str = "float32"
+    # what the KV cache holds: "float32", "float16" (half the memory a position costs; needs
+    # `invariant`), or "auto": float16 for fast-mode exports, float32 for fp32 and exact ones
+    # (engine/kv.py dtype_for)
+    kv_dtype: str = "auto"
     # where `invariant`, attention runs in edgelite's own operator (engine/attend.c, compiled
     # for the device at first use: engine/kernel.py), which reads the valid KV once a step;
     # off, or where no C compiler works, onnxruntime's operators (engine/attention.py,

@@ -21,6 +21,8 @@ FORMAT = "edgelite-model/2"
 MANIFEST_NAME = "manifest.json"
 WEIGHTS = ("fp32", "int8", "int4")  # how the linear layers are stored
 COMPUTE = ("fp32", "exact", "fast")  # fp32 weights; blocks with float or int8 activations
+KV_ITEM = {"float32": 4, "float16": 2}  # the KV dtypes, bytes a value
+KV_AUTO = "auto"  # RuntimeConfig.kv_dtype: chosen per export (Manifest.kv_dtype)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 MAX_DIM = 1 << 20  # no model dimension is larger (a manifest saying so is corrupt)
 
@@ -105,13 +107,23 @@ class Manifest:
         return self.root / entry.file
 
     def kv_bytes_per_token(self, first: int, last: int) -> int:
+        """A position's float32 KV in layers first..last."""
         return sum(e.kv_bytes_per_token for e in self.layers[first:last + 1])
 
-    def kv_bytes(self, first: int, last: int, positions: int) -> int:
-        """What a session of `positions` holds in layers first..last: a windowed layer at most
-        its window's worth."""
+    def kv_bytes(self, first: int, last: int, positions: int, dtype: str = "float32") -> int:
+        """What a session of `positions` holds in layers first..last, its KV of `dtype`: a
+        windowed layer at most its window's worth."""
         return sum(e.kv_bytes_per_token * (min(positions, e.window) if e.window else positions)
-                   for e in self.layers[first:last + 1])
+                   for e in self.layers[first:last + 1]) * KV_ITEM[dtype] // KV_ITEM["float32"]
+
+    def kv_dtype(self, asked: str, invariant: bool) -> str:
+        """The KV dtype a range of this export holds: as asked, or for "auto" float16 where
+        it computes fast (int8 activations: a 16-bit KV adds nothing measurable to its error,
+        scripts/bench_context.py) and the attention is invariant (the only attention that
+        reads a 16-bit KV), else float32 (fp32 and exact exports keep their exactness)."""
+        if asked != KV_AUTO:
+            return asked
+        return "float16" if self.compute == "fast" and invariant else "float32"
 
     @property
     def scratch(self) -> int:

@@ -37,9 +37,9 @@ NAMES = ("phone-a", "phone-b", "phone-c")
 
 @dataclass(frozen=True)
 class DemoConfig:
-    # int4 SmolLM2 once loaded (as the exporter measured it): 5 MiB a layer + 3 MiB of
-    # 2,048-token KV reserve, embedding and head 42 MiB, a prompt chunk 16 MiB
-    node_memory_mb: float = 195.0  # each phone's node process (~90 MiB its own): 9-10 layers, a margin
+    # int4 SmolLM2 once loaded (as the exporter measured it): 5 MiB a layer + 1.5 MiB of
+    # 2,048-token 16-bit KV reserve, embedding and head 42 MiB, a prompt chunk 16 MiB
+    node_memory_mb: float = 165.0  # each phone's node process (~90 MiB its own): 9-10 layers, a margin
     # the client: this much beyond what the demo's process holds when it plans (its own size
     # varies with what is installed): embedding and head 71 MiB while they load, its probe
     # ~35, a chunk 16, and 4-5 layers

@@ -78,7 +78,8 @@ async def kv_of(llm: LLM, runtime: RuntimeConfig) -> tuple[int | None, tuple[int
     tokens, buckets = math.inf, runtime.kv_buckets
     for st in backend.plan.remote:
         node = stats[st.addr]  # type: ignore[index]
-        per_token = llm.manifest.kv_bytes_per_token(st.first, st.last)
+        dtype = llm.manifest.kv_dtype(str(node.get("kv_dtype", "float32")), bool(node.get("invariant", True)))
+        per_token = llm.manifest.kv_bytes(st.first, st.last, 1, dtype)
         tokens = min(tokens, node["kv_budget_bytes"] // max(1, per_token))
         buckets = tuple(node.get("kv_buckets", buckets))
     return (None if tokens == math.inf else int(tokens)), buckets

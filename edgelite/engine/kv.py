@@ -3,7 +3,8 @@
 Every layer's keys and values of a slab are one buffer (slots, kv_heads, capacity, head_dim),
 bound to the attention as both its past and present input: each step writes its new
 positions in place and attention reads only the session's real length. The buffers hold
-`RuntimeConfig.kv_dtype` (float32, or float16 at half the memory a position). A batch of
+`RuntimeConfig.kv_dtype` (float32, or float16 at half the memory a position; "auto" is
+float16 for a fast-mode export's invariant ranges, else float32: `Manifest.kv_dtype`). A batch of
 decode steps binds the slots it covers, so sessions of different lengths run together without
 copying.
 

@@ -91,8 +91,9 @@ class LayerRange:
 
     def __post_init__(self) -> None:
         m = self.manifest
-        if self.cfg.kv_dtype != "float32" and not self.cfg.invariant:
-            raise EdgeliteError(f"a {self.cfg.kv_dtype} KV needs the invariant attention "
+        self.kv_dtype = m.kv_dtype(self.cfg.kv_dtype, self.cfg.invariant)
+        if self.kv_dtype != "float32" and not self.cfg.invariant:
+            raise EdgeliteError(f"a {self.kv_dtype} KV needs the invariant attention "
                                 "(drop --no-invariant, or use --kv-dtype float32)")
         # invariant: attention by engine/attend.c's operator where it could be built (the
         # library, engine/kernel.py), else for a 16-bit KV in onnxruntime's plain operators
@@ -102,7 +103,7 @@ class LayerRange:
         self.library = (kernel.library(self.cfg)
                         if self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernel.HEAD_DIMS
                         else None)
-        self.plain = self.library is not None or self.cfg.kv_dtype != "float32"
+        self.plain = self.library is not None or self.kv_dtype != "float32"
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
         entries = m.layers[self.first:self.last + 1]
@@ -114,7 +115,7 @@ class LayerRange:
         self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
                            context + self.chunks[-1] + extra, self.cfg.kv_slab_slots, self.cfg.kv_buckets,
                            tuple(e.window for e in entries), self.chunks[-1], context,
-                           self.cfg.kv_dtype)
+                           self.kv_dtype)
         inputs = {i.name for s in self.sessions for i in s.get_inputs()}
         self.ropes: dict[str, np.ndarray] = {}  # RoPE table inputs the graph has -> their tables
         for suffix, local in (("", False), ("_local", True)):
@@ -130,7 +131,7 @@ class LayerRange:
         model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
                                f"layers_{lo}_{hi}", [e.file for e in entries])
         if self.plain:
-            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.cfg.kv_dtype,
+            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.kv_dtype,
                                               self.library is not None)
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
@@ -164,7 +165,7 @@ class LayerRange:
         """What this range's KV is (the KV store's entries are kept per layout)."""
         m = self.manifest
         return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, m.head_dim,
-                      self.cfg.kv_dtype)
+                      self.kv_dtype)
 
     @property
     def max_chunk(self) -> int:

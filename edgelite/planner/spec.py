@@ -11,7 +11,7 @@ from typing import Any
 
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
-from edgelite.manifest import SCRATCH_CHUNK, Manifest
+from edgelite.manifest import KV_AUTO, SCRATCH_CHUNK, Manifest
 from edgelite.planner.model import Device, Layer, Link, Problem, Weights
 
 KV_TOKENS = 2048  # context each layer reserves KV memory for
@@ -19,9 +19,11 @@ KV_TOKENS = 2048  # context each layer reserves KV memory for
 
 def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
     """Each layer's cost: what it holds once loaded (FileEntry.resident: as the exporter
-    measured it) and its KV; a windowed layer (Gemma 3's local ones) reserves KV for its window."""
+    measured it) and its KV, of the dtype nodes hold by default (`--kv-dtype auto`); a
+    windowed layer (Gemma 3's local ones) reserves KV for its window."""
+    dtype = m.kv_dtype(KV_AUTO, invariant=True)
     return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
-                       mem_bytes=e.resident + m.kv_bytes(j, j, kv_tokens))
+                       mem_bytes=e.resident + m.kv_bytes(j, j, kv_tokens, dtype))
                  for j, e in enumerate(m.layers))
 
 
