@@ -1,15 +1,16 @@
 """Decode speed and memory against context length, SmolLM2-135M (int4 fast; fp32 for memory),
 1 thread (issues 14 and 40).
 
-- Attention alone, per layer, at 1,000 and 4,000 positions of context: onnxruntime's
-  GroupQueryAttention (what `--no-invariant` runs) beside engine/attention.py's plain
-  operators with float32 and float16 KV, one decode row, 30 layers' KV buffers in turn (so
-  each layer's KV comes from memory, not cache, as in a real step). Each path's KV bytes read
-  per second against the machine's read bandwidth, measured in the same run (numpy's sum over
-  one 512 MiB array).
+- Attention alone, per layer, at 1,000 and 4,000 positions of context: one decode step through
+  30 attention layers in one session run, as a range runs them (each layer its own KV, so each
+  reads its KV from memory, not cache), for onnxruntime's GroupQueryAttention (what
+  `--no-invariant` runs), engine/attention.py's plain operators and engine/attend.c's kernel,
+  with float32 and float16 KV. Each path's KV bytes read per second against the machine's read
+  bandwidth, measured in the same run (numpy's sum over one 512 MiB array).
 - Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
-  states), and the prefill of those prompts (256-token chunks), for the default (float32 KV,
-  GroupQueryAttention with one-row steps padded to two), float16 KV (plain operators) and
+  states), and the prefill of those prompts (256-token chunks), for the kernel with float16 KV
+  (the int4 fast export's default) and float32 KV, the fallbacks without a kernel (float32:
+  GroupQueryAttention with one-row steps padded to two; float16: plain operators) and
   `--no-invariant` (GroupQueryAttention as it is), in alternating order round by round.
 - Quality of float16 KV: mean KL divergence and top-1 agreement against float32 KV over the
   exporter's fixed text, and each one's KL divergence from the fp32 export (the reference).
@@ -55,27 +56,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _attention_model(heads: int, kv: int, d: int, rot: int, cap: int) -> bytes:
-    """One GroupQueryAttention node as an exported layer has it (packed q, k, v)."""
+def _attention_model(heads: int, kv: int, d: int, rot: int, cap: int, layers: int) -> bytes:
+    """`layers` GroupQueryAttention nodes as a range runs them: each layer's queries are the
+    previous one's output, the new keys and values one input shared by all, each its own KV."""
     from onnx import TensorProto, helper
 
     f32 = TensorProto.FLOAT
     kv_shape = [1, kv, cap, d]
-    inputs = [helper.make_tensor_value_info("hidden_0", f32, [1, "n", (heads + 2 * kv) * d]),
-              helper.make_tensor_value_info("past_key_0", f32, kv_shape),
-              helper.make_tensor_value_info("past_value_0", f32, kv_shape),
+    inputs = [helper.make_tensor_value_info("hidden_0", f32, [1, "n", heads * d]),
+              helper.make_tensor_value_info("k", f32, [1, "n", kv * d]),
+              helper.make_tensor_value_info("v", f32, [1, "n", kv * d]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
               helper.make_tensor_value_info("total_seq", TensorProto.INT32, []),
               helper.make_tensor_value_info("cos_cache", f32, [cap, rot // 2]),
               helper.make_tensor_value_info("sin_cache", f32, [cap, rot // 2])]
-    node = helper.make_node("GroupQueryAttention", ["hidden_0", "", "", "past_key_0", "past_value_0",
-                                                    "seqlens_k", "total_seq", "cos_cache", "sin_cache"],
-                            ["hidden_1", "present_key_0", "present_value_0"], domain="com.microsoft",
-                            num_heads=heads, kv_num_heads=kv, scale=d ** -0.5, do_rotary=1)
-    graph = helper.make_graph([node], "attention", inputs, [
-        helper.make_tensor_value_info("hidden_1", f32, [1, "n", heads * d]),
-        helper.make_tensor_value_info("present_key_0", f32, kv_shape),
-        helper.make_tensor_value_info("present_value_0", f32, kv_shape)])
+    outputs, nodes = [], []
+    for i in range(layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", f32, kv_shape))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", f32, kv_shape))
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", [f"hidden_{i}", "k", "v", f"past_key_{i}", f"past_value_{i}", "seqlens_k",
+                                    "total_seq", "cos_cache", "sin_cache"],
+            [f"hidden_{i + 1}", f"present_key_{i}", f"present_value_{i}"], domain="com.microsoft",
+            num_heads=heads, kv_num_heads=kv, scale=d ** -0.5, do_rotary=1))
+    outputs.append(helper.make_tensor_value_info(f"hidden_{layers}", f32, [1, "n", heads * d]))
+    graph = helper.make_graph(nodes, "attention", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
@@ -94,7 +100,7 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     m = mf.load(model)
     heads, kv, d, rot = m.num_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
     cap = max(ATTENTION_CONTEXTS) + 64
-    base = _attention_model(heads, kv, d, rot, cap)
+    base = _attention_model(heads, kv, d, rot, cap, LAYERS)
     library = kernel.library(RuntimeConfig(threads=1))
     if library is None:
         raise SystemExit("no attention kernel could be built here (see the warning above)")
@@ -109,32 +115,36 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     rng = np.random.default_rng(0)
     angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(0, rot, 2) / rot))
     tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
-    row = rng.standard_normal((1, 1, (heads + 2 * kv) * d)).astype(np.float32)
+    feeds = {"hidden_0": rng.standard_normal((1, 1, heads * d)).astype(np.float32),
+             "k": rng.standard_normal((1, 1, kv * d)).astype(np.float32),
+             "v": rng.standard_normal((1, 1, kv * d)).astype(np.float32), **tables}
     times: dict[str, list[float]] = {}
     for ctx in ATTENTION_CONTEXTS:
+        runs = {}  # path -> (session, binding, its buffers), all made before any is timed
         for name, (graph, dtype) in graphs.items():
             s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-            bufs = [[rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2)]
-                    for _ in range(LAYERS)]
-            seq, total = np.array([ctx], np.int32), np.array(ctx + 1, np.int32)
+            bufs = [rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2 * LAYERS)]
             out = np.zeros((1, 1, heads * d), np.float32)
-            binds = []
-            for k, v in bufs:
-                io = s.io_binding()
-                for n, arr in (("hidden_0", row), ("seqlens_k", seq), ("total_seq", total), *tables.items()):
-                    io.bind_cpu_input(n, arr)
-                for kind, arr in (("key", k), ("value", v)):
-                    io.bind_input(f"past_{kind}_0", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
-                    io.bind_output(f"present_{kind}_0", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
-                io.bind_output("hidden_1", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-                binds.append(io)
-            key = f"{name}@{ctx}"
-            for _ in range(rounds * reps):
-                t = time.perf_counter()
-                for io in binds:
+            io = s.io_binding()
+            step = {**feeds, "seqlens_k": np.array([ctx], np.int32), "total_seq": np.array(ctx + 1, np.int32)}
+            for n, arr in step.items():
+                io.bind_cpu_input(n, arr)
+            for i in range(LAYERS):
+                for j, kind in enumerate(("key", "value")):
+                    arr = bufs[2 * i + j]
+                    io.bind_input(f"past_{kind}_{i}", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
+                    io.bind_output(f"present_{kind}_{i}", "cpu", 0, dtype, list(arr.shape), arr.ctypes.data)
+            io.bind_output(f"hidden_{LAYERS}", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+            s.run_with_iobinding(io)
+            runs[name] = (s, io, bufs, out)
+        for r in range(rounds):
+            for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                s, io = runs[name][:2]
+                for _ in range(reps):
+                    t = time.perf_counter()
                     s.run_with_iobinding(io)
-                times.setdefault(key, []).append((time.perf_counter() - t) / LAYERS * 1e6)
-            del binds, bufs, s
+                    times.setdefault(f"{name}@{ctx}", []).append((time.perf_counter() - t) / LAYERS * 1e6)
+        del runs
     gbs = bandwidth()
     out_: dict = {"numpy_read_gb_s": round(gbs, 2), "paths": {}}
     for key, ts in times.items():

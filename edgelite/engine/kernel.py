@@ -31,9 +31,10 @@ DOMAIN = "edgelite"  # the operators' ONNX domain (attend.c registers it)
 SOURCE = Path(__file__).with_name("attend.c")
 HEAD_DIMS = range(8, 257, 8)  # the head sizes attend.c computes (multiples of its 8 lanes, up to 256)
 COMPILERS = ("cc", "clang", "gcc")  # tried in this order after $CC
-# every build: optimised, no reassociation or fused multiply-add (a row's sums are the same
-# sequence of roundings in every step), position-independent for dlopen
-FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+# every build: optimised, no fast-math (no reassociation: a row's sums are the same sequence
+# of roundings in every step; products and sums may fuse, the same way in every step: one
+# build computes every row), position-independent for dlopen
+FLAGS = ("-O3", "-shared", "-fPIC")
 NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if any
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built
