@@ -62,7 +62,8 @@ async def on_nodes(m: mf.Manifest, base: list[int]) -> dict:
         finally:
             for n in nodes:
                 n.kill()
-    kv = 10 * 2 * m.num_kv_heads * m.head_dim * 4 * 8192 / 2**20  # 10 layers a node
+    # 10 layers a node, of the KV dtype nodes hold by default for this export
+    kv = m.kv_bytes(0, 9, 8192, m.kv_dtype(RuntimeConfig.kv_dtype, invariant=True)) / 2**20
     return {"seconds": round(time.time() - t, 1), "tokens": len(r.token_ids),
             "node_rss_loaded_mib": [round(x) for x in loaded],
             "node_peak_mib": [round(x) for x in peak], "kv_capacity_mib": round(kv, 1),

@@ -104,7 +104,7 @@ def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_
     model = _model(heads, kv, window, packed, d)
     reference = _run(model, np.float32, feeds, [8, 8, n - 16], None, d)
     for dtype, name, tol in ((np.float32, "float32", 1e-5), (np.float16, "float16", 2e-2)):
-        plain = plain_attention(model, d, ROT, name, use_kernel)
+        plain = plain_attention(model, d, ROT, name, use_kernel, threads=2)  # (long chunks: 2 threads)
         whole = _run(plain, dtype, feeds, [16, n - 16], library, d)
         np.testing.assert_allclose(whole, reference, atol=tol, rtol=tol, err_msg=name)
         for cuts in ([1] * n, [3, 1, 16, n - 20], [2, 7, n - 9]):

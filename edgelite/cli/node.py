@@ -106,6 +106,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "several sessions, decode slightly faster at long contexts, but a reply "
                         "may then depend on load, chunking and the KV store (fast mode)")
     options.kv_dtype_flag(n)
+    options.attention_flag(n)
     n.add_argument("--memory-mb", type=float,
                    help="the most this node process may hold, in MiB: plans count against it what "
                         "they hold once loaded, and a load or session beyond it is refused "
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     token, generated = resolve_token(args.token)
     runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
                             invariant=not args.no_invariant, kv_dtype=options.kv_dtype(args),
+                            attention_kernel=not args.no_attention_kernel,
                             kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"),
                             kv_store=options.kv_store_config(args))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider

@@ -42,6 +42,7 @@ def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(slightly faster at long contexts; the reply may then depend on "
                         "chunking and the KV store)")
     kv_dtype_flag(p)
+    attention_flag(p)
     kv_store_flags(p, "$EDGELITE_HOME/kv, EDGELITE_HOME defaulting to ~/.edgelite")
 
 
@@ -50,6 +51,13 @@ def kv_dtype_flag(p: argparse.ArgumentParser) -> None:
                    help="what this device's KV cache holds: float16 halves the memory each "
                         "position of context costs (not with --no-invariant); auto: float16 for "
                         "fast-mode exports, float32 for fp32 and exact ones (and with --no-invariant)")
+
+
+def attention_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-attention-kernel", action="store_true",
+                   help="attention in onnxruntime's own operators rather than edgelite's kernel "
+                        "(built for this device at first use): decode slower at long contexts, "
+                        "a long prompt faster with several threads")
 
 
 def kv_dtype(args: argparse.Namespace) -> str:
@@ -261,6 +269,7 @@ async def found_nodes(args: argparse.Namespace) -> list[NodeAddr]:
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False),
                          invariant=not getattr(args, "no_invariant", False),
+                         attention_kernel=not getattr(args, "no_attention_kernel", False),
                          kv_dtype=kv_dtype(args), kv_store=kv_store_config(args))
 
 

@@ -12,15 +12,17 @@
  *
  * Each row attends to its own causal window only and is computed by the same sequence of
  * float operations whatever the step holds (fixed-lane dot products, sums in position order,
- * no fast-math): a row comes out bit for bit the same in any chunking. It reads each KV
- * position once per row and KV head (the group's query heads share the read), so a decode
- * step reads the valid KV once, at memory speed.
+ * no fast-math): a row comes out bit for bit the same in any chunking. The rows of a step go
+ * in tiles that read each KV position once per tile and KV head (the group's query heads
+ * share the read), so a decode step reads the valid KV once and a prompt chunk once a tile.
  *
  * The onnxruntime C API is used through its function table (OrtApi), whose order is fixed
  * across versions: only the entries named below, all present since onnxruntime 1.x's first
- * API versions. No onnxruntime header is needed to build this file. */
+ * API versions (this file asks for version 12; 1.29 and 1.32 load it). No onnxruntime header
+ * is needed to build this file. */
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -102,7 +104,7 @@ typedef struct {
 typedef struct {
     api_t api;
     int half;
-    int64_t heads, kv_heads, window;
+    int64_t heads, kv_heads, window, threads;
     float scale;
 } kernel;
 
@@ -111,6 +113,8 @@ typedef struct {
 #define MAX_D 256 /* the largest head size */
 #define TILE_ROWS 16 /* query rows that share each KV block's reading */
 #define TILE_BYTES (1 << 19) /* a tile's scores at most (fewer rows at long contexts) */
+#define MAX_THREADS 16 /* threads a call may use (the session's intra-op threads, attribute "threads") */
+#define PARALLEL_WORK 65536 /* rows x positions below which a call runs on its caller's thread */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
@@ -300,7 +304,8 @@ static void softmax(float *s, int64_t count) {
  * softmax runs over its own range, and its values are summed in position order.
  * scores: rows x g x span scratch (span: the tile's positions), buf: BLOCK x d scratch.
  * Inlined with d and half constant (attend_head), so that a head's d values stay in
- * registers; every row of a model runs the same instance. */
+ * registers; every row of a model runs the same instance. (The general tile: for groups of
+ * 1-8 heads and head sizes in multiples of 32, attend_tile_g.) */
 INLINE void attend_tile(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
                         int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
     int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
@@ -461,6 +466,46 @@ static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
     return good;
 }
 
+/* one operator call's work: its tiles are (KV head, rows r0..r0+rows-1) items */
+typedef struct {
+    const kernel *k;
+    const float *q;
+    const void *keys, *values;
+    float *out;
+    int64_t n, heads, kv, g, d, start;
+    float scale;
+    size_t plane;
+    int64_t rows, items;
+} work;
+
+typedef struct {
+    const work *w;
+    int64_t first, end; /* items first..end-1 */
+} part;
+
+/* a run of items, with scratch of its own */
+static void *run_part(void *arg) {
+    const part *p = (const part *)arg;
+    const work *w = p->w;
+    int64_t g = w->g, d = w->d, rows = w->rows, span = w->start + w->n;
+    float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(2 * rows * g * d) + (size_t)(BLOCK * d)) *
+                                     sizeof(float));
+    if (!scratch) return NULL; /* (those rows stay zero) */
+    float *scores = scratch, *qs = scores + rows * g * span, *acc = qs + rows * g * d, *buf = acc + rows * g * d;
+    int64_t tiles = (w->n + rows - 1) / rows;
+    for (int64_t item = p->first; item < p->end; item++) {
+        int64_t h = item / tiles, r0 = item % tiles * rows, m = w->n - r0 < rows ? w->n - r0 : rows;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < g * d; i++) qs[r * g * d + i] = w->q[((r0 + r) * w->heads + h * g) * d + i] * w->scale;
+        attend_head(qs, (const char *)w->keys + (size_t)h * w->plane, (const char *)w->values + (size_t)h * w->plane,
+                    w->start + r0, m, w->k->window, g, d, w->k->half, scores, buf, acc);
+        for (int64_t r = 0; r < m; r++)
+            memcpy(w->out + ((r0 + r) * w->heads + h * g) * d, acc + r * g * d, (size_t)(g * d) * sizeof(float));
+    }
+    free(scratch);
+    return NULL;
+}
+
 static void compute(void *state, void *ctx) {
     kernel *k = (kernel *)state;
     api_t api = k->api;
@@ -487,30 +532,29 @@ static void compute(void *state, void *ctx) {
     if (qd[0] != 1 || kd[0] != 1 || kd[1] != kv || memcmp(kd, vd, sizeof(kd)) || qd[2] != heads * d ||
         heads % kv || total < n || total > cap || d < 1 || d % LANES || d > MAX_D)
         return;
-    int64_t g = heads / kv, start = total - n;
-    float scale = k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d);
-    size_t item = k->half ? 2 : 4, plane = (size_t)(cap * d) * item;
+    work w = {k, (const float *)q_data, k_data, v_data, o, n, heads, kv, heads / kv, d, total - n,
+              k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d), (size_t)(cap * d) * (k->half ? 2 : 4), 0, 0};
     /* rows a tile: as many as keep its scores within TILE_BYTES (any count gives the same) */
-    int64_t span = total, rows = (int64_t)(TILE_BYTES / sizeof(float)) / (g * span);
-    rows = rows < 1 ? 1 : rows > TILE_ROWS ? TILE_ROWS : rows;
-    rows = rows > n ? n : rows;
-    float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(2 * rows * g * d) + (size_t)(BLOCK * d)) *
-                                     sizeof(float));
-    if (!scratch) return;
-    float *scores = scratch, *qs = scores + rows * g * span, *acc = qs + rows * g * d, *buf = acc + rows * g * d;
-    const float *q = (const float *)q_data;
-    for (int64_t h = 0; h < kv; h++) {
-        for (int64_t r0 = 0; r0 < n; r0 += rows) {
-            int64_t m = n - r0 < rows ? n - r0 : rows;
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t i = 0; i < g * d; i++) qs[r * g * d + i] = q[((r0 + r) * heads + h * g) * d + i] * scale;
-            attend_head(qs, (const char *)k_data + (size_t)h * plane, (const char *)v_data + (size_t)h * plane,
-                        start + r0, m, k->window, g, d, k->half, scores, buf, acc);
-            for (int64_t r = 0; r < m; r++)
-                memcpy(o + ((r0 + r) * heads + h * g) * d, acc + r * g * d, (size_t)(g * d) * sizeof(float));
-        }
+    w.rows = (int64_t)(TILE_BYTES / sizeof(float)) / (w.g * total);
+    w.rows = w.rows < 1 ? 1 : w.rows > TILE_ROWS ? TILE_ROWS : w.rows;
+    w.rows = w.rows > n ? n : w.rows;
+    w.items = kv * ((n + w.rows - 1) / w.rows);
+    /* a prompt chunk's tiles spread over the session's threads (each row's result is the
+     * same whichever thread computes it); a decode step's few stay on this one */
+    int64_t threads = k->threads < MAX_THREADS ? k->threads : MAX_THREADS;
+    threads = n * total < PARALLEL_WORK ? 1 : threads < w.items ? threads : w.items;
+    part parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
+        if (t > 0) started[t] = !pthread_create(&ids[t], NULL, run_part, &parts[t]);
     }
-    free(scratch);
+    run_part(&parts[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_part(&parts[t]); /* (no thread to be had: done here) */
+    }
 }
 
 static void *create(const struct custom_op *op, api_t api, const void *info) {
@@ -525,6 +569,9 @@ static void *create(const struct custom_op *op, api_t api, const void *info) {
         k->heads = k->kv_heads = 1; /* compute() then refuses every step (zeros) */
     }
     (void)CALL(api, ATTR_INT, attr_int_fn)(info, "local_window_size", &k->window);
+    k->threads = 1;
+    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &k->threads);
+    k->threads = k->threads < 1 ? 1 : k->threads;
     (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "scale", &k->scale);
     return k;
 }

@@ -96,22 +96,24 @@ def _attrs(rest: list[Field]) -> dict[str, int | float]:
 
 
 def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32",
-                    use_kernel: bool = False) -> bytes:
+                    use_kernel: bool = False, threads: int = 1) -> bytes:
     """The joined range with each GroupQueryAttention rewritten (see the module's text); its KV
     inputs and outputs of `kv_dtype` ("float32" or "float16"). `use_kernel`: attention by
-    engine/attend.c's operator (the session must register engine/kernel.py's library)."""
+    engine/attend.c's operator (the session must register engine/kernel.py's library), a
+    prompt chunk's on up to `threads` threads."""
     if kv_dtype not in ELEM:
         raise ModelFileError(f"KV dtype {kv_dtype!r}: one of {', '.join(ELEM)}")
     try:
-        out = with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel).graph)
+        out = with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel, threads).graph)
         return with_opset(out, kernel.DOMAIN, 1) if use_kernel else out
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot rewrite the range's attention: {exc}") from exc
 
 
 class _Rewrite:
-    def __init__(self, head_dim: int, rotary_dim: int, kv_dtype: str, use_kernel: bool) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int, kv_dtype: str, use_kernel: bool, threads: int) -> None:
         self.d, self.rot, self.kv_dtype, self.kernel = head_dim, rotary_dim, kv_dtype, use_kernel
+        self.threads = threads
         self.consts: dict[str, Field] = {}
         self.shared: list[Field] = []
         self.masks: dict[int, tuple[str, str]] = {}  # window -> (mask, first)
@@ -291,7 +293,7 @@ class _Rewrite:
         if self.kernel:
             nodes.append(_node(KERNEL_OPS[self.kv_dtype], [q, present_k, present_v, self.total], [outputs[0]],
                                f"{t}/attend", kernel.DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
-                               local_window_size=window, scale=scale))
+                               local_window_size=window, scale=scale, threads=self.threads))
             return nodes
         rows = max(g, 2)  # (a group of one query head runs twice: two rows a product)
         mask, first = self._tiled(window, rows)

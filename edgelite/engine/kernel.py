@@ -34,7 +34,7 @@ COMPILERS = ("cc", "clang", "gcc")  # tried in this order after $CC
 # every build: optimised, no fast-math (no reassociation: a row's sums are the same sequence
 # of roundings in every step; products and sums may fuse, the same way in every step: one
 # build computes every row), position-independent for dlopen
-FLAGS = ("-O3", "-shared", "-fPIC")
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if any
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built

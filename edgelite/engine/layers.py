@@ -132,7 +132,7 @@ class LayerRange:
                                f"layers_{lo}_{hi}", [e.file for e in entries])
         if self.plain:
             model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.kv_dtype,
-                                              self.library is not None)
+                                              self.library is not None, self.cfg.threads)
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}", self.library)
