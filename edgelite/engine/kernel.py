@@ -1,5 +1,6 @@
 """engine/attend.c, the attention operator, built for this device the first time a range needs
-it and kept under the edgelite home (kernels/), one library per source, compiler and machine.
+it and kept in the machine's build cache (`paths.cache()`/kernels), one library per source,
+compiler and machine, each checked against numpy before use (a broken one is built again).
 
 It is compiled here rather than shipped: phones have no wheel of ours to carry one, Termux has
 clang (`pkg install clang`), and `-march=native` then fits the very core that runs it. Where
