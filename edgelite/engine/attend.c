@@ -201,10 +201,13 @@ static void widen_n(const uint16_t *h, float *out, int64_t n) {
 
 /* e^x for x <= 0 (a score less the row's largest), LANES at a time: x = n ln2 + r with
  * |r| <= ln2/2 (ln2 in two parts), e^r by a degree-7 polynomial (Cephes' expf
- * coefficients), times 2^n built in the exponent bits; below -87 it gives e^-87 (~1e-38) */
+ * coefficients), times 2^n built in the exponent bits. Below EXP_FLOOR it is exactly 0: such
+ * a weight is lost in a sum of at least 1 anyway, and divided by the sum it would make
+ * subnormal floats, which cost the products that meet them a hundred cycles each */
+#define EXP_FLOOR -72.0f /* e^-72 / 2^20 positions is still a normal float */
 static inline vf exp_neg(vf x) {
-    vf low = splat(-87.0f);
-    x = pick(x < low, low, x);
+    vi under = x < splat(EXP_FLOOR);
+    x = pick(under, splat(EXP_FLOOR), x);
     vf t = x * splat(1.44269504088896341f) + splat(0.5f);
     vi n = __builtin_convertvector(t, vi); /* toward zero: one too high where t < 0 */
     n = n + (vi)(__builtin_convertvector(n, vf) > t); /* (true is -1): now floor(t) */
@@ -218,7 +221,7 @@ static inline vf exp_neg(vf x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * (r * r) + r + splat(1.0f);
-    return p * (vf)((n + 127) << 23);
+    return pick(under, splat(0.0f), p * (vf)((n + 127) << 23));
 }
 
 #define INLINE static inline __attribute__((always_inline))
@@ -282,7 +285,7 @@ static void softmax(float *s, int64_t count) {
         store(s + j, e);
         sums += e;
     }
-    if (j < count) { /* the tail, padded with -inf (e^-87: counted nowhere) */
+    if (j < count) { /* the tail, padded with -inf (weight 0: counted nowhere) */
         float tail[LANES];
         for (int l = 0; l < LANES; l++) tail[l] = j + l < count ? s[j + l] : -INFINITY;
         vf e = exp_neg(load(tail) - b);
