@@ -38,13 +38,20 @@ import struct
 
 from edgelite.engine import kernel
 from edgelite.engine.onnxgraph import (
+    ATTR_F,
+    ATTR_I,
+    ATTR_NAME,
     FLOAT,
+    FLOAT16,
     GRAPH_INIT,
     GRAPH_INPUT,
     GRAPH_NODE,
     GRAPH_OUTPUT,
     INT64,
     NODE_ATTR,
+    TENSOR_ELEM,
+    TYPE_TENSOR,
+    VALUE_TYPE,
     Field,
     each_node,
     encode,
@@ -58,10 +65,6 @@ from edgelite.engine.onnxgraph import (
 )
 from edgelite.errors import ModelFileError
 
-# AttributeProto and TypeProto field numbers, and the 16-bit float type
-ATTR_NAME, ATTR_F, ATTR_I = 1, 2, 3
-VALUE_TYPE, TYPE_TENSOR, TENSOR_ELEM = 2, 1, 1
-FLOAT16 = 10
 ELEM = {"float32": FLOAT, "float16": FLOAT16}
 MS = "com.microsoft"
 KERNEL_OPS = {"float32": "Attend", "float16": "Attend16"}  # engine/attend.c's operators

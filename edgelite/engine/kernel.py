@@ -25,7 +25,21 @@ import numpy as np
 from edgelite import paths
 from edgelite.config import RuntimeConfig
 from edgelite.engine import session
-from edgelite.engine.onnxgraph import FLOAT, INT64, encode, make_node
+from edgelite.engine.onnxgraph import (
+    FLOAT,
+    FLOAT16,
+    GRAPH_INPUT,
+    GRAPH_NAME,
+    GRAPH_NODE,
+    GRAPH_OUTPUT,
+    INT64,
+    MODEL_GRAPH,
+    MODEL_IR_VERSION,
+    encode,
+    make_node,
+    make_value_info,
+    with_opset,
+)
 
 log = logging.getLogger(__name__)
 DOMAIN = "edgelite"  # the operators' ONNX domain (attend.c registers it)
@@ -130,25 +144,17 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, total: int, heads: i
 
 def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes:
     """A model of one attend.c operator (protobuf by hand: phones have no `onnx` package)."""
-    half = 10  # TensorProto FLOAT16
-
-    def value(name: str, elem: int, dims: list[int | str]) -> bytes:
-        shape = encode([(1, 2, encode([(2, 2, x.encode())] if isinstance(x, str) else [(1, 0, x)]))
-                        for x in dims])
-        tensor = encode([(1, 0, elem), (2, 2, shape)])
-        return encode([(1, 2, name.encode()), (2, 2, encode([(1, 2, tensor)]))])
-
-    kv_elem = half if op.endswith("16") else FLOAT
+    kv_elem = FLOAT16 if op.endswith("16") else FLOAT
     node = make_node(op, ["q", "k", "v", "total"], ["out"], "attend", DOMAIN, num_heads=heads,
                      kv_num_heads=kv, local_window_size=window, scale=d ** -0.5)
-    graph = encode([(1, 2, node), (2, 2, b"check"),
-                    (11, 2, value("q", FLOAT, [1, "n", heads * d])),
-                    (11, 2, value("k", kv_elem, [1, kv, cap, d])),
-                    (11, 2, value("v", kv_elem, [1, kv, cap, d])),
-                    (11, 2, value("total", INT64, [1])),
-                    (12, 2, value("out", FLOAT, [1, "n", heads * d]))])
-    return encode([(1, 0, 8), (7, 2, graph), (8, 2, encode([(1, 2, b""), (2, 0, 17)])),
-                   (8, 2, encode([(1, 2, DOMAIN.encode()), (2, 0, 1)]))])
+    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
+                    (GRAPH_INPUT, 2, make_value_info("q", FLOAT, [1, "n", heads * d])),
+                    (GRAPH_INPUT, 2, make_value_info("k", kv_elem, [1, kv, cap, d])),
+                    (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, d])),
+                    (GRAPH_INPUT, 2, make_value_info("total", INT64, [1])),
+                    (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d]))])
+    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
+    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
 
 def _compile(cc: str, native: str | None, target: Path, timeout_s: float) -> str | None:

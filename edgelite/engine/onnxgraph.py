@@ -19,13 +19,14 @@ from edgelite.errors import ModelFileError
 # field numbers of the ONNX protobuf messages used here
 MODEL_IR_VERSION, MODEL_OPSET, MODEL_GRAPH = 1, 8, 7
 GRAPH_NODE, GRAPH_NAME, GRAPH_INIT, GRAPH_INPUT, GRAPH_OUTPUT = 1, 2, 5, 11, 12
-VALUE_NAME = 1
+VALUE_NAME, VALUE_TYPE = 1, 2  # ValueInfoProto; its TypeProto's tensor, and that one's fields:
+TYPE_TENSOR, TENSOR_ELEM, TENSOR_SHAPE, SHAPE_DIM, DIM_VALUE, DIM_PARAM = 1, 1, 2, 1, 1, 2
 NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
 ATTR_NAME, ATTR_I, ATTR_INTS, ATTR_TYPE, ATTR_KIND_INT, ATTR_KIND_INTS = 1, 3, 8, 20, 2, 7
 ATTR_F, ATTR_KIND_FLOAT = 2, 1
 OPSET_DOMAIN, OPSET_VERSION = 1, 2
 TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
-FLOAT, INT32, INT64 = 1, 6, 7  # TensorProto data types
+FLOAT, INT32, INT64, FLOAT16 = 1, 6, 7, 10  # TensorProto data types
 TENSOR_EXTERNAL = 13
 ENTRY_KEY, ENTRY_VALUE = 1, 2
 Field = tuple[int, int, bytes | int]  # (number, wire type, value: bytes for type 2, else int)
@@ -173,6 +174,14 @@ def make_tensor(name: str, kind: int, values: list[float], dims: list[int]) -> b
     raw = struct.pack(f"<{len(values)}{ {FLOAT: 'f', INT32: 'i', INT64: 'q'}[kind] }", *values)
     return encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
                    (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
+
+
+def make_value_info(name: str, elem: int, dims: list[int | str]) -> bytes:
+    """A ValueInfoProto of a tensor: its element type and dims (numbers, or names of free ones)."""
+    shape = encode([(SHAPE_DIM, 2, encode([(DIM_PARAM, 2, d.encode())] if isinstance(d, str)
+                                          else [(DIM_VALUE, 0, d)])) for d in dims])
+    tensor = encode([(TENSOR_ELEM, 0, elem), (TENSOR_SHAPE, 2, shape)])
+    return encode([(VALUE_NAME, 2, name.encode()), (VALUE_TYPE, 2, encode([(TYPE_TENSOR, 2, tensor)]))])
 
 
 def value_name(value_info: bytes) -> str:
