@@ -306,9 +306,8 @@ static void softmax(float *s, int64_t count) {
  * multiples of 8 and one by one at its range's ragged ends (both are the same sums), its
  * softmax runs over its own range, and its values are summed in position order.
  * scores: rows x g x span scratch (span: the tile's positions), buf: BLOCK x d scratch.
- * Inlined with d and half constant (attend_head), so that a head's d values stay in
- * registers; every row of a model runs the same instance. (The general tile: for groups of
- * 1-8 heads and head sizes in multiples of 32, attend_tile_g.) */
+ * The general tile, inlined with half constant (attend_head); every row of a model runs the
+ * same instance. (For groups of 1-8 heads and head sizes in multiples of 32: attend_tile_g.) */
 INLINE void attend_tile(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
                         int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
     int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
@@ -426,7 +425,7 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
 #undef LO
 }
 
-#define HEAD(D, HALF) attend_tile(q, keys, values, pos0, rows, window, g, D, HALF, scores, buf, out)
+#define HEAD(HALF) attend_tile(q, keys, values, pos0, rows, window, g, d, HALF, scores, buf, out)
 #define GROUP(G, HALF) attend_tile_g(q, keys, values, pos0, rows, window, G, d, HALF, scores, out)
 #define GROUPS(HALF)                                                                                 \
     switch (g) {                                                                                     \
@@ -442,21 +441,14 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
     }
 
 /* attend_tile_g for this model's group size and KV dtype where it takes them, else attend_tile
- * for its head size */
+ * for its KV dtype */
 static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
                         int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
     if (d % (VSLICE * LANES) == 0) {
         if (half) GROUPS(1) else GROUPS(0)
     }
-    if (half) {
-        if (d == 64) HEAD(64, 1);
-        else if (d == 128) HEAD(128, 1);
-        else HEAD(d, 1);
-    } else {
-        if (d == 64) HEAD(64, 0);
-        else if (d == 128) HEAD(128, 0);
-        else HEAD(d, 0);
-    }
+    if (half) HEAD(1);
+    else HEAD(0);
 }
 
 static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
