@@ -55,10 +55,11 @@ def _model(heads: int, kv: int, window: int, packed: bool, d: int = D) -> bytes:
 
 
 def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int],
-         library: Path | None = None, d: int = D) -> np.ndarray:
+         library: Path | None = None, d: int = D, threads: int = 1) -> np.ndarray:
     """The attention output of every position, run in steps of `cuts` positions, the KV bound
-    in place as engine/layers.py binds it."""
-    opts = options(RuntimeConfig(threads=1), Path("."))  # (the process's thread pool, if made)
+    in place as engine/layers.py binds it, on a pool of `threads` (the process's, if made)."""
+    opts = options(RuntimeConfig(threads=1), Path("."))
+    opts.intra_op_num_threads = threads
     if library is not None:
         opts.register_custom_ops_library(str(library))
     s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
@@ -107,6 +108,8 @@ def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_
         plain = plain_attention(model, d, ROT, name, use_kernel, threads=2)  # (long chunks: 2 threads)
         whole = _run(plain, dtype, feeds, [16, n - 16], library, d)
         np.testing.assert_allclose(whole, reference, atol=tol, rtol=tol, err_msg=name)
+        if use_kernel:  # the long chunk's tiles on onnxruntime's two threads: the same bits
+            np.testing.assert_array_equal(_run(plain, dtype, feeds, [16, n - 16], library, d, 2), whole)
         for cuts in ([1] * n, [3, 1, 16, n - 20], [2, 7, n - 9]):
             got = _run(plain, dtype, feeds, cuts, library, d)
             np.testing.assert_array_equal(got, whole, err_msg=f"{name} {cuts}")

@@ -16,10 +16,15 @@
  * in tiles that read each KV position once per tile and KV head (the group's query heads
  * share the read), so a decode step reads the valid KV once and a prompt chunk once a tile.
  *
+ * A prompt chunk's tiles run on onnxruntime's own intra-op threads (KernelContext_ParallelFor,
+ * onnxruntime 1.17 on), so they never compete with its workers, which spin between a run's
+ * operators; with an older onnxruntime, on threads of their own.
+ *
  * The onnxruntime C API is used through its function table (OrtApi), whose order is fixed
  * across versions: only the entries named below, all present since onnxruntime 1.x's first
- * API versions (this file asks for version 12; 1.29 and 1.32 load it). No onnxruntime header
- * is needed to build this file. */
+ * API versions but the pool's, used only where the runtime's version has it (this file asks
+ * for version 12; 1.29 and 1.32 load it). No onnxruntime header is needed to build this
+ * file. */
 
 #include <math.h>
 #include <pthread.h>
@@ -47,7 +52,9 @@ enum {
     OUTPUT = 91,
     RELEASE_STATUS = 93,
     RELEASE_SHAPE = 99,
+    PARALLEL_FOR = 274, /* KernelContext_ParallelFor: onnxruntime 1.17 (API 17) on */
 };
+#define PARALLEL_FOR_SINCE 17 /* the onnxruntime 1.x minor version that has it */
 enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
 enum { ERR_FAIL = 1 };
 
@@ -71,6 +78,9 @@ typedef status_t (*attr_int_fn)(const void *, const char *, int64_t *);
 typedef status_t (*input_fn)(const void *, size_t, const void **);
 typedef status_t (*output_fn)(void *, size_t, const int64_t *, size_t, void **);
 typedef void (*release_fn)(void *);
+typedef status_t (*parallel_for_fn)(const void *, void (*)(void *, size_t), size_t, size_t, void *);
+
+static int has_pool; /* the loading onnxruntime has KernelContext_ParallelFor */
 
 #define CALL(api, index, type) ((type)(api)[index])
 
@@ -478,6 +488,9 @@ typedef struct {
     int64_t first, end; /* items first..end-1 */
 } part;
 
+static void *run_part(void *arg);
+static void run_indexed(void *parts, size_t i) { run_part((part *)parts + i); }
+
 /* a run of items, with scratch of its own */
 static void *run_part(void *arg) {
     const part *p = (const part *)arg;
@@ -539,12 +552,15 @@ static void compute(void *state, void *ctx) {
     int64_t threads = k->threads < MAX_THREADS ? k->threads : MAX_THREADS;
     threads = n * total < PARALLEL_WORK ? 1 : threads < w.items ? threads : w.items;
     part parts[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
+    /* onnxruntime's pool runs the parts where it can (a part that ran twice after a failed
+     * call writes the same rows again) */
+    if (threads > 1 && has_pool &&
+        ok(api, CALL(api, PARALLEL_FOR, parallel_for_fn)(ctx, run_indexed, (size_t)threads, 0, parts)))
+        return;
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int64_t t = 0; t < threads; t++) {
-        parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
-        if (t > 0) started[t] = !pthread_create(&ids[t], NULL, run_part, &parts[t]);
-    }
+    for (int64_t t = 1; t < threads; t++) started[t] = !pthread_create(&ids[t], NULL, run_part, &parts[t]);
     run_part(&parts[0]);
     for (int64_t t = 1; t < threads; t++) {
         if (started[t]) pthread_join(ids[t], NULL);
@@ -595,6 +611,12 @@ static attend_op ops[2] = {ATTEND_OP("Attend", 0), ATTEND_OP("Attend16", 1)};
 status_t RegisterCustomOps(void *options, const api_base_t *base) {
     api_t api = base->get_api(API_VERSION);
     if (!api) return NULL; /* cannot even report it; the session then fails on the unknown op */
+    const char *v = base->version ? base->version() : NULL; /* "1.29.0" */
+    if (v) {
+        char *rest = NULL;
+        long major = strtol(v, &rest, 10), minor = rest && *rest == '.' ? strtol(rest + 1, NULL, 10) : 0;
+        has_pool = major > 1 || (major == 1 && minor >= PARALLEL_FOR_SINCE);
+    }
     void *domain = NULL;
     status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
     for (int i = 0; !status && i < 2; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
