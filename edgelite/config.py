@@ -69,8 +69,9 @@ class RuntimeConfig:
     # several sessions then run one by one (onnxruntime batches only one-row steps)
     invariant: bool = True
     # what the KV cache holds: "float32", "float16" (half the memory a position costs; needs
-    # `invariant`), or "auto": float16 for fast-mode exports, float32 for fp32 and exact ones
-    # (engine/kv.py dtype_for)
+    # `invariant`), "int8" (about a quarter: each head's row as codes and one exponent; needs
+    # the attention kernel), or "auto": float16 for fast-mode exports, float32 for fp32 and
+    # exact ones (Manifest.kv_dtype)
     kv_dtype: str = "auto"
     # where `invariant`, attention runs in edgelite's own operator (engine/attend.c, compiled
     # for the device at first use: engine/kernel.py), which reads the valid KV once a step;

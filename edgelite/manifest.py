@@ -21,8 +21,14 @@ FORMAT = "edgelite-model/2"
 MANIFEST_NAME = "manifest.json"
 WEIGHTS = ("fp32", "int8", "int4")  # how the linear layers are stored
 COMPUTE = ("fp32", "exact", "fast")  # fp32 weights; blocks with float or int8 activations
-KV_ITEM = {"float32": 4, "float16": 2}  # the KV dtypes, bytes a value
+KV_ITEM = {"float32": 4, "float16": 2, "int8": 1}  # the KV dtypes, bytes a value
 KV_AUTO = "auto"  # RuntimeConfig.kv_dtype: chosen per export (Manifest.kv_dtype)
+
+
+def kv_row_values(dtype: str, head_dim: int) -> int:
+    """The values one head's KV row of `dtype` holds: head_dim, and an int8 row's step (two
+    bytes: engine/attention.py)."""
+    return head_dim + 2 * (dtype == "int8")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 MAX_DIM = 1 << 20  # no model dimension is larger (a manifest saying so is corrupt)
 
@@ -114,7 +120,8 @@ class Manifest:
         """What a session of `positions` holds in layers first..last, its KV of `dtype`: a
         windowed layer at most its window's worth."""
         return sum(e.kv_bytes_per_token * (min(positions, e.window) if e.window else positions)
-                   for e in self.layers[first:last + 1]) * KV_ITEM[dtype] // KV_ITEM["float32"]
+                   for e in self.layers[first:last + 1]) * KV_ITEM[dtype] \
+            * kv_row_values(dtype, self.head_dim) // (KV_ITEM["float32"] * self.head_dim)
 
     def kv_dtype(self, asked: str, invariant: bool) -> str:
         """The KV dtype a range of this export holds: as asked, or for "auto" float16 where

@@ -5,15 +5,17 @@
   30 attention layers in one session run, as a range runs them (each layer its own KV, so each
   reads its KV from memory, not cache), for onnxruntime's GroupQueryAttention (what
   `--no-invariant` runs), engine/attention.py's plain operators and engine/attend.c's kernel,
-  with float32 and float16 KV. Each path's KV bytes read per second against the machine's read
-  bandwidth, measured in the same run (numpy's sum over one 512 MiB array).
+  with float32, float16 and (the kernel's) int8 KV. Each path's KV bytes read per second
+  against the machine's read bandwidth, measured in the same run (numpy's sum over one 512 MiB
+  array).
 - Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
   states), and the prefill of those prompts (256-token chunks), for the kernel with float16 KV
-  (the int4 fast export's default) and float32 KV, the fallbacks without a kernel (float32:
+  (the int4 fast export's default), float32 and int8 KV, the fallbacks without a kernel (float32:
   GroupQueryAttention with one-row steps padded to two; float16: plain operators) and
   `--no-invariant` (GroupQueryAttention as it is), in alternating order round by round.
-- Quality of float16 KV: mean KL divergence and top-1 agreement against float32 KV over the
-  exporter's fixed text, and each one's KL divergence from the fp32 export (the reference).
+- Quality of float16 and int8 KV: mean KL divergence and top-1 agreement against float32 KV
+  over the exporter's fixed text, and each one's KL divergence from the fp32 export (the
+  reference).
 - Memory: a node process serving all 30 layers, its RSS after loading, after a 2,000-token
   prompt and after the session ends, for each KV dtype; the same for the single process.
 
@@ -39,7 +41,8 @@ from bench_local import edgelite_export, rss_mib
 
 CONTEXTS = (50, 1000, 4000)
 ATTENTION_CONTEXTS = (1000, 4000)
-CONFIGS = ("kernel-float32", "kernel-float16", "padded-float32", "plain-float16", "gqa-float32")
+CONFIGS = ("kernel-float32", "kernel-float16", "kernel-int8", "padded-float32", "plain-float16",
+           "gqa-float32")
 LAYERS = 30
 
 
@@ -88,6 +91,15 @@ def _attention_model(heads: int, kv: int, d: int, rot: int, cap: int, layers: in
     return model.SerializeToString()
 
 
+def _kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A KV buffer of random rows (int8: codes, then a step of about 2^-5 each)."""
+    if dtype != np.int8:
+        return rng.standard_normal(shape).astype(dtype)
+    rows = rng.integers(-127, 128, (*shape[:-1], shape[-1] + 2), dtype=np.int8)
+    rows[..., -2] = -5
+    return rows
+
+
 def attention(model: Path, rounds: int, reps: int) -> dict:
     """Per-layer decode attention time of each path at each context (see the module's text)."""
     import onnxruntime as ort
@@ -96,6 +108,7 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     from edgelite.config import RuntimeConfig
     from edgelite.engine import kernel
     from edgelite.engine.attention import plain_attention
+    from edgelite.manifest import KV_ITEM, kv_row_values
 
     m = mf.load(model)
     heads, kv, d, rot = m.num_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
@@ -107,7 +120,8 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     graphs = {"gqa-float32": (base, np.float32), "plain-float32": (plain_attention(base, d, rot), np.float32),
               "plain-float16": (plain_attention(base, d, rot, "float16"), np.float16),
               "kernel-float32": (plain_attention(base, d, rot, "float32", True), np.float32),
-              "kernel-float16": (plain_attention(base, d, rot, "float16", True), np.float16)}
+              "kernel-float16": (plain_attention(base, d, rot, "float16", True), np.float16),
+              "kernel-int8": (plain_attention(base, d, rot, "int8", True), np.int8)}
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -123,7 +137,7 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
         runs = {}  # path -> (session, binding, its buffers), all made before any is timed
         for name, (graph, dtype) in graphs.items():
             s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-            bufs = [rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2 * LAYERS)]
+            bufs = [_kv(rng, (1, kv, cap, d), dtype) for _ in range(2 * LAYERS)]
             out = np.zeros((1, 1, heads * d), np.float32)
             io = s.io_binding()
             step = {**feeds, "seqlens_k": np.array([ctx], np.int32), "total_seq": np.array(ctx + 1, np.int32)}
@@ -149,8 +163,8 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     out_: dict = {"numpy_read_gb_s": round(gbs, 2), "paths": {}}
     for key, ts in times.items():
         name, ctx = key.split("@")
-        item = 2 if name.endswith("float16") else 4
-        read = 2 * kv * int(ctx) * d * item  # the KV bytes one layer's step reads
+        dtype = name.split("-")[1]
+        read = 2 * kv * int(ctx) * kv_row_values(dtype, d) * KV_ITEM[dtype]  # what one layer's step reads
         us = statistics.median(ts)
         out_["paths"][key] = {"us_per_layer": round(us, 1), "kv_bytes": read,
                               "gb_s": round(read / us / 1e3, 2),
@@ -208,7 +222,8 @@ def speed(model: Path, rounds: int, steps: int) -> dict:
 
 
 def quality(fast: Path, reference: Path) -> dict:
-    """float16 KV against float32 KV over the exporter's fixed text (see the module's text)."""
+    """float16 and int8 KV against float32 KV over the exporter's fixed text (see the module's
+    text)."""
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
     from edgelite.engine.runtime import LocalChain
@@ -223,15 +238,20 @@ def quality(fast: Path, reference: Path) -> dict:
 
     text = Tokenizer(mf.load(fast)).encode(TEXT)
     ref = log_probs(reference, "float32")
-    f32, f16 = log_probs(fast, "float32"), log_probs(fast, "float16")
+    got = {dtype: log_probs(fast, dtype) for dtype in ("float32", "float16", "int8")}
+    f32 = got["float32"]
 
     def kl(p: np.ndarray, q: np.ndarray) -> float:
         return float((np.exp(p) * (p - q)).sum(-1).mean())
 
-    return {"positions": len(text), "kl_float16_from_float32_kv": kl(f32, f16),
-            "top1_float16_vs_float32_kv": round(float((f32.argmax(-1) == f16.argmax(-1)).mean()), 4),
-            "kl_from_fp32_export": {"float32_kv": kl(ref, f32), "float16_kv": kl(ref, f16)},
-            "kl_increase": kl(ref, f16) - kl(ref, f32)}
+    out: dict = {"positions": len(text),
+                 "kl_from_fp32_export": {f"{d}_kv": kl(ref, x) for d, x in got.items()}}
+    for dtype in ("float16", "int8"):
+        x = got[dtype]
+        out |= {f"kl_{dtype}_from_float32_kv": kl(f32, x),
+                f"top1_{dtype}_vs_float32_kv": round(float((f32.argmax(-1) == x.argmax(-1)).mean()), 4),
+                f"kl_increase_{dtype}": kl(ref, x) - kl(ref, f32)}
+    return out
 
 
 def local_memory(model: Path, dtype: str) -> dict:
@@ -285,8 +305,7 @@ async def node_memory(model: Path, dtype: str) -> dict:
         await be.close()
     finally:
         node.kill()
-    item = 2 if dtype == "float16" else 4
-    capacity = 2048 * m.kv_bytes_per_token(0, m.num_layers - 1) * item / 4 / 2**20
+    capacity = m.kv_bytes(0, m.num_layers - 1, 2048, dtype) / 2**20
     return {"rss_loaded_mib": round(loaded, 1), "rss_after_2000_mib": round(after, 1),
             "rss_after_end_mib": round(ended, 1), "kv_capacity_mib": round(capacity, 1),
             "within_bound": after <= loaded + capacity + 64 and ended <= loaded + 64}
@@ -307,8 +326,8 @@ def main() -> None:
     reference = edgelite_export(args.models / "smol-fp32", "--quantize", "none")
     out: dict = {"attention": attention(fast, args.rounds, args.reps),
                  "decode": speed(fast, args.rounds, args.steps),
-                 "float16_quality": quality(fast, reference), "memory": {}}
-    for dtype in ("float32", "float16"):
+                 "kv_quality": quality(fast, reference), "memory": {}}
+    for dtype in ("float32", "float16", "int8"):
         child = subprocess.run([sys.executable, __file__, "--local-memory", str(fast), dtype],
                                capture_output=True, text=True, check=True)
         local = json.loads(child.stdout.strip().splitlines()[-1])

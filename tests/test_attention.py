@@ -63,7 +63,8 @@ def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int
     if library is not None:
         opts.register_custom_ops_library(str(library))
     s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
-    kv = [np.zeros((1, feeds["k"].shape[2] // d, CAP, d), dtype) for _ in range(2)]
+    row = d + 2 * (dtype == np.int8)  # (an int8 row's step: two bytes)
+    kv = [np.zeros((1, feeds["k"].shape[2] // d, CAP, row), dtype) for _ in range(2)]
     angles = np.outer(np.arange(CAP), 1.0 / 10000 ** (np.arange(0, ROT, 2) / ROT))
     tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
     names = {i.name for i in s.get_inputs()}
@@ -104,7 +105,8 @@ def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_
              "v": rng.standard_normal((1, n, kv * d)).astype(np.float32)}
     model = _model(heads, kv, window, packed, d)
     reference = _run(model, np.float32, feeds, [8, 8, n - 16], None, d)
-    for dtype, name, tol in ((np.float32, "float32", 1e-5), (np.float16, "float16", 2e-2)):
+    kinds = [(np.float32, "float32", 1e-5), (np.float16, "float16", 2e-2)]
+    for dtype, name, tol in kinds + [(np.int8, "int8", 6e-2)] * use_kernel:
         plain = plain_attention(model, d, ROT, name, use_kernel, threads=2)  # (long chunks: 2 threads)
         whole = _run(plain, dtype, feeds, [16, n - 16], library, d)
         np.testing.assert_allclose(whole, reference, atol=tol, rtol=tol, err_msg=name)

@@ -123,8 +123,8 @@ def test_help_shows_defaults_and_verbose_goes_anywhere(exported) -> None:
 
 def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
     """--threads 0, a node's --data-dir it cannot write, an empty raw prompt, --nodes
-    without a token, --kv-dtype float16 with --no-invariant or an unknown KV dtype: each a
-    one-line error naming what to change, no traceback."""
+    without a token, --kv-dtype float16 with --no-invariant, an unknown KV dtype, int8 without
+    the attention kernel: each a one-line error naming what to change, no traceback."""
     model = str(exported["llama"])
     cases = [(("generate", "--model", model, "--threads", "0", "hi"), 2,
               "'0' is not a thread count (1 or more)"),
@@ -138,7 +138,9 @@ def test_new_user_slips_are_one_line_errors(exported, tmp_path) -> None:
              (("node", "--token", "x" * 32, "--port", "0", "--kv-dtype", "float16", "--no-invariant"),
               1, "--kv-dtype float16 needs the invariant attention: drop --no-invariant"),
              (("generate", "--model", model, "--kv-dtype", "int3", "hi"), 2,
-              "argument --kv-dtype: invalid choice: 'int3'")]
+              "argument --kv-dtype: invalid choice: 'int3'"),
+             (("generate", "--model", model, "--kv-dtype", "int8", "--no-attention-kernel", "hi"), 1,
+              "an int8 KV needs the attention kernel")]
     for args, code, words in cases:
         res = _cli(*args)
         err = res.stderr.strip()

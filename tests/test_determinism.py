@@ -87,18 +87,21 @@ def test_store_hit_splits_and_two_at_once_give_the_local_reply(exported, node_fa
 
 
 @pytest.mark.e2e
-def test_float16_kv_gives_one_reply_locally_from_the_store_and_on_nodes(exported, node_factory,
-                                                                         tmp_path: Path) -> None:
-    """--kv-dtype float16: each position costs half; the reply is the same locally, after a
-    store hit and split over two float16 nodes (ids and log probabilities exactly), and close
-    to the float32 KV's."""
+@pytest.mark.parametrize("dtype,tol", [("float16", 0.05), ("int8", 0.25)])
+def test_narrow_kv_gives_one_reply_locally_from_the_store_and_on_nodes(exported, node_factory, tmp_path: Path,
+                                                                       dtype: str, tol: float) -> None:
+    """--kv-dtype float16 (each position costs half) or int8 (codes and a two-byte step a
+    head's row): the reply is the same locally, after a store hit and split over two nodes of
+    that KV (ids and log probabilities exactly), and close to the float32 KV's."""
     model = exported["qwen2"]
     m = mf.load(model)
-    half = replace(CFG, kv_dtype="float16")
+    half = replace(CFG, kv_dtype=dtype)
     full_range = LayerRange(m, 0, m.num_layers - 1, CFG, export_files(m))
     half_range = LayerRange(m, 0, m.num_layers - 1, half, export_files(m))
-    assert half_range.pool.token_bytes * 2 == full_range.pool.token_bytes
-    nodes = [node_factory(extra=("--kv-dtype", "float16")) for _ in range(2)]
+    row = {"float16": 2 * m.head_dim, "int8": m.head_dim + 2}[dtype]  # bytes a head's row
+    assert half_range.pool.token_bytes * 4 * m.head_dim == full_range.pool.token_bytes * row
+    assert m.kv_bytes(0, m.num_layers - 1, 100, dtype) == half_range.pool.token_bytes * 100
+    nodes = [node_factory(extra=("--kv-dtype", dtype)) for _ in range(2)]
     off = replace(half, kv_store=KVStoreConfig(budget_bytes=0))
     on = replace(half, kv_store=KVStoreConfig(dir=str(tmp_path / "kv")))
 
@@ -120,4 +123,4 @@ def test_float16_kv_gives_one_reply_locally_from_the_store_and_on_nodes(exported
     assert out["hit"][2] > 0
     for name in ("miss", "hit", "split"):
         assert out[name][:2] == out["alone"][:2], name
-    np.testing.assert_allclose(out["alone"][1], out["float32"][1], atol=0.05)
+    np.testing.assert_allclose(out["alone"][1], out["float32"][1], atol=tol)

@@ -104,7 +104,7 @@ def test_some_layers_of_an_entry_come_back_and_a_peers_layout_is_checked(tmp_pat
     good = LAYOUT.to_json()
     assert layout_from_json(good) == LAYOUT
     for bad in (None, [], {**good, "extra": 1}, {**good, "first": "0"}, {**good, "first": 3},
-                {**good, "kv_heads": 0}, {**good, "dtype": "int8"}, {**good, "last": 1 << 20},
+                {**good, "kv_heads": 0}, {**good, "dtype": "int4"}, {**good, "last": 1 << 20},
                 {**good, "fingerprint": 5}, {k: v for k, v in good.items() if k != "head_dim"}):
         with pytest.raises(ValueError):
             layout_from_json(bad)

@@ -47,10 +47,12 @@ def model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def kv_dtype_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtype", choices=("auto", "float32", "float16"), default=RuntimeConfig.kv_dtype,
+    p.add_argument("--kv-dtype", choices=("auto", "float32", "float16", "int8"),
+                   default=RuntimeConfig.kv_dtype,
                    help="what this device's KV cache holds: float16 halves the memory each "
-                        "position of context costs (not with --no-invariant); auto: float16 for "
-                        "fast-mode exports, float32 for fp32 and exact ones (and with --no-invariant)")
+                        "position of context costs, int8 about quarters it (with the attention "
+                        "kernel); neither with --no-invariant; auto: float16 for fast-mode "
+                        "exports, float32 for fp32 and exact ones (and with --no-invariant)")
 
 
 def attention_flag(p: argparse.ArgumentParser) -> None:
@@ -63,7 +65,7 @@ def attention_flag(p: argparse.ArgumentParser) -> None:
 def kv_dtype(args: argparse.Namespace) -> str:
     """--kv-dtype, checked against --no-invariant."""
     dtype = getattr(args, "kv_dtype", RuntimeConfig.kv_dtype)
-    if dtype == "float16" and getattr(args, "no_invariant", False):
+    if dtype in ("float16", "int8") and getattr(args, "no_invariant", False):
         raise EdgeliteError(f"--kv-dtype {dtype} needs the invariant attention: drop --no-invariant")
     return dtype
 

@@ -1,10 +1,12 @@
 /* edgelite's attention kernel: an onnxruntime custom operator, compiled on the device that
  * runs it (engine/kernel.py) and used by engine/attention.py.
  *
- * Operators (domain "edgelite"): Attend (float32 KV) and Attend16 (float16 KV).
+ * Operators (domain "edgelite"): Attend (float32 KV), Attend16 (float16 KV) and Attend8 (int8
+ * KV: a row of d codes, then its step as an exponent byte e and a mantissa byte b, the values
+ * code * 2^e * (1 + (b + 128) / 256): exact in float32).
  *   inputs:  q      float32 (1, n, heads * d), rotated
- *            key    (1, kv_heads, capacity, d), this step's rows already written
- *            value  (1, kv_heads, capacity, d)
+ *            key    (1, kv_heads, capacity, d) (int8: d + 2), this step's rows already written
+ *            value  (1, kv_heads, capacity, d) (int8: d + 2)
  *            total  int64 (1): the positions valid after this step (the step's rows are the
  *                   last n of them)
  *   output:  float32 (1, n, heads * d)
@@ -55,7 +57,8 @@ enum {
     PARALLEL_FOR = 274, /* KernelContext_ParallelFor: onnxruntime 1.17 (API 17) on */
 };
 #define PARALLEL_FOR_SINCE 17 /* the onnxruntime 1.x minor version that has it */
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
+enum { ELEM_FLOAT = 1, ELEM_INT8 = 3, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 }; /* what a KV row holds */
 enum { ERR_FAIL = 1 };
 
 typedef void *status_t;
@@ -108,12 +111,12 @@ struct custom_op {
 typedef struct {
     struct custom_op op;
     const char *op_name;
-    int half; /* float16 KV */
+    int kind; /* KV_* */
 } attend_op;
 
 typedef struct {
     api_t api;
-    int half;
+    int kind;
     int64_t heads, kv_heads, window, threads;
     float scale;
 } kernel;
@@ -243,17 +246,46 @@ INLINE float dot(const float *q, const float *k, int64_t d) {
     return lanes_sum(acc);
 }
 
+/* an int8 row's step: 2^e (1 + (b + 128) / 256) from its two bytes after the d codes */
+INLINE float row_step(const void *plane, int64_t j, int64_t d) {
+    const int8_t *row = (const int8_t *)plane + j * (d + 2);
+    float m = 1.0f + (float)(row[d + 1] + 128) * (1.0f / 256.0f), p;
+    if (row[d] < -126) return ldexpf(m, row[d]); /* (2^e itself would be subnormal) */
+    uint32_t bits = (uint32_t)(row[d] + 127) << 23; /* 2^e */
+    memcpy(&p, &bits, 4);
+    return m * p;
+}
+
 /* rows first..first+count-1 of one KV head's plane as float32: in place for a float32 KV,
- * else widened into buf */
-INLINE const float *rows_f32(const void *plane, int64_t first, int64_t count, int64_t d, int half, float *buf) {
-    if (!half) return (const float *)plane + first * d;
-    widen_n((const uint16_t *)plane + first * d, buf, count * d);
+ * else widened into buf (int8: each row's codes times its step, exactly) */
+INLINE const float *rows_f32(const void *plane, int64_t first, int64_t count, int64_t d, int kind, float *buf) {
+    if (kind == KV_F32) return (const float *)plane + first * d;
+    if (kind == KV_F16) {
+        widen_n((const uint16_t *)plane + first * d, buf, count * d);
+        return buf;
+    }
+    for (int64_t r = 0; r < count; r++) {
+        const int8_t *row = (const int8_t *)plane + (first + r) * (d + 2);
+        float step = row_step(plane, first + r, d);
+        for (int64_t i = 0; i < d; i++) buf[r * d + i] = (float)row[i] * step;
+    }
     return buf;
 }
 
-/* LANES values of a KV plane from element `at`, as float32 */
-INLINE vf load_kv(const void *plane, int64_t at, int half) {
-    if (!half) return load((const float *)plane + at);
+/* LANES values of a KV plane from element `at`, as float32 (int8: the codes, not yet times
+ * their row's step) */
+INLINE vf load_kv(const void *plane, int64_t at, int kind) {
+    if (kind == KV_F32) return load((const float *)plane + at);
+    if (kind == KV_I8) {
+        const int8_t *c = (const int8_t *)plane + at;
+#if defined(__AVX2__)
+        return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+#else
+        vf v;
+        for (int l = 0; l < LANES; l++) v[l] = (float)c[l];
+        return v;
+#endif
+    }
     const uint16_t *h = (const uint16_t *)plane + at;
 #if defined(__F16C__)
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
@@ -271,10 +303,15 @@ INLINE vf load_kv(const void *plane, int64_t at, int half) {
 #endif
 }
 
-/* q . (the KV plane's d values from element at) */
-INLINE float dot_kv(const float *q, const void *plane, int64_t at, int64_t d, int half) {
+/* q . (the KV plane's row j of d values) */
+INLINE float dot_kv(const float *q, const void *plane, int64_t j, int64_t d, int kind) {
     vf acc = splat(0.0f);
-    for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * load_kv(plane, at + i, half);
+    if (kind == KV_I8) {
+        vf step = splat(row_step(plane, j, d));
+        for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * (load_kv(plane, j * (d + 2) + i, kind) * step);
+    } else {
+        for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * load_kv(plane, j * d + i, kind);
+    }
     return lanes_sum(acc);
 }
 
@@ -316,16 +353,16 @@ static void softmax(float *s, int64_t count) {
  * multiples of 8 and one by one at its range's ragged ends (both are the same sums), its
  * softmax runs over its own range, and its values are summed in position order.
  * scores: rows x g x span scratch (span: the tile's positions), buf: BLOCK x d scratch.
- * The general tile, inlined with half constant (attend_head); every row of a model runs the
+ * The general tile, inlined with kind constant (attend_head); every row of a model runs the
  * same instance. (For groups of 1-8 heads and head sizes in multiples of 32: attend_tile_g.) */
 INLINE void attend_tile(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
-                        int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
+                        int64_t window, int64_t g, int64_t d, int kind, float *scores, float *buf, float *out) {
     int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
     int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
 #define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
     for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
         int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
-        const float *k = rows_f32(keys, first, end - first + 1, d, half, buf); /* (position first) */
+        const float *k = rows_f32(keys, first, end - first + 1, d, kind, buf); /* (position first) */
         for (int64_t r = 0; r < rows; r++) {
             int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
             for (int64_t h = 0; h < g; h++) {
@@ -352,7 +389,7 @@ INLINE void attend_tile(const float *q, const void *keys, const void *values, in
     memset(out, 0, (size_t)(rows * g * d) * sizeof(float));
     for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
         int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
-        const float *v = rows_f32(values, first, end - first + 1, d, half, buf);
+        const float *v = rows_f32(values, first, end - first + 1, d, kind, buf);
         for (int64_t r = 0; r < rows; r++) {
             int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
             for (int64_t h = 0; h < g && lo <= hi; h++) {
@@ -379,7 +416,8 @@ INLINE void attend_tile(const float *q, const void *keys, const void *values, in
 #define QGROUP 4
 #define VSLICE 4
 INLINE void attend_tile_g(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
-                          int64_t window, const int G, int64_t d, int half, float *scores, float *out) {
+                          int64_t window, const int G, int64_t d, int kind, float *scores, float *out) {
+    int64_t row = d + 2 * (kind == KV_I8); /* a position's values in the plane */
     int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
     int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
 #define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
@@ -393,9 +431,14 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
                 vf acc[G][QGROUP];
                 for (int h = 0; h < G; h++)
                     for (int l = 0; l < QGROUP; l++) acc[h][l] = splat(0.0f);
+                vf st[QGROUP];
+                for (int l = 0; l < QGROUP; l++) st[l] = splat(kind == KV_I8 ? row_step(keys, j + l, d) : 1.0f);
                 for (int64_t i = 0; i < d; i += LANES) {
                     vf k[QGROUP];
-                    for (int l = 0; l < QGROUP; l++) k[l] = load_kv(keys, (j + l) * d + i, half);
+                    for (int l = 0; l < QGROUP; l++) {
+                        k[l] = load_kv(keys, (j + l) * row + i, kind);
+                        if (kind == KV_I8) k[l] *= st[l];
+                    }
                     for (int h = 0; h < G; h++) {
                         vf qi = load(qr + h * d + i);
                         for (int l = 0; l < QGROUP; l++) acc[h][l] += qi * k[l];
@@ -404,7 +447,7 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
                 for (int h = 0; h < G; h++) lanes_sum4(acc[h], sr + h * span + j - lo0);
             }
             for (; j <= hi; j++)
-                for (int h = 0; h < G; h++) sr[h * span + j - lo0] = dot_kv(qr + h * d, keys, j * d, d, half);
+                for (int h = 0; h < G; h++) sr[h * span + j - lo0] = dot_kv(qr + h * d, keys, j, d, kind);
         }
     }
     for (int64_t r = 0; r < rows; r++)
@@ -420,8 +463,11 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
                 for (int h = 0; h < G; h++)
                     for (int v = 0; v < VSLICE; v++) acc[h][v] = load(out + (r * G + h) * d + c + v * LANES);
                 for (int64_t j = lo; j <= hi; j++) {
-                    vf x[VSLICE];
-                    for (int v = 0; v < VSLICE; v++) x[v] = load_kv(values, j * d + c + v * LANES, half);
+                    vf x[VSLICE], st = splat(kind == KV_I8 ? row_step(values, j, d) : 1.0f);
+                    for (int v = 0; v < VSLICE; v++) {
+                        x[v] = load_kv(values, j * row + c + v * LANES, kind);
+                        if (kind == KV_I8) x[v] *= st;
+                    }
                     for (int h = 0; h < G; h++) {
                         vf p = splat(pr[h * span + j - lo0]);
                         for (int v = 0; v < VSLICE; v++) acc[h][v] += p * x[v];
@@ -435,30 +481,42 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
 #undef LO
 }
 
-#define HEAD(HALF) attend_tile(q, keys, values, pos0, rows, window, g, d, HALF, scores, buf, out)
-#define GROUP(G, HALF) attend_tile_g(q, keys, values, pos0, rows, window, G, d, HALF, scores, out)
-#define GROUPS(HALF)                                                                                 \
+#define HEAD(KIND) attend_tile(q, keys, values, pos0, rows, window, g, d, KIND, scores, buf, out)
+#define GROUP(G, KIND) attend_tile_g(q, keys, values, pos0, rows, window, G, d, KIND, scores, out)
+#define GROUPS(KIND)                                                                                 \
     switch (g) {                                                                                     \
-        case 1: GROUP(1, HALF); return;                                                              \
-        case 2: GROUP(2, HALF); return;                                                              \
-        case 3: GROUP(3, HALF); return;                                                              \
-        case 4: GROUP(4, HALF); return;                                                              \
-        case 5: GROUP(5, HALF); return;                                                              \
-        case 6: GROUP(6, HALF); return;                                                              \
-        case 7: GROUP(7, HALF); return;                                                              \
-        case 8: GROUP(8, HALF); return;                                                              \
+        case 1: GROUP(1, KIND); return;                                                              \
+        case 2: GROUP(2, KIND); return;                                                              \
+        case 3: GROUP(3, KIND); return;                                                              \
+        case 4: GROUP(4, KIND); return;                                                              \
+        case 5: GROUP(5, KIND); return;                                                              \
+        case 6: GROUP(6, KIND); return;                                                              \
+        case 7: GROUP(7, KIND); return;                                                              \
+        case 8: GROUP(8, KIND); return;                                                              \
         default: break;                                                                              \
     }
 
-/* attend_tile_g for this model's group size and KV dtype where it takes them, else attend_tile
- * for its KV dtype */
-static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
-                        int64_t window, int64_t g, int64_t d, int half, float *scores, float *buf, float *out) {
-    if (d % (VSLICE * LANES) == 0) {
-        if (half) GROUPS(1) else GROUPS(0)
+/* attend_tile_g for this model's group size and head size where it takes them, else
+ * attend_tile: one function a KV dtype, each compiled on its own (how one
+ * instance is laid out then does not move another's: measured, 40 % on a float16 decode) */
+#define HEAD_FN(NAME, KIND)                                                                          \
+    static __attribute__((noinline)) void NAME(const float *q, const void *keys, const void *values, \
+                                               int64_t pos0, int64_t rows, int64_t window, int64_t g, \
+                                               int64_t d, float *scores, float *buf, float *out) {   \
+        if (d % (VSLICE * LANES) == 0) {                                                             \
+            GROUPS(KIND)                                                                             \
+        }                                                                                            \
+        HEAD(KIND);                                                                                  \
     }
-    if (half) HEAD(1);
-    else HEAD(0);
+HEAD_FN(attend_f32, KV_F32)
+HEAD_FN(attend_f16, KV_F16)
+HEAD_FN(attend_i8, KV_I8)
+
+static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
+                        int64_t window, int64_t g, int64_t d, int kind, float *scores, float *buf, float *out) {
+    if (kind == KV_I8) attend_i8(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
+    else if (kind == KV_F16) attend_f16(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
+    else attend_f32(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
 }
 
 static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
@@ -506,7 +564,7 @@ static void *run_part(void *arg) {
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < g * d; i++) qs[r * g * d + i] = w->q[((r0 + r) * w->heads + h * g) * d + i] * w->scale;
         attend_head(qs, (const char *)w->keys + (size_t)h * w->plane, (const char *)w->values + (size_t)h * w->plane,
-                    w->start + r0, m, w->k->window, g, d, w->k->half, scores, buf, acc);
+                    w->start + r0, m, w->k->window, g, d, w->k->kind, scores, buf, acc);
         for (int64_t r = 0; r < m; r++)
             memcpy(w->out + ((r0 + r) * w->heads + h * g) * d, acc + r * g * d, (size_t)(g * d) * sizeof(float));
     }
@@ -531,7 +589,7 @@ static void compute(void *state, void *ctx) {
     for (int i = 0; i < 5; i++)
         if (!ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(values[i], &data[i]))) return;
     void *q_data = data[0], *k_data = data[1], *v_data = data[2], *t_data = data[3], *o_data = data[4];
-    int64_t n = qd[1], heads = k->heads, kv = k->kv_heads, d = kd[3], cap = kd[2];
+    int64_t n = qd[1], heads = k->heads, kv = k->kv_heads, d = kd[3] - 2 * (k->kind == KV_I8), cap = kd[2];
     int64_t total = td[0] == 1 ? ((const int64_t *)t_data)[0] : -1;
     float *o = (float *)o_data;
     memset(o, 0, (size_t)(qd[0] * qd[1] * qd[2]) * sizeof(float));
@@ -541,7 +599,7 @@ static void compute(void *state, void *ctx) {
         heads % kv || total < n || total > cap || d < 1 || d % LANES || d > MAX_D)
         return;
     work w = {k, (const float *)q_data, k_data, v_data, o, n, heads, kv, heads / kv, d, total - n,
-              k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d), (size_t)(cap * d) * (k->half ? 2 : 4), 0, 0};
+              k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d), (size_t)cap * (k->kind == KV_I8 ? (size_t)d + 2 : (size_t)d * (k->kind == KV_F16 ? 2 : 4)), 0, 0};
     /* rows a tile: as many as keep its scores within TILE_BYTES (any count gives the same) */
     w.rows = (int64_t)(TILE_BYTES / sizeof(float)) / (w.g * total);
     w.rows = w.rows < 1 ? 1 : w.rows > TILE_ROWS ? TILE_ROWS : w.rows;
@@ -572,7 +630,7 @@ static void *create(const struct custom_op *op, api_t api, const void *info) {
     kernel *k = (kernel *)calloc(1, sizeof(kernel));
     if (!k) return NULL;
     k->api = api;
-    k->half = ((const attend_op *)op)->half;
+    k->kind = ((const attend_op *)op)->kind;
     k->window = -1;
     if (CALL(api, ATTR_INT, attr_int_fn)(info, "num_heads", &k->heads) ||
         CALL(api, ATTR_INT, attr_int_fn)(info, "kv_num_heads", &k->kv_heads) || k->heads < 1 ||
@@ -598,15 +656,17 @@ static int required(const struct custom_op *op, size_t i) { (void)op; (void)i; r
 static int input_type(const struct custom_op *op, size_t i) {
     if (i == 0) return ELEM_FLOAT;
     if (i == 3) return ELEM_INT64;
-    return ((const attend_op *)op)->half ? ELEM_FLOAT16 : ELEM_FLOAT;
+    int kind = ((const attend_op *)op)->kind;
+    return kind == KV_I8 ? ELEM_INT8 : kind == KV_F16 ? ELEM_FLOAT16 : ELEM_FLOAT;
 }
 
-#define ATTEND_OP(label, is_half)                                                                    \
+#define ATTEND_OP(label, kind)                                                                    \
     {{OP_VERSION, create, op_name, provider, input_type, input_count, output_type, output_count, compute, \
       destroy, required, required},                                                                 \
-     label, is_half}
+     label, kind}
 
-static attend_op ops[2] = {ATTEND_OP("Attend", 0), ATTEND_OP("Attend16", 1)};
+#define OPS 3
+static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8)};
 
 status_t RegisterCustomOps(void *options, const api_base_t *base) {
     api_t api = base->get_api(API_VERSION);
@@ -619,7 +679,7 @@ status_t RegisterCustomOps(void *options, const api_base_t *base) {
     }
     void *domain = NULL;
     status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
-    for (int i = 0; !status && i < 2; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
+    for (int i = 0; !status && i < OPS; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
     if (!status) status = CALL(api, ADD_DOMAIN, add_domain_fn)(options, domain);
     return status;
 }

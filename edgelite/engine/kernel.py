@@ -32,6 +32,7 @@ from edgelite.engine.onnxgraph import (
     GRAPH_NAME,
     GRAPH_NODE,
     GRAPH_OUTPUT,
+    INT8,
     INT64,
     MODEL_GRAPH,
     MODEL_IR_VERSION,
@@ -103,7 +104,7 @@ def _build(cfg: RuntimeConfig) -> Path | None:
 
 def check(library: Path, cfg: RuntimeConfig) -> str | None:
     """None when onnxruntime loads `library` and its operator gives what plain numpy gives
-    (both KV dtypes, a windowed layer, a chunk of rows); else what went wrong, in one line."""
+    (each KV dtype, a windowed layer, a chunk of rows); else what went wrong, in one line."""
     import onnxruntime as ort
 
     heads, kv, d, cap = 4, 2, 16, 24
@@ -111,20 +112,37 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
     try:
         opts = session.options(cfg, Path("."))  # (the process's thread pool, if it has one)
         opts.register_custom_ops_library(str(library))
-        for dtype, op in ((np.float32, "Attend"), (np.float16, "Attend16")):
+        for dtype, op in ((np.float32, "Attend"), (np.float16, "Attend16"), (np.int8, "Attend8")):
             run = ort.InferenceSession(_model(op, heads, kv, d, cap, 5), opts,
                                        providers=["CPUExecutionProvider"]).run
             q = rng.standard_normal((1, 3, heads * d)).astype(np.float32)
-            k, v = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
+            k, v = (_kv(rng, (1, kv, cap, d), dtype) for _ in range(2))
             total = np.array([13], np.int64)
             got = run(None, {"q": q, "k": k, "v": v, "total": total})[0]
-            want = _reference(q, k, v, 13, heads, 5)
+            want = _reference(q, _values(k), _values(v), 13, heads, 5)
             if got.shape != want.shape or not np.allclose(got, want, atol=1e-4):
                 return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         return f"onnxruntime {ort.__version__} cannot run it: {first}"
     return None
+
+
+def _kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Random KV rows of `dtype` (int8: codes, then an exponent and a mantissa byte)."""
+    if dtype != np.int8:
+        return rng.standard_normal(shape).astype(dtype)
+    rows = rng.integers(-127, 128, (*shape[:-1], shape[-1] + 2), dtype=np.int8)
+    rows[..., -2] = rng.integers(-9, -3, shape[:-1])
+    return rows
+
+
+def _values(kv: np.ndarray) -> np.ndarray:
+    """What KV rows hold, as float64 (int8: codes x 2^e x (1 + (b + 128) / 256))."""
+    if kv.dtype != np.int8:
+        return kv.astype(np.float64)
+    step = np.ldexp(1.0 + (kv[..., -1:].astype(np.float64) + 128) / 256, kv[..., -2:-1].astype(np.int32))
+    return kv[..., :-2] * step
 
 
 def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, total: int, heads: int,
@@ -144,13 +162,13 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, total: int, heads: i
 
 def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes:
     """A model of one attend.c operator (protobuf by hand: phones have no `onnx` package)."""
-    kv_elem = FLOAT16 if op.endswith("16") else FLOAT
+    kv_elem, row = {"Attend": (FLOAT, d), "Attend16": (FLOAT16, d), "Attend8": (INT8, d + 2)}[op]
     node = make_node(op, ["q", "k", "v", "total"], ["out"], "attend", DOMAIN, num_heads=heads,
                      kv_num_heads=kv, local_window_size=window, scale=d ** -0.5)
     graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
                     (GRAPH_INPUT, 2, make_value_info("q", FLOAT, [1, "n", heads * d])),
-                    (GRAPH_INPUT, 2, make_value_info("k", kv_elem, [1, kv, cap, d])),
-                    (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, d])),
+                    (GRAPH_INPUT, 2, make_value_info("k", kv_elem, [1, kv, cap, row])),
+                    (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, row])),
                     (GRAPH_INPUT, 2, make_value_info("total", INT64, [1])),
                     (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d]))])
     model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])

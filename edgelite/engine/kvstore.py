@@ -60,7 +60,7 @@ class CorruptEntry(Exception):
     """An entry file that fails a check (read as a miss)."""
 
 
-STORED = {"float32": "<f4", "float16": "<f2"}  # the KV dtypes a layout may have
+STORED = {"float32": "<f4", "float16": "<f2", "int8": "i1"}  # the KV dtypes a layout may have
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Layout:
     first: int
     last: int
     kv_heads: int
-    head_dim: int
+    head_dim: int  # the values a head's row holds (an int8 row: head_dim + its exponent)
     dtype: str = "float32"
     # whose entries these are (a node's clients each have their own: none finds, reads or
     # restores another's KV); "" for a store of one user's (the client's own)

@@ -32,7 +32,7 @@ from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
-from edgelite.manifest import FileEntry, Manifest, check_file
+from edgelite.manifest import FileEntry, Manifest, check_file, kv_row_values
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,11 @@ class LayerRange:
         self.chunks = tuple(sorted(self.cfg.prefill_chunks))
         context = min(m.max_positions, max(self.cfg.kv_buckets))
         extra = self.cfg.invariant and not self.plain  # (a padded step writes one position more)
-        self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, m.head_dim,
+        if self.kv_dtype == "int8" and self.library is None:
+            raise EdgeliteError("an int8 KV needs the attention kernel (a C compiler, and without "
+                                "--no-attention-kernel or --no-invariant); use --kv-dtype float16")
+        self.row = kv_row_values(self.kv_dtype, m.head_dim)  # (int8: its step's bytes too)
+        self.pool = KVPool(self.last - self.first + 1, m.num_kv_heads, self.row,
                            context + self.chunks[-1] + extra, self.cfg.kv_slab_slots, self.cfg.kv_buckets,
                            tuple(e.window for e in entries), self.chunks[-1], context,
                            self.kv_dtype)
@@ -149,7 +153,7 @@ class LayerRange:
         for j in range(self.first, self.last + 1):
             for kind in ("key", "value"):
                 want[f"past_{kind}_{j}"] = {1: ("num_kv_heads", m.num_kv_heads),
-                                             3: ("head_dim", m.head_dim)}
+                                             3: ("head_dim", self.row)}
         got = {i.name: i.shape for s in self.sessions for i in s.get_inputs()}
         for name, dims in want.items():
             shape = got.get(name)
@@ -164,8 +168,7 @@ class LayerRange:
     def layout(self) -> Layout:
         """What this range's KV is (the KV store's entries are kept per layout)."""
         m = self.manifest
-        return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, m.head_dim,
-                      self.kv_dtype)
+        return Layout(m.fingerprint, self.first, self.last, m.num_kv_heads, self.row, self.kv_dtype)
 
     @property
     def max_chunk(self) -> int:
