@@ -59,6 +59,19 @@ def test_pacer_speculates_only_where_it_pays() -> None:
     assert loopback.k() == 0
 
 
+def test_pacer_counts_only_the_drafts_at_hand() -> None:
+    """A lookup that found one token cannot fill a 4-position step: its gain is one draft's,
+    against the wider step's whole cost."""
+    pacer = Pacer(step_ms=10.0, compute_ms=10.0)
+    for _ in range(30):  # drafts right 2 times in 3; a 4-position step costs 1.74 plain ones
+        pacer.observe(0, 0, 10.0)
+        pacer.observe(3, 2, 17.4)
+        pacer.observe(15, 2, 40.0)
+    assert pacer.k() == 3  # three drafts at hand: they pay
+    assert pacer.k(most=3) == 3
+    assert pacer.k(most=1) == 0  # one: it does not
+
+
 @pytest.mark.parametrize("mode", ["lookup", "lookup-3", "draft"])
 def test_greedy_ids_are_the_same_with_speculation_locally(exported, mode: str) -> None:
     m = mf.load(exported["llama"])

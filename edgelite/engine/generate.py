@@ -307,7 +307,7 @@ class _Rounds:
         history = self.prompt + stats.token_ids
         if self.lookup is not None:
             found = self.lookup.propose(history, left)
-            k = min(fixed or pacer.k(0.0, found.kind), left) if found.tokens else 0
+            k = min(fixed or pacer.k(0.0, found.kind, len(found.tokens)), left) if found.tokens else 0
             return found, Draft(found.tokens[:k], kind=found.kind)
         assert spec.draft is not None
         k = min(fixed or pacer.k(spec.draft.step_ms), left)

@@ -200,17 +200,23 @@ class Pacer:
         a, r = self.accepted.get(kind, 1.0), self.refused.get(kind, 1.0)
         return a / (a + r)
 
-    def k(self, draft_ms: float = 0.0, kind: int = 0) -> int:
+    def k(self, draft_ms: float = 0.0, kind: int = 0, most: int = WIDTHS[-1] - 1) -> int:
         """The drafts to ask for this round (0: a plain step), for a draft of `kind` costing
-        `draft_ms` a token."""
+        `draft_ms` a token, of which at most `most` are at hand (a lookup's match: a step
+        wider than they fill costs more and yields nothing more)."""
         if not self.times:  # nothing known yet: a plain step first (observe learns from it)
             return 0
         a = min(self.acceptance(kind), 0.999)
-        rates = {w - 1: (1 - a ** w) / (1 - a) / (self.times[w] + (w - 1) * draft_ms)
-                 for w in WIDTHS}
+        rates: dict[int, float] = {}  # drafts -> expected tokens a ms, each in its narrowest step
+        widths: dict[int, int] = {}
+        for w in WIDTHS:
+            k = min(w - 1, most)
+            if k not in rates:
+                rates[k] = (1 - a ** (k + 1)) / (1 - a) / (self.times[w] + k * draft_ms)
+                widths[k] = w
         best = max(rates, key=rates.__getitem__)
         # a width never run that is nearly as good is tried once (its time is a prior only)
-        untried = [k for k in rates if k + 1 not in self.measured and rates[k] >= EXPLORE * rates[best]]
+        untried = [k for k in rates if widths[k] not in self.measured and rates[k] >= EXPLORE * rates[best]]
         return untried[0] if untried else best
 
     def shadow(self, draft: int, token: int, kind: int = 0) -> None:

@@ -469,7 +469,8 @@ def drafted(job: Job, step: tuple[list[int], bool]) -> tuple[list[int], bool]:
         found = job.lookup.propose(job.prompt + job.tokens, left)
         job.kind = found.kind
         if found.tokens:
-            job.drafts = found.tokens[:job.reply.cfg.draft_tokens or job.pacer.k(0.0, found.kind)]
+            job.drafts = found.tokens[:job.reply.cfg.draft_tokens
+                                      or job.pacer.k(0.0, found.kind, len(found.tokens))]
     return ids + job.drafts, last
 
 
