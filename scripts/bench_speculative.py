@@ -115,6 +115,8 @@ async def run_on(addrs, routes, models: dict[str, Path], args) -> dict:
     return out
 
 
+BOTH_MODELS_MB = 260.0  # a phone's node holding a third of both SmolLM2 exports, and a chunk
+
 MORE = ["Write a haiku about the sea.", "Explain what a hash table is in two sentences.",
         "List three uses of a paperclip.", "What is the capital of France, and why is it famous?",
         "Give me a recipe for a simple tomato soup.", "How do phones connect to Wi-Fi?",
@@ -161,7 +163,9 @@ async def main(args: argparse.Namespace) -> dict:
             result["ids_equal_without_speculation"] = await ids_check(models, args.tokens, Path(tmp))
             return result
         if "wifi" in args.links:
-            async with EmulatedCluster(mf.load(models["fast"]), Path(tmp) / "wifi", DemoConfig(),
+            # (the phones hold the fast export, then the exact one beside it: room for both)
+            demo = DemoConfig(node_memory_mb=BOTH_MODELS_MB)
+            async with EmulatedCluster(mf.load(models["fast"]), Path(tmp) / "wifi", demo,
                                        seed_files=True) as cluster:
                 result["wifi"] = await run_on(cluster.addrs, cluster.routes, models, args)
             result["wifi_links"] = "the demo's: client to phones 5/10/15 ms +-1-2, phone to phone 8 ms"
