@@ -91,15 +91,6 @@ def _attention_model(heads: int, kv: int, d: int, rot: int, cap: int, layers: in
     return model.SerializeToString()
 
 
-def _kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """A KV buffer of random rows (int8: codes, then a step of about 2^-5 each)."""
-    if dtype != np.int8:
-        return rng.standard_normal(shape).astype(dtype)
-    rows = rng.integers(-127, 128, (*shape[:-1], shape[-1] + 2), dtype=np.int8)
-    rows[..., -2] = -5
-    return rows
-
-
 def attention(model: Path, rounds: int, reps: int) -> dict:
     """Per-layer decode attention time of each path at each context (see the module's text)."""
     import onnxruntime as ort
@@ -137,7 +128,7 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
         runs = {}  # path -> (session, binding, its buffers), all made before any is timed
         for name, (graph, dtype) in graphs.items():
             s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-            bufs = [_kv(rng, (1, kv, cap, d), dtype) for _ in range(2 * LAYERS)]
+            bufs = [kernel.random_kv(rng, (1, kv, cap, d), dtype) for _ in range(2 * LAYERS)]
             out = np.zeros((1, 1, heads * d), np.float32)
             io = s.io_binding()
             step = {**feeds, "seqlens_k": np.array([ctx], np.int32), "total_seq": np.array(ctx + 1, np.int32)}

@@ -116,7 +116,7 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             run = ort.InferenceSession(_model(op, heads, kv, d, cap, 5), opts,
                                        providers=["CPUExecutionProvider"]).run
             q = rng.standard_normal((1, 3, heads * d)).astype(np.float32)
-            k, v = (_kv(rng, (1, kv, cap, d), dtype) for _ in range(2))
+            k, v = (random_kv(rng, (1, kv, cap, d), dtype) for _ in range(2))
             total = np.array([13], np.int64)
             got = run(None, {"q": q, "k": k, "v": v, "total": total})[0]
             want = _reference(q, _values(k), _values(v), 13, heads, 5)
@@ -128,7 +128,7 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
     return None
 
 
-def _kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+def random_kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
     """Random KV rows of `dtype` (int8: codes, then an exponent and a mantissa byte)."""
     if dtype != np.int8:
         return rng.standard_normal(shape).astype(dtype)

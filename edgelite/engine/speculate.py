@@ -56,6 +56,11 @@ EXPLORE = 0.8  # a width never run is tried once when its expected rate is this 
 PRIOR_ROUNDS = 2.0  # a reply starts from the model's acceptance so far, worth this many rounds
 
 
+def width(drafts: int) -> int:
+    """The positions a step verifying `drafts` runs: the narrowest of WIDTHS that holds them."""
+    return next(w for w in WIDTHS if w >= drafts + 1)
+
+
 @dataclass
 class Draft:
     """A round's proposal: the tokens, and (a sampled draft) the distribution each was drawn
@@ -208,15 +213,13 @@ class Pacer:
             return 0
         a = min(self.acceptance(kind), 0.999)
         rates: dict[int, float] = {}  # drafts -> expected tokens a ms, each in its narrowest step
-        widths: dict[int, int] = {}
         for w in WIDTHS:
             k = min(w - 1, most)
             if k not in rates:
                 rates[k] = (1 - a ** (k + 1)) / (1 - a) / (self.times[w] + k * draft_ms)
-                widths[k] = w
         best = max(rates, key=rates.__getitem__)
         # a width never run that is nearly as good is tried once (its time is a prior only)
-        untried = [k for k in rates if widths[k] not in self.measured and rates[k] >= EXPLORE * rates[best]]
+        untried = [k for k in rates if width(k) not in self.measured and rates[k] >= EXPLORE * rates[best]]
         return untried[0] if untried else best
 
     def shadow(self, draft: int, token: int, kind: int = 0) -> None:
@@ -233,11 +236,11 @@ class Pacer:
 
     def timed(self, offered: int, ms: float, compute_ms: float | None = None) -> None:
         """A step that verified `offered` drafts (0: a plain step) took `ms`."""
-        width = next(w for w in WIDTHS if w >= offered + 1)
+        w = width(offered)
         if not self.times:  # no plan's prediction: from this step, and its stages' compute
             self._prior(ms, ms if compute_ms is None else compute_ms)
-        self.times[width] = DECAY * self.times[width] + (1 - DECAY) * ms
-        self.measured.add(width)
+        self.times[w] = DECAY * self.times[w] + (1 - DECAY) * ms
+        self.measured.add(w)
 
     def judged(self, offered: int, accepted: int, kind: int = 0) -> None:
         """Of `offered` drafts of `kind`, the first `accepted` were taken."""
