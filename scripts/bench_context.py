@@ -2,12 +2,12 @@
 1 thread (issues 14 and 40).
 
 - Attention alone, per layer, at 1,000 and 4,000 positions of context: one decode step through
-  30 attention layers in one session run, as a range runs them (each layer its own KV, so each
-  reads its KV from memory, not cache), for onnxruntime's GroupQueryAttention (what
-  `--no-invariant` runs), engine/attention.py's plain operators and engine/attend.c's kernel,
-  with float32, float16 and (the kernel's) int8 KV. Each path's KV bytes read per second
-  against the machine's read bandwidth, measured in the same run (numpy's sum over one 512 MiB
-  array).
+  30 attention layers in one session run, as a range runs them (each layer its own KV, laid out
+  as engine/kv.py's pool holds a session's, so each reads its KV from memory, not cache), for
+  onnxruntime's GroupQueryAttention (what `--no-invariant` runs), engine/attention.py's plain
+  operators and engine/attend.c's kernel, with float32, float16 and (the kernel's) int8 KV.
+  Each path's KV bytes read per second against the machine's read bandwidth, measured in the
+  same run (numpy's sum over one 512 MiB array).
 - Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
   states), and the prefill of those prompts (256-token chunks), for the kernel with float16 KV
   (the int4 fast export's default), float32 and int8 KV, the fallbacks without a kernel (float32:
@@ -128,7 +128,10 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
         runs = {}  # path -> (session, binding, its buffers), all made before any is timed
         for name, (graph, dtype) in graphs.items():
             s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-            bufs = [kernel.random_kv(rng, (1, kv, cap, d), dtype) for _ in range(2 * LAYERS)]
+            # the KV laid out as engine/kv.py's pool holds a session's (one mapping: each layer's
+            # keys, then its values); an array a layer read up to 1.6x slower in this harness
+            pool = kernel.random_kv(rng, (LAYERS, 2, kv, cap, d), dtype)
+            bufs = [pool[i, j][None] for i in range(LAYERS) for j in range(2)]
             out = np.zeros((1, 1, heads * d), np.float32)
             io = s.io_binding()
             step = {**feeds, "seqlens_k": np.array([ctx], np.int32), "total_seq": np.array(ctx + 1, np.int32)}

@@ -153,3 +153,46 @@ def test_the_kernel_is_rebuilt_over_a_broken_library_and_missing_compilers_get_o
         assert kernel._build(cfg) is None
     [record] = caplog.records
     assert "cc: internal error" in record.getMessage() and "\n" not in record.getMessage()
+
+
+def _vnni(cc: str) -> bool:
+    """Whether `cc -march=native` targets AVX-512 VNNI here (attend.c's int8 vector path)."""
+    import subprocess
+
+    done = subprocess.run([cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                          timeout=60, check=False)
+    return "__AVX512VNNI__" in done.stdout
+
+
+def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(tmp_path: Path) -> None:
+    """Attend8's integer sums: the AVX-512 VNNI build and the plain C one give the same bits
+    (every cut of the steps, a window), and both are near numpy's attention."""
+    import subprocess
+
+    compilers = kernel._compilers()
+    if not compilers or not _vnni(compilers[0]):
+        pytest.skip("no compiler targeting AVX-512 VNNI here")
+    builds = {}
+    for name, extra in (("vector", []), ("plain", ["-mno-avx512vnni"])):
+        target = tmp_path / f"{name}.so"
+        subprocess.run([compilers[0], *kernel.FLAGS, "-march=native", *extra, "-o", str(target),
+                        str(kernel.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+        builds[name] = target
+    heads, kv, d, cap, total = 9, 3, 64, 96, 80
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, total, heads * d)).astype(np.float32)
+    k, v = (kernel.random_kv(rng, (1, kv, cap, d), np.int8) for _ in range(2))
+    got = {}
+    for name, library in builds.items():
+        opts = options(RuntimeConfig(threads=1), Path("."))
+        opts.register_custom_ops_library(str(library))
+        run = ort.InferenceSession(kernel._model("Attend8", heads, kv, d, cap, 40), opts,
+                                   providers=["CPUExecutionProvider"]).run
+        for cut in (total, 1, 7, 33):  # the rows in steps of `cut` positions
+            rows = [run(None, {"q": q[:, s:s + cut], "k": k, "v": v,
+                               "total": np.array([min(s + cut, total)])})[0] for s in range(0, total, cut)]
+            got[name, cut] = np.concatenate(rows, axis=1)
+    first = got["vector", total]
+    assert all(np.array_equal(first, x) for x in got.values())
+    want = kernel._reference(q, kernel._values(k), kernel._values(v), total, heads, 40)
+    assert np.abs(first - want).max() <= kernel.INT8_TOLERANCE * np.abs(kernel._values(v)).max()

@@ -14,7 +14,10 @@
  *
  * Each row attends to its own causal window only and is computed by the same sequence of
  * float operations whatever the step holds (fixed-lane dot products, sums in position order,
- * no fast-math): a row comes out bit for bit the same in any chunking. The rows of a step go
+ * no fast-math): a row comes out bit for bit the same in any chunking. Attend8 works in integers
+ * (below: query and softmax weights as 8-bit codes against the KV's int8 codes, exact int32
+ * sums), so its rows are also the same with or without AVX-512 VNNI, which it uses where the
+ * compiler targets it. The rows of a step go
  * in tiles that read each KV position once per tile and KV head (the group's query heads
  * share the read), so a decode step reads the valid KV once and a prompt chunk once a tile.
  *
@@ -142,8 +145,6 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof(v)); }
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
-static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
-
 static inline float lanes_sum(vf v) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
@@ -212,32 +213,28 @@ static void widen_n(const uint16_t *h, float *out, int64_t n) {
     for (; i < n; i++) out[i] = widen(h[i]);
 }
 
-/* e^x for x <= 0 (a score less the row's largest), LANES at a time: x = n ln2 + r with
- * |r| <= ln2/2 (ln2 in two parts), e^r by a degree-7 polynomial (Cephes' expf
- * coefficients), times 2^n built in the exponent bits. Below EXP_FLOOR it is exactly 0: such
- * a weight is lost in a sum of at least 1 anyway, and divided by the sum it would make
- * subnormal floats, which cost the products that meet them a hundred cycles each */
-#define EXP_FLOOR -72.0f /* e^-72 / 2^20 positions is still a normal float */
-static inline vf exp_neg(vf x) {
-    vi under = x < splat(EXP_FLOOR);
-    x = pick(under, splat(EXP_FLOOR), x);
-    vf t = x * splat(1.44269504088896341f) + splat(0.5f);
-    vi n = __builtin_convertvector(t, vi); /* toward zero: one too high where t < 0 */
-    n = n + (vi)(__builtin_convertvector(n, vf) > t); /* (true is -1): now floor(t) */
-    vf nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * splat(0.693359375f);
-    r = r - nf * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    return pick(under, splat(0.0f), p * (vf)((n + 127) << 23));
-}
-
 #define INLINE static inline __attribute__((always_inline))
+
+/* one cache line asked into the core's second-level cache ahead of its use, as an instruction
+ * of its own (measured: GCC 12's dead-code pass dropped __builtin_prefetch from these loops) */
+#if defined(__x86_64__) || defined(__i386__)
+#define PREFETCH(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
+#else
+#define PREFETCH(p) __builtin_prefetch(p, 0, 2)
+#endif
+/* blocks of int8 positions asked for ahead (measured at 4,000 positions, 30 layers: 136 us a
+ * layer with none beyond the hardware's own, 86 with 4 blocks into the second-level cache, 140
+ * into the first; for float16 and float32 rows, 4-8 KB a block, any made it slower) */
+#define AHEAD 4
+
+/* the lines of rows `first`..`last` (clipped to `end`) of a plane with `row` bytes a row */
+INLINE void prefetch_rows(const void *plane, int64_t first, int64_t last, int64_t end, int64_t row) {
+    if (first > end) return;
+    last = last < end ? last : end;
+    const char *at = (const char *)plane + first * row, *stop = (const char *)plane + (last + 1) * row;
+    for (; at < stop; at += 64) PREFETCH(at);
+    PREFETCH(stop - 1);
+}
 
 /* q . k over d values (a multiple of LANES) */
 INLINE float dot(const float *q, const float *k, int64_t d) {
@@ -256,36 +253,17 @@ INLINE float row_step(const void *plane, int64_t j, int64_t d) {
     return m * p;
 }
 
-/* rows first..first+count-1 of one KV head's plane as float32: in place for a float32 KV,
- * else widened into buf (int8: each row's codes times its step, exactly) */
+/* rows first..first+count-1 of one KV head's plane (float32 or float16) as float32: in place
+ * for a float32 KV, else widened into buf */
 INLINE const float *rows_f32(const void *plane, int64_t first, int64_t count, int64_t d, int kind, float *buf) {
     if (kind == KV_F32) return (const float *)plane + first * d;
-    if (kind == KV_F16) {
-        widen_n((const uint16_t *)plane + first * d, buf, count * d);
-        return buf;
-    }
-    for (int64_t r = 0; r < count; r++) {
-        const int8_t *row = (const int8_t *)plane + (first + r) * (d + 2);
-        float step = row_step(plane, first + r, d);
-        for (int64_t i = 0; i < d; i++) buf[r * d + i] = (float)row[i] * step;
-    }
+    widen_n((const uint16_t *)plane + first * d, buf, count * d);
     return buf;
 }
 
-/* LANES values of a KV plane from element `at`, as float32 (int8: the codes, not yet times
- * their row's step) */
+/* LANES values of a float32 or float16 KV plane from element `at`, as float32 */
 INLINE vf load_kv(const void *plane, int64_t at, int kind) {
     if (kind == KV_F32) return load((const float *)plane + at);
-    if (kind == KV_I8) {
-        const int8_t *c = (const int8_t *)plane + at;
-#if defined(__AVX2__)
-        return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
-#else
-        vf v;
-        for (int l = 0; l < LANES; l++) v[l] = (float)c[l];
-        return v;
-#endif
-    }
     const uint16_t *h = (const uint16_t *)plane + at;
 #if defined(__F16C__)
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
@@ -306,43 +284,94 @@ INLINE vf load_kv(const void *plane, int64_t at, int kind) {
 /* q . (the KV plane's row j of d values) */
 INLINE float dot_kv(const float *q, const void *plane, int64_t j, int64_t d, int kind) {
     vf acc = splat(0.0f);
-    if (kind == KV_I8) {
-        vf step = splat(row_step(plane, j, d));
-        for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * (load_kv(plane, j * (d + 2) + i, kind) * step);
-    } else {
-        for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * load_kv(plane, j * d + i, kind);
-    }
+    for (int64_t i = 0; i < d; i += LANES) acc += load(q + i) * load_kv(plane, j * d + i, kind);
     return lanes_sum(acc);
 }
 
+/* e^x for x <= 0 (a score less the row's largest), a vector at a time: x = n ln2 + r with
+ * |r| <= ln2/2 (ln2 in two parts), e^r by a degree-7 polynomial (Cephes' expf
+ * coefficients), times 2^n built in the exponent bits. Below EXP_FLOOR it is exactly 0: such
+ * a weight is lost in a sum of at least 1 anyway, and divided by the sum it would make
+ * subnormal floats, which cost the products that meet them a hundred cycles each.
+ * exps: e^x in place of each of count scores less their largest; returns their sum. One body
+ * for two widths: LANES (softmax, the float KVs' rows: the sums they always had) and WIDE
+ * (the int8 KV's rows, whose weights become 8-bit codes) */
+#define EXP_FLOOR -72.0f /* e^-72 / 2^20 positions is still a normal float */
+#define WIDE 16
+#define WIDE_HEADS 4 /* query heads a KV head whose value sums take WIDE-lane registers */
+typedef float wf __attribute__((vector_size(WIDE * 4)));
+typedef int32_t wi __attribute__((vector_size(WIDE * 4)));
+
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+static inline wf wpick(wi mask, wf yes, wf no) { return (wf)(((wi)yes & mask) | ((wi)no & ~mask)); }
+
+static inline wf wsplat(float x) {
+    wf v;
+    for (int l = 0; l < WIDE; l++) v[l] = x;
+    return v;
+}
+
+static inline float wsum(wf v) {
+    float total = 0.0f;
+    for (int l = 0; l < WIDE; l++) total += v[l];
+    return total;
+}
+
+#define EXPS_FN(EXP, EXPS, V, I, N, SPLAT, PICK, SUM)                                             \
+    static inline V EXP(V x) {                                                                    \
+        I under = x < SPLAT(EXP_FLOOR);                                                           \
+        x = PICK(under, SPLAT(EXP_FLOOR), x);                                                     \
+        V t = x * SPLAT(1.44269504088896341f) + SPLAT(0.5f);                                      \
+        I n = __builtin_convertvector(t, I); /* toward zero: one too high where t < 0 */         \
+        n = n + (I)(__builtin_convertvector(n, V) > t); /* (true is -1): now floor(t) */         \
+        V nf = __builtin_convertvector(n, V);                                                     \
+        V r = x - nf * SPLAT(0.693359375f);                                                       \
+        r = r - nf * SPLAT(-2.12194440e-4f);                                                      \
+        V p = SPLAT(1.9875691500e-4f);                                                            \
+        p = p * r + SPLAT(1.3981999507e-3f);                                                      \
+        p = p * r + SPLAT(8.3334519073e-3f);                                                      \
+        p = p * r + SPLAT(4.1665795894e-2f);                                                      \
+        p = p * r + SPLAT(1.6666665459e-1f);                                                      \
+        p = p * r + SPLAT(5.0000001201e-1f);                                                      \
+        p = p * (r * r) + r + SPLAT(1.0f);                                                        \
+        return PICK(under, SPLAT(0.0f), p * (V)((n + 127) << 23));                                \
+    }                                                                                             \
+    static float EXPS(float *s, int64_t count) {                                                  \
+        int64_t j = 0;                                                                            \
+        V top = SPLAT(-INFINITY), sums = SPLAT(0.0f), x;                                          \
+        for (; j + N <= count; j += N) {                                                          \
+            memcpy(&x, s + j, sizeof(x));                                                         \
+            top = PICK(x > top, x, top);                                                          \
+        }                                                                                         \
+        float best = -INFINITY;                                                                   \
+        for (int l = 0; l < N; l++) best = top[l] > best ? top[l] : best;                         \
+        for (; j < count; j++) best = s[j] > best ? s[j] : best;                                  \
+        V b = SPLAT(best);                                                                        \
+        for (j = 0; j + N <= count; j += N) {                                                     \
+            memcpy(&x, s + j, sizeof(x));                                                         \
+            V e = EXP(x - b);                                                                     \
+            memcpy(s + j, &e, sizeof(e));                                                         \
+            sums += e;                                                                            \
+        }                                                                                         \
+        if (j < count) { /* the tail, padded with -inf (weight 0: counted nowhere) */             \
+            float tail[N];                                                                        \
+            for (int l = 0; l < N; l++) tail[l] = j + l < count ? s[j + l] : -INFINITY;           \
+            memcpy(&x, tail, sizeof(x));                                                          \
+            V e = EXP(x - b);                                                                     \
+            for (int l = 0; l < N && j + l < count; l++) {                                        \
+                s[j + l] = e[l];                                                                  \
+                sums[l] += e[l];                                                                  \
+            }                                                                                     \
+        }                                                                                         \
+        return SUM(sums);                                                                         \
+    }
+EXPS_FN(exp_neg, exps, vf, vi, LANES, splat, pick, lanes_sum)
+EXPS_FN(exp_neg_wide, exps_wide, wf, wi, WIDE, wsplat, wpick, wsum)
+
 /* softmax in place over one head's count scores */
 static void softmax(float *s, int64_t count) {
-    int64_t j = 0;
-    vf top = splat(-INFINITY), sums = splat(0.0f);
-    for (; j + LANES <= count; j += LANES) {
-        vf x = load(s + j);
-        top = pick(x > top, x, top);
-    }
-    float best = -INFINITY;
-    for (int l = 0; l < LANES; l++) best = top[l] > best ? top[l] : best;
-    for (; j < count; j++) best = s[j] > best ? s[j] : best;
-    vf b = splat(best);
-    for (j = 0; j + LANES <= count; j += LANES) {
-        vf e = exp_neg(load(s + j) - b);
-        store(s + j, e);
-        sums += e;
-    }
-    if (j < count) { /* the tail, padded with -inf (weight 0: counted nowhere) */
-        float tail[LANES];
-        for (int l = 0; l < LANES; l++) tail[l] = j + l < count ? s[j + l] : -INFINITY;
-        vf e = exp_neg(load(tail) - b);
-        for (int l = 0; l < LANES && j + l < count; l++) {
-            s[j + l] = e[l];
-            sums[l] += e[l];
-        }
-    }
-    float inv = 1.0f / lanes_sum(sums);
-    for (j = 0; j < count; j++) s[j] *= inv;
+    float inv = 1.0f / exps(s, count);
+    for (int64_t j = 0; j < count; j++) s[j] *= inv;
 }
 
 /* a tile of rows (consecutive positions pos0..pos0+rows-1) against one KV head: each row r
@@ -417,7 +446,7 @@ INLINE void attend_tile(const float *q, const void *keys, const void *values, in
 #define VSLICE 4
 INLINE void attend_tile_g(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
                           int64_t window, const int G, int64_t d, int kind, float *scores, float *out) {
-    int64_t row = d + 2 * (kind == KV_I8); /* a position's values in the plane */
+    int64_t row = d; /* a position's values in the plane */
     int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
     int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
 #define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
@@ -431,14 +460,9 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
                 vf acc[G][QGROUP];
                 for (int h = 0; h < G; h++)
                     for (int l = 0; l < QGROUP; l++) acc[h][l] = splat(0.0f);
-                vf st[QGROUP];
-                for (int l = 0; l < QGROUP; l++) st[l] = splat(kind == KV_I8 ? row_step(keys, j + l, d) : 1.0f);
                 for (int64_t i = 0; i < d; i += LANES) {
                     vf k[QGROUP];
-                    for (int l = 0; l < QGROUP; l++) {
-                        k[l] = load_kv(keys, (j + l) * row + i, kind);
-                        if (kind == KV_I8) k[l] *= st[l];
-                    }
+                    for (int l = 0; l < QGROUP; l++) k[l] = load_kv(keys, (j + l) * row + i, kind);
                     for (int h = 0; h < G; h++) {
                         vf qi = load(qr + h * d + i);
                         for (int l = 0; l < QGROUP; l++) acc[h][l] += qi * k[l];
@@ -458,16 +482,37 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
         for (int64_t r = 0; r < rows; r++) {
             int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
             const float *pr = scores + r * G * span; /* (position lo0) */
+#if defined(__AVX512F__)
+            if (G <= WIDE_HEADS && d % (4 * WIDE) == 0) {
+                /* the same sums (each column's, position by position) WIDE columns a register */
+                for (int64_t c = 0; c < d && lo <= hi; c += 4 * WIDE) {
+                    __m512 acc[WIDE_HEADS][4];
+                    for (int h = 0; h < G; h++)
+                        for (int v = 0; v < 4; v++) acc[h][v] = _mm512_loadu_ps(out + (r * G + h) * d + c + v * WIDE);
+                    for (int64_t j = lo; j <= hi; j++) {
+                        __m512 x[4];
+                        for (int v = 0; v < 4; v++)
+                            x[v] = kind == KV_F32 ? _mm512_loadu_ps((const float *)values + j * row + c + v * WIDE)
+                                                  : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                                        (const __m256i *)((const uint16_t *)values + j * row + c + v * WIDE)));
+                        for (int h = 0; h < G; h++) {
+                            __m512 p = _mm512_set1_ps(pr[h * span + j - lo0]);
+                            for (int v = 0; v < 4; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
+                        }
+                    }
+                    for (int h = 0; h < G; h++)
+                        for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + (r * G + h) * d + c + v * WIDE, acc[h][v]);
+                }
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < d && lo <= hi; c += VSLICE * LANES) {
                 vf acc[G][VSLICE];
                 for (int h = 0; h < G; h++)
                     for (int v = 0; v < VSLICE; v++) acc[h][v] = load(out + (r * G + h) * d + c + v * LANES);
                 for (int64_t j = lo; j <= hi; j++) {
-                    vf x[VSLICE], st = splat(kind == KV_I8 ? row_step(values, j, d) : 1.0f);
-                    for (int v = 0; v < VSLICE; v++) {
-                        x[v] = load_kv(values, j * row + c + v * LANES, kind);
-                        if (kind == KV_I8) x[v] *= st;
-                    }
+                    vf x[VSLICE];
+                    for (int v = 0; v < VSLICE; v++) x[v] = load_kv(values, j * row + c + v * LANES, kind);
                     for (int h = 0; h < G; h++) {
                         vf p = splat(pr[h * span + j - lo0]);
                         for (int v = 0; v < VSLICE; v++) acc[h][v] += p * x[v];
@@ -480,6 +525,469 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
     }
 #undef LO
 }
+
+
+/* ---- int8 KV in integers ---------------------------------------------------------------
+ * A row's queries and its softmax weights become 8-bit codes with a step of their own (the
+ * largest magnitude / Q_MAX or W_MAX), and the KV's int8 codes meet them in exact int32 dot products;
+ * only the steps are float. Integer sums are the same in any order, so a row comes out bit
+ * for bit the same in any tile or chunking, and with or without the vector path below (AVX-512
+ * VNNI, where the compiler targets it: whole blocks of positions by byte dot products; the
+ * blocks a row only partly covers in plain C). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VNNI 1
+#define EVEN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* round to nearest, even on ties */
+#else
+#define VNNI 0
+#endif
+/* (measured over the exporter's text, SmolLM2: KL from the fp32 export 1.28e-3 above float32
+ * KV's with 8-bit queries and weights; 0.98e-3 with 16-bit queries; 0.91e-3 with both 16-bit) */
+#define Q_MAX 127.0f /* a query code's largest magnitude (int8) */
+#define W_MAX 255.0f /* a weight code's largest (uint8) */
+#define MAX_GROUP 32 /* query heads a KV head the one-row vector path takes */
+#define Q_BIAS 128 /* a query code plus this: an unsigned byte (the vector path) */
+
+/* x[0..n) as codes round(x / step) (to even), step = largest |x| / top_code; returns the
+ * step (0: all zero) */
+INLINE float codes(const float *x, int64_t n, float top_code, int16_t *out) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    if (!(top > 0.0f)) {
+        memset(out, 0, (size_t)n * sizeof(int16_t));
+        return 0.0f;
+    }
+    float inv = top_code / top;
+    for (int64_t i = 0; i < n; i++) out[i] = (int16_t)nearbyintf(x[i] * inv);
+    return top / top_code;
+}
+
+/* the scores of positions lo..hi (row j at keys + j * row): the query's codes . the key's
+ * codes, times qstep times the key's step (kstep: from position b) */
+INLINE void qk_plain(const int16_t *qc, float qstep, const void *keys, int64_t d, int64_t b, int64_t lo, int64_t hi,
+                     const float *kstep, float *sh /* (position b) */) {
+    for (int64_t j = lo; j <= hi; j++) {
+        const int8_t *k = (const int8_t *)keys + j * (d + 2);
+        int32_t dot = 0;
+        for (int64_t i = 0; i < d; i++) dot += (int32_t)qc[i] * k[i];
+        sh[j - b] = (float)dot * (qstep * kstep[j - b]);
+    }
+}
+
+/* one block's weights (p: softmax weights from position b, vstep: the value rows' steps)
+ * over positions lo..hi, as codes 0..W_MAX (wq, BLOCK of them: 0 outside); returns their step */
+INLINE float weights(const float *p, const float *vstep, int64_t b, int64_t lo, int64_t hi, int16_t *wq) {
+    float w[BLOCK];
+    for (int64_t jj = 0; jj < BLOCK; jj++) w[jj] = b + jj >= lo && b + jj <= hi ? p[jj] * vstep[jj] : 0.0f;
+    return codes(w, BLOCK, W_MAX, wq);
+}
+
+/* o += (sum over positions lo..hi of wq x the value's codes) x wstep (column i at o[i], or
+ * with `slot`, at o[i - i % 64 + slot[i % 64]]: pv_vnni's order) */
+INLINE void pv_plain(const int16_t *wq, float wstep, const void *values, int64_t d, int64_t b, int64_t lo, int64_t hi,
+                     const int *slot, float *o) {
+    int32_t acc[MAX_D] = {0};
+    for (int64_t j = lo; j <= hi; j++) {
+        const int8_t *v = (const int8_t *)values + j * (d + 2);
+        for (int64_t i = 0; i < d; i++) acc[i] += (int32_t)wq[j - b] * v[i];
+    }
+    for (int64_t i = 0; i < d; i++) {
+        int64_t at = slot ? i - i % 64 + slot[i % 64] : i;
+        o[at] = fmaf((float)acc[i], wstep, o[at]);
+    }
+}
+
+#if VNNI
+/* 16 rows of 64 bytes (at rows, stride `row`) as 16 vectors: lane l of each holds 4 bytes of
+ * row l (vector m: bytes 4 transposed_col[m] .. + 3) */
+static int load_order[16];
+static inline void transpose16(const int8_t *rows, int64_t row, __m512i *out) {
+    __m512i r[16], a[16];
+    for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512(rows + load_order[l] * row);
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int m = 0; m < 4; m++) {
+            a[8 * i + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0x88);
+            a[8 * i + 4 + m] = _mm512_shuffle_i32x4(r[8 * i + m], r[8 * i + 4 + m], 0xdd);
+        }
+    for (int m = 0; m < 8; m++) {
+        out[m] = _mm512_shuffle_i32x4(a[m], a[8 + m], 0x88);
+        out[8 + m] = _mm512_shuffle_i32x4(a[m], a[8 + m], 0xdd);
+    }
+}
+static int transposed_col[16]; /* the 4 bytes (4 x this ..) of each row transpose16's vector m holds */
+/* (load_order: the row transpose16 loads into its lane l's place; set up once) */
+
+/* transpose16's layout, found by running it on tagged rows once: load_order so that lane l
+ * holds row l, and each vector's column */
+static void transpose16_init(void) {
+    int8_t rows[16 * 64];
+    for (int l = 0; l < 16; l++) {
+        load_order[l] = l;
+        for (int i = 0; i < 16; i++) rows[l * 64 + 4 * i] = (int8_t)l, rows[l * 64 + 4 * i + 1] = (int8_t)i;
+    }
+    __m512i out[16];
+    transpose16(rows, 64, out);
+    int8_t bytes[64];
+    int lane_row[16];
+    _mm512_storeu_si512(bytes, out[0]);
+    for (int l = 0; l < 16; l++) lane_row[l] = bytes[4 * l];
+    for (int l = 0; l < 16; l++) load_order[lane_row[l]] = l;
+    for (int m = 0; m < 16; m++) {
+        _mm512_storeu_si512(bytes, out[m]);
+        transposed_col[m] = bytes[1];
+    }
+}
+
+/* a whole block's keys for qk_vnni: for each 16 positions and 64 bytes of the head, the 16
+ * transposed vectors (kt) and each position's sum of codes (ksum) */
+static void qk_prepare(const void *keys, int64_t b, int64_t d, __m512i *kt, __m512i *ksum) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t s = 0; s < BLOCK / 16; s++)
+        for (int64_t c = 0; c < d / 64; c++) {
+            __m512i *t = kt + (s * (d / 64) + c) * 16, sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            transpose16((const int8_t *)keys + (b + 16 * s) * (d + 2) + 64 * c, d + 2, t);
+            for (int m = 0; m < 16; m++) sum[m % 2] = _mm512_dpbusd_epi32(sum[m % 2], ones, t[m]);
+            ksum[s * (d / 64) + c] = _mm512_add_epi32(sum[0], sum[1]);
+        }
+}
+
+/* qk_plain over a whole block: qb, the query's codes + Q_BIAS as bytes (4 at a time, in
+ * transpose16's column order); out: BLOCK scores */
+INLINE void qk_vnni(const uint8_t *qb, float qstep, const __m512i *kt, const __m512i *ksum, int64_t d,
+                    const float *kstep, float *out) {
+    for (int64_t s = 0; s < BLOCK / 16; s++) {
+        __m512i part[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                           _mm512_setzero_si512()}; /* (four running sums: each waits on one in four) */
+        for (int64_t c = 0; c < d / 64; c++) {
+            const __m512i *t = kt + (s * (d / 64) + c) * 16;
+            const uint8_t *qc = qb + c * 64;
+            for (int m = 0; m < 16; m++) {
+                int32_t q4;
+                memcpy(&q4, qc + 4 * m, 4);
+                part[m % 4] = _mm512_dpbusd_epi32(part[m % 4], _mm512_set1_epi32(q4), t[m]);
+            }
+            part[0] = _mm512_sub_epi32(part[0], _mm512_slli_epi32(ksum[s * (d / 64) + c], 7)); /* - Q_BIAS sum(k) */
+        }
+        __m512i dot = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
+        _mm512_storeu_ps(out + 16 * s, _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+                                                     _mm512_mul_ps(_mm512_set1_ps(qstep), _mm512_loadu_ps(kstep + 16 * s))));
+    }
+}
+
+/* a whole block's values for pv_vnni: for each 4 positions and 64 columns, 4 vectors whose
+ * lane l holds the 4 positions' codes of one column (vector v, lane l: column
+ * 16 (l / 4) + 4 v + l % 4; its sum goes to o[16 v + l]: pv_slot) */
+static int pv_slot[64]; /* column -> where pv_vnni sums it (set up once) */
+
+static void pv_slot_init(void) {
+    for (int v = 0; v < 4; v++)
+        for (int l = 0; l < 16; l++) pv_slot[16 * (l / 4) + 4 * v + l % 4] = 16 * v + l;
+}
+
+static void pv_prepare(const void *values, int64_t b, int64_t d, __m512i *vt) {
+    for (int64_t t4 = 0; t4 < BLOCK / 4; t4++)
+        for (int64_t c = 0; c < d / 64; c++) {
+            const int8_t *x0 = (const int8_t *)values + (b + 4 * t4) * (d + 2) + 64 * c;
+            __m512i x[4], t[4], u[4];
+            for (int l = 0; l < 4; l++) x[l] = _mm512_loadu_si512(x0 + l * (d + 2));
+            t[0] = _mm512_unpacklo_epi8(x[0], x[1]), t[1] = _mm512_unpackhi_epi8(x[0], x[1]);
+            t[2] = _mm512_unpacklo_epi8(x[2], x[3]), t[3] = _mm512_unpackhi_epi8(x[2], x[3]);
+            u[0] = _mm512_unpacklo_epi16(t[0], t[2]), u[1] = _mm512_unpackhi_epi16(t[0], t[2]);
+            u[2] = _mm512_unpacklo_epi16(t[1], t[3]), u[3] = _mm512_unpackhi_epi16(t[1], t[3]);
+            __m512i *o = vt + (t4 * (d / 64) + c) * 4; /* u[v], 128-bit lane L: columns 16 L + 4 v .. + 3 */
+            for (int v = 0; v < 4; v++) o[v] = u[v];
+        }
+}
+
+/* weights() over a whole block: the same codes (as bytes) and step */
+INLINE float weights_vnni(const float *p, const float *vstep, uint8_t *wq) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(vstep));
+    __m512 c = _mm512_mul_ps(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(vstep + 16));
+    float top = _mm512_reduce_max_ps(_mm512_max_ps(a, c)); /* (weights and steps are >= 0) */
+    if (!(top > 0.0f)) return 0.0f;
+    __m512 inv = _mm512_set1_ps(W_MAX / top);
+        _mm_storeu_si128((__m128i *)wq, _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv), EVEN)));
+    _mm_storeu_si128((__m128i *)(wq + 16), _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(c, inv), EVEN)));
+    return top / W_MAX;
+}
+
+/* row_step of rows b..b+15, all there */
+static inline __m512 steps16(const void *plane, int64_t b, int64_t d) {
+    int32_t xs[16];
+    for (int l = 0; l < 16; l++) memcpy(&xs[l], (const int8_t *)plane + (b + l) * (d + 2) + d - 2, 4);
+    __m512i x = _mm512_loadu_si512(xs);
+    __m512i e = _mm512_srai_epi32(_mm512_slli_epi32(x, 8), 24), m8 = _mm512_srai_epi32(x, 24);
+    __mmask16 tiny = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(-126));
+    __m512 m = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(m8, _mm512_set1_epi32(128))),
+                                                                _mm512_set1_ps(1.0f / 256.0f)));
+    __m512 s = _mm512_mul_ps(m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23)));
+    if (tiny) { /* (2^e itself subnormal: never from our graph) */
+        float t[16];
+        _mm512_storeu_ps(t, s);
+        for (int l = 0; l < 16; l++)
+            if (tiny >> l & 1) t[l] = row_step(plane, b + l, d);
+        s = _mm512_loadu_ps(t);
+    }
+    return s;
+}
+
+/* one row (a decode step) over a whole block, every head of the group at once: the keys
+ * transposed in registers and the values unpacked in registers, read once for all heads.
+ * qb: g x d query bytes (as qk_vnni's); sh: head h's scores at sh + h * span (position b) */
+#define HEADS_AT_ONCE 4
+INLINE void qk_vnni_row(const uint8_t *qb, const float *qstep, int64_t g, const void *keys, int64_t b, int64_t d,
+                        const float *kstep, float *sh, int64_t span) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t s = 0; s < BLOCK / 16; s++)
+        for (int64_t h0 = 0; h0 < g; h0 += HEADS_AT_ONCE) {
+            int hn = g - h0 < HEADS_AT_ONCE ? (int)(g - h0) : HEADS_AT_ONCE;
+            __m512i acc[HEADS_AT_ONCE][2];
+            for (int h = 0; h < HEADS_AT_ONCE; h++) acc[h][0] = acc[h][1] = _mm512_setzero_si512();
+            for (int64_t c = 0; c < d / 64; c++) {
+                __m512i t[16], ks[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                transpose16((const int8_t *)keys + (b + 16 * s) * (d + 2) + 64 * c, d + 2, t);
+                for (int m = 0; m < 16; m++) ks[m % 2] = _mm512_dpbusd_epi32(ks[m % 2], ones, t[m]);
+                for (int h = 0; h < hn; h++) {
+                    const uint8_t *qc = qb + (h0 + h) * d + c * 64;
+                    for (int m = 0; m < 16; m++) {
+                        int32_t q4;
+                        memcpy(&q4, qc + 4 * m, 4);
+                        acc[h][m % 2] = _mm512_dpbusd_epi32(acc[h][m % 2], _mm512_set1_epi32(q4), t[m]);
+                    }
+                    acc[h][0] = _mm512_sub_epi32(acc[h][0], _mm512_slli_epi32(_mm512_add_epi32(ks[0], ks[1]), 7));
+                }
+            }
+            __m512 st = _mm512_loadu_ps(kstep + 16 * s);
+            for (int h = 0; h < hn; h++) {
+                __m512 x = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[h][0], acc[h][1]));
+                _mm512_storeu_ps(sh + (h0 + h) * span + 16 * s, _mm512_mul_ps(x, _mm512_mul_ps(_mm512_set1_ps(qstep[h0 + h]), st)));
+            }
+        }
+}
+
+/* one row over a whole block, every head of the group at once (w8: g x BLOCK weight codes,
+ * wstep: g steps, 0 for a head with none); o: g x d outputs in pv_slot's order */
+#define PV_HEADS 3
+INLINE void pv_vnni_row(const uint8_t *w8, const float *wstep, int64_t g, const void *values, int64_t b, int64_t d,
+                        float *o) {
+    for (int64_t c = 0; c < d / 64; c++)
+        for (int64_t h0 = 0; h0 < g; h0 += PV_HEADS) {
+            int hn = g - h0 < PV_HEADS ? (int)(g - h0) : PV_HEADS;
+            __m512i acc[PV_HEADS][4];
+            for (int h = 0; h < PV_HEADS; h++)
+                for (int v = 0; v < 4; v++) acc[h][v] = _mm512_setzero_si512();
+            for (int64_t t4 = 0; t4 < BLOCK / 4; t4++) {
+                const int8_t *x0 = (const int8_t *)values + (b + 4 * t4) * (d + 2) + 64 * c;
+                __m512i x[4], t[4], u[4];
+                for (int l = 0; l < 4; l++) x[l] = _mm512_loadu_si512(x0 + l * (d + 2));
+                t[0] = _mm512_unpacklo_epi8(x[0], x[1]), t[1] = _mm512_unpackhi_epi8(x[0], x[1]);
+                t[2] = _mm512_unpacklo_epi8(x[2], x[3]), t[3] = _mm512_unpackhi_epi8(x[2], x[3]);
+                u[0] = _mm512_unpacklo_epi16(t[0], t[2]), u[1] = _mm512_unpackhi_epi16(t[0], t[2]);
+                u[2] = _mm512_unpacklo_epi16(t[1], t[3]), u[3] = _mm512_unpackhi_epi16(t[1], t[3]);
+                for (int h = 0; h < hn; h++) {
+                    int32_t w4;
+                    memcpy(&w4, w8 + (h0 + h) * BLOCK + 4 * t4, 4);
+                    __m512i w = _mm512_set1_epi32(w4);
+                    for (int v = 0; v < 4; v++) acc[h][v] = _mm512_dpbusd_epi32(acc[h][v], w, u[v]);
+                }
+            }
+            for (int h = 0; h < hn; h++) {
+                if (wstep[h0 + h] == 0.0f) continue;
+                __m512 ws = _mm512_set1_ps(wstep[h0 + h]);
+                float *oh = o + (h0 + h) * d + 64 * c;
+                for (int v = 0; v < 4; v++)
+                    _mm512_storeu_ps(oh + 16 * v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][v]), ws, _mm512_loadu_ps(oh + 16 * v)));
+            }
+        }
+}
+
+/* pv_plain over a whole block (wq: BLOCK codes, all inside), in pv_slot's order */
+INLINE void pv_vnni(const uint8_t *wq, float wstep, const __m512i *vt, int64_t d, float *o) {
+    __m512 ws = _mm512_set1_ps(wstep);
+    for (int64_t c = 0; c < d / 64; c++) {
+        __m512i acc[8]; /* (columns 16 v.., positions in even and odd fours: two running sums) */
+        for (int v = 0; v < 8; v++) acc[v] = _mm512_setzero_si512();
+        for (int64_t t4 = 0; t4 < BLOCK / 4; t4++) {
+            int32_t w4;
+            memcpy(&w4, wq + 4 * t4, 4);
+            __m512i w = _mm512_set1_epi32(w4);
+            const __m512i *u = vt + (t4 * (d / 64) + c) * 4;
+            for (int v = 0; v < 4; v++) acc[v + 4 * (t4 % 2)] = _mm512_dpbusd_epi32(acc[v + 4 * (t4 % 2)], w, u[v]);
+        }
+        for (int v = 0; v < 4; v++) acc[v] = _mm512_add_epi32(acc[v], acc[v + 4]);
+        for (int v = 0; v < 4; v++)
+            _mm512_storeu_ps(o + 64 * c + 16 * v,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v]), ws, _mm512_loadu_ps(o + 64 * c + 16 * v)));
+    }
+}
+#endif
+
+/* the steps of block b's rows first..end (from position b; 0 for the others) */
+INLINE void steps_of(const void *plane, int64_t b, int64_t first, int64_t end, int64_t d, float *step) {
+    int64_t jj = 0;
+#if VNNI
+    if (first == b && end == b + BLOCK - 1) {
+        for (; jj < BLOCK; jj += 16) _mm512_storeu_ps(step + jj, steps16(plane, b + jj, d));
+        return;
+    }
+#endif
+    for (; jj < BLOCK; jj++) step[jj] = b + jj >= first && b + jj <= end ? row_step(plane, b + jj, d) : 0.0f;
+}
+
+/* the int8 tile: rows x g queries (scaled) against one KV head, as attend_tile.
+ * i16: rows x g x d int16 scratch; steps: rows x g floats; buf: BLOCK x d + rows x g x d floats */
+INLINE void attend_i8(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
+                      int64_t window, int64_t g, int64_t d, float *scores, float *buf, float *out, int16_t *i16,
+                      float *steps) {
+    (void)buf; /* (the vector path's scratch) */
+    int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
+    float kstep[BLOCK];
+    int16_t wq[BLOCK] __attribute__((aligned(64)));
+#define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
+#define WHOLE(r) (LO(r) <= b && pos0 + (r) >= b + BLOCK - 1) /* row r takes every position of block b */
+    prefetch_rows(keys, lo0, lo0 - lo0 % BLOCK + AHEAD * BLOCK - 1, last, d + 2);
+    for (int64_t r = 0; r < rows * g; r++) steps[r] = codes(q + r * d, d, Q_MAX, i16 + r * d);
+#if VNNI
+    int vec = d % 64 == 0 && g <= MAX_GROUP;
+    __m512i *kt = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63); /* BLOCK x d bytes */
+    __m512i *ksum = kt + BLOCK * d / 64;                                /* BLOCK x d / 1024 vectors */
+    uint8_t *qb = (uint8_t *)(ksum + BLOCK * d / 1024);                 /* rows x g x d bytes */
+    if (vec)
+        for (int64_t r = 0; r < rows * g; r++)
+            for (int64_t c = 0; c < d / 64; c++)
+                for (int m = 0; m < 16; m++)
+                    for (int i = 0; i < 4; i++) /* (in transpose16's column order) */
+                        qb[r * d + c * 64 + 4 * m + i] = (uint8_t)(i16[r * d + 64 * c + 4 * transposed_col[m] + i] + Q_BIAS);
+#endif
+    for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
+        int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
+        int whole = 0;
+        for (int64_t r = 0; r < rows; r++) whole |= WHOLE(r);
+        prefetch_rows(keys, b + AHEAD * BLOCK, b + (AHEAD + 1) * BLOCK - 1, last, d + 2);
+        steps_of(keys, b, first, end, d, kstep);
+#if VNNI
+        if (vec && whole && rows > 1) qk_prepare(keys, b, d, kt, ksum);
+#endif
+#if VNNI
+        if (vec && rows == 1 && WHOLE(0)) {
+            qk_vnni_row(qb, steps, g, keys, b, d, kstep, scores + (b - lo0), span);
+            continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
+            for (int64_t h = 0; h < g && lo <= hi; h++) {
+                float *sh = scores + (r * g + h) * span + (b - lo0); /* (position b; written lo..hi) */
+#if VNNI
+                if (vec && WHOLE(r)) {
+                    float dots[BLOCK];
+                    qk_vnni(qb + (r * g + h) * d, steps[r * g + h], kt, ksum, d, kstep, dots);
+                    memcpy(sh, dots, sizeof(dots)); /* (a whole block lies within the row's scores) */
+                    continue;
+                }
+#endif
+                qk_plain(i16 + (r * g + h) * d, steps[r * g + h], keys, d, b, lo, hi, kstep, sh);
+            }
+        }
+    }
+    prefetch_rows(values, lo0, lo0 - lo0 % BLOCK + AHEAD * BLOCK - 1, last, d + 2);
+    /* e^(score - largest), each row's sum kept: the weights' codes are the same whatever their
+     * scale, so the sum divides the output once at the end */
+    float *sums = steps; /* (the queries' steps are no longer needed) */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < g; h++) sums[r * g + h] = exps_wide(scores + (r * g + h) * span + LO(r) - lo0, pos0 + r - LO(r) + 1);
+    memset(out, 0, (size_t)(rows * g * d) * sizeof(float));
+    for (int64_t b = lo0 - lo0 % BLOCK; b <= last; b += BLOCK) {
+        int64_t first = b > lo0 ? b : lo0, end = b + BLOCK - 1 < last ? b + BLOCK - 1 : last;
+        prefetch_rows(values, b + AHEAD * BLOCK, b + (AHEAD + 1) * BLOCK - 1, last, d + 2);
+        steps_of(values, b, first, end, d, kstep);
+        int whole = 0;
+        for (int64_t r = 0; r < rows; r++) whole |= WHOLE(r);
+#if VNNI
+        if (vec && rows == 1 && WHOLE(0)) {
+            uint8_t w8[MAX_GROUP * BLOCK];
+            float wsteps[MAX_GROUP];
+            for (int64_t h = 0; h < g; h++)
+                wsteps[h] = weights_vnni(scores + h * span + (b - lo0), kstep, w8 + h * BLOCK);
+            pv_vnni_row(w8, wsteps, g, values, b, d, out);
+            continue;
+        }
+        if (vec && whole) pv_prepare(values, b, d, kt);
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
+            for (int64_t h = 0; h < g && lo <= hi; h++) {
+                /* (a row's scores from position LO(r); b - lo0 may point before them: read lo..hi only) */
+                const float *p = scores + (r * g + h) * span + (b - lo0);
+                float *o = out + (r * g + h) * d;
+#if VNNI
+                if (vec && WHOLE(r)) {
+                    uint8_t w8[BLOCK];
+                    float wstep = weights_vnni(p, kstep, w8);
+                    if (wstep != 0.0f) pv_vnni(w8, wstep, kt, d, o);
+                    continue;
+                }
+#endif
+                float wstep = weights(p, kstep, b, lo, hi, wq);
+#if VNNI
+                if (wstep != 0.0f) pv_plain(wq, wstep, values, d, b, lo, hi, vec ? pv_slot : NULL, o);
+#else
+                if (wstep != 0.0f) pv_plain(wq, wstep, values, d, b, lo, hi, NULL, o);
+#endif
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows * g; r++) {
+        float *o = out + r * d, inv = 1.0f / sums[r];
+#if VNNI
+        if (vec) /* (pv_vnni's column order back to the columns') */
+            for (int64_t c = 0; c < d; c += 64) {
+                float t[64];
+                memcpy(t, o + c, sizeof(t));
+                for (int i = 0; i < 64; i++) o[c + i] = t[pv_slot[i]];
+            }
+#endif
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+#undef WHOLE
+#undef LO
+}
+
+/* attend_i8 compiled for one group size and head size (constants: its loops unrolled, its
+ * running sums in registers; measured, a third faster than with them read at run time), or for
+ * any */
+#define I8_FN(NAME, G, D)                                                                          \
+    static __attribute__((noinline)) void NAME(const float *q, const void *keys, const void *values, \
+                                               int64_t pos0, int64_t rows, int64_t window, int64_t g, \
+                                               int64_t d, float *scores, float *buf, float *out,     \
+                                               int16_t *i16, float *steps) {                          \
+        (void)g, (void)d; /* (G and D where constants) */                                          \
+        attend_i8(q, keys, values, pos0, rows, window, G, D, scores, buf, out, i16, steps);         \
+    }
+I8_FN(attend_i8_any, g, d)
+I8_FN(attend_i8_g1, 1, 64)
+I8_FN(attend_i8_g2, 2, 64)
+I8_FN(attend_i8_g3, 3, 64)
+I8_FN(attend_i8_g4, 4, 64)
+I8_FN(attend_i8_g5, 5, 64)
+I8_FN(attend_i8_g6, 6, 64)
+I8_FN(attend_i8_g7, 7, 64)
+I8_FN(attend_i8_g8, 8, 64)
+static void (*const attend_i8_d64[9])(const float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t,
+                                      int64_t, float *, float *, float *, int16_t *, float *) = {
+    attend_i8_any, attend_i8_g1, attend_i8_g2, attend_i8_g3, attend_i8_g4, attend_i8_g5, attend_i8_g6, attend_i8_g7,
+    attend_i8_g8};
 
 #define HEAD(KIND) attend_tile(q, keys, values, pos0, rows, window, g, d, KIND, scores, buf, out)
 #define GROUP(G, KIND) attend_tile_g(q, keys, values, pos0, rows, window, G, d, KIND, scores, out)
@@ -510,11 +1018,13 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
     }
 HEAD_FN(attend_f32, KV_F32)
 HEAD_FN(attend_f16, KV_F16)
-HEAD_FN(attend_i8, KV_I8)
 
 static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
-                        int64_t window, int64_t g, int64_t d, int kind, float *scores, float *buf, float *out) {
-    if (kind == KV_I8) attend_i8(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
+                        int64_t window, int64_t g, int64_t d, int kind, float *scores, float *buf, float *out,
+                        int16_t *i16, float *steps) {
+    if (kind == KV_I8)
+        (d == 64 && g <= 8 ? attend_i8_d64[g] : attend_i8_any)(q, keys, values, pos0, rows, window, g, d, scores, buf,
+                                                                out, i16, steps);
     else if (kind == KV_F16) attend_f16(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
     else attend_f32(q, keys, values, pos0, rows, window, g, d, scores, buf, out);
 }
@@ -554,17 +1064,21 @@ static void *run_part(void *arg) {
     const part *p = (const part *)arg;
     const work *w = p->w;
     int64_t g = w->g, d = w->d, rows = w->rows, span = w->start + w->n;
-    float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(2 * rows * g * d) + (size_t)(BLOCK * d)) *
-                                     sizeof(float));
+    float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(4 * rows * g * d) + (size_t)(BLOCK * d) +
+                                      (size_t)(rows * g)) * sizeof(float));
     if (!scratch) return NULL; /* (those rows stay zero) */
     float *scores = scratch, *qs = scores + rows * g * span, *acc = qs + rows * g * d, *buf = acc + rows * g * d;
+    /* buf: BLOCK x d floats and rows x g x d more (the int8 path's query bytes); then the int8
+     * path's query codes and their steps */
+    int16_t *i16 = (int16_t *)(buf + BLOCK * d + rows * g * d);
+    float *steps = buf + BLOCK * d + 2 * rows * g * d;
     int64_t tiles = (w->n + rows - 1) / rows;
     for (int64_t item = p->first; item < p->end; item++) {
         int64_t h = item / tiles, r0 = item % tiles * rows, m = w->n - r0 < rows ? w->n - r0 : rows;
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < g * d; i++) qs[r * g * d + i] = w->q[((r0 + r) * w->heads + h * g) * d + i] * w->scale;
         attend_head(qs, (const char *)w->keys + (size_t)h * w->plane, (const char *)w->values + (size_t)h * w->plane,
-                    w->start + r0, m, w->k->window, g, d, w->k->kind, scores, buf, acc);
+                    w->start + r0, m, w->k->window, g, d, w->k->kind, scores, buf, acc, i16, steps);
         for (int64_t r = 0; r < m; r++)
             memcpy(w->out + ((r0 + r) * w->heads + h * g) * d, acc + r * g * d, (size_t)(g * d) * sizeof(float));
     }
@@ -677,6 +1191,10 @@ status_t RegisterCustomOps(void *options, const api_base_t *base) {
         long major = strtol(v, &rest, 10), minor = rest && *rest == '.' ? strtol(rest + 1, NULL, 10) : 0;
         has_pool = major > 1 || (major == 1 && minor >= PARALLEL_FOR_SINCE);
     }
+#if VNNI
+    transpose16_init();
+    pv_slot_init();
+#endif
     void *domain = NULL;
     status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
     for (int i = 0; !status && i < OPS; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
