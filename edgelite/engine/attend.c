@@ -3,7 +3,8 @@
  *
  * Operators (domain "edgelite"): Attend (float32 KV), Attend16 (float16 KV) and Attend8 (int8
  * KV: a row of d codes, then its step as an exponent byte e and a mantissa byte b, the values
- * code * 2^e * (1 + (b + 128) / 256): exact in float32).
+ * code * 2^e * (1 + (b + 128) / 256): exact in float32), and Quantize8, which writes such rows
+ * from float32 ones (below, before compute()).
  *   inputs:  q      float32 (1, n, heads * d), rotated
  *            key    (1, kv_heads, capacity, d) (int8: d + 2), this step's rows already written
  *            value  (1, kv_heads, capacity, d) (int8: d + 2)
@@ -61,7 +62,7 @@ enum {
 };
 #define PARALLEL_FOR_SINCE 17 /* the onnxruntime 1.x minor version that has it */
 enum { ELEM_FLOAT = 1, ELEM_INT8 = 3, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
-enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 }; /* what a KV row holds */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, QUANTIZE = 3 }; /* what a KV row holds (QUANTIZE: Quantize8) */
 enum { ERR_FAIL = 1 };
 
 typedef void *status_t;
@@ -1086,9 +1087,58 @@ static void *run_part(void *arg) {
     return NULL;
 }
 
+/* ---- Quantize8: float32 rows as int8 KV rows -------------------------------------------
+ * input float32 (..., d) -> output int8 (..., d + 2): each row's d codes round(x / step) (to
+ * even) in -127..127, then its step as an exponent byte e and a mantissa byte b, step =
+ * 2^e (1 + (b + 128) / 256): the least such at or above the row's largest magnitude / 127
+ * (rows of zeros: of QUANT_SMALLEST), found exactly from the float's own exponent and mantissa */
+#define QUANT_SMALLEST 1e-30f
+
+static void quantize_row(const float *x, int64_t d, int8_t *out) {
+    float top = QUANT_SMALLEST;
+    for (int64_t i = 0; i < d; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    int ex;
+    float f = frexpf(top / 127.0f, &ex); /* top / 127 = f 2^ex, f in [0.5, 1) */
+    int e = ex - 1, m = (int)ceilf((2.0f * f - 1.0f) * 256.0f); /* (2f - 1: [0, 1), exact) */
+    if (m > 255) m = 0, e += 1;
+    float step = ldexpf(1.0f + (float)m / 256.0f, e);
+    for (int64_t i = 0; i < d; i++) {
+        float c = nearbyintf(x[i] / step);
+        out[i] = (int8_t)(c > 127.0f ? 127 : c < -127.0f ? -127 : c);
+    }
+    out[d] = (int8_t)e, out[d + 1] = (int8_t)(m - 128);
+}
+
+#define MAX_RANK 8
+static void quantize(api_t api, void *ctx) {
+    const void *in = NULL;
+    void *info = NULL, *out_value = NULL, *data = NULL, *in_data = NULL;
+    size_t rank = 0;
+    int64_t dims[MAX_RANK];
+    if (!ok(api, CALL(api, INPUT, input_fn)(ctx, 0, &in)) || !in ||
+        !ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(in, &info)))
+        return;
+    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &rank)) && rank >= 1 && rank <= MAX_RANK &&
+               ok(api, CALL(api, DIMS, dims_fn)(info, dims, rank));
+    CALL(api, RELEASE_SHAPE, release_fn)(info);
+    if (!good) return;
+    int64_t d = dims[rank - 1], rows = 1;
+    for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+    dims[rank - 1] = d + 2;
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, dims, rank, &out_value)) || !out_value ||
+        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(out_value, &data)) ||
+        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in, &in_data)))
+        return;
+    for (int64_t r = 0; r < rows; r++) quantize_row((const float *)in_data + r * d, d, (int8_t *)data + r * (d + 2));
+}
+
 static void compute(void *state, void *ctx) {
     kernel *k = (kernel *)state;
     api_t api = k->api;
+    if (k->kind == QUANTIZE) {
+        quantize(api, ctx);
+        return;
+    }
     const void *in[4];
     for (size_t i = 0; i < 4; i++)
         if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i]) return;
@@ -1162,15 +1212,19 @@ static void *create(const struct custom_op *op, api_t api, const void *info) {
 static void destroy(void *state) { free(state); }
 static const char *op_name(const struct custom_op *op) { return ((const attend_op *)op)->op_name; }
 static const char *provider(const struct custom_op *op) { (void)op; return "CPUExecutionProvider"; }
-static size_t input_count(const struct custom_op *op) { (void)op; return 4; }
+static int kind_of(const struct custom_op *op) { return ((const attend_op *)op)->kind; }
+static size_t input_count(const struct custom_op *op) { return kind_of(op) == QUANTIZE ? 1 : 4; }
 static size_t output_count(const struct custom_op *op) { (void)op; return 1; }
-static int output_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static int output_type(const struct custom_op *op, size_t i) {
+    (void)i;
+    return kind_of(op) == QUANTIZE ? ELEM_INT8 : ELEM_FLOAT;
+}
 static int required(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
 
 static int input_type(const struct custom_op *op, size_t i) {
     if (i == 0) return ELEM_FLOAT;
     if (i == 3) return ELEM_INT64;
-    int kind = ((const attend_op *)op)->kind;
+    int kind = kind_of(op);
     return kind == KV_I8 ? ELEM_INT8 : kind == KV_F16 ? ELEM_FLOAT16 : ELEM_FLOAT;
 }
 
@@ -1179,8 +1233,9 @@ static int input_type(const struct custom_op *op, size_t i) {
       destroy, required, required},                                                                 \
      label, kind}
 
-#define OPS 3
-static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8)};
+#define OPS 4
+static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8),
+                             ATTEND_OP("Quantize8", QUANTIZE)};
 
 status_t RegisterCustomOps(void *options, const api_base_t *base) {
     api_t api = base->get_api(API_VERSION);

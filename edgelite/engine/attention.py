@@ -34,9 +34,7 @@ steps and prompt chunks alike. Batch 1: a range rewritten so runs steps one sess
 
 from __future__ import annotations
 
-import math
 import struct
-from collections.abc import Callable
 
 from edgelite.engine import kernel
 from edgelite.engine.onnxgraph import (
@@ -74,12 +72,6 @@ from edgelite.errors import ModelFileError
 ELEM = {"float32": FLOAT, "float16": FLOAT16, "int8": INT8}
 MS = "com.microsoft"
 KERNEL_OPS = {"float32": "Attend", "float16": "Attend16", "int8": "Attend8"}  # engine/attend.c's operators
-# an int8 KV row: a head's d values as codes in -127..127, then its step as two bytes, an
-# exponent e and a mantissa byte b: step = 2^e * (1 + (b + 128) / 256), the least such at or
-# above the row's largest magnitude / 127 (9 significant bits: code * step is exact in float32)
-CODE_MAX = 127.0
-SMALLEST = 1e-30  # a row of zeros still gets a step (its codes are 0)
-MANTISSA = 256.0
 P = "edgelite_attn"  # names of what the rewrite adds
 # a windowed layer reads its keys from a multiple of this many positions on (the window's
 # start rounded down): every position then sits at the same place within the products' and
@@ -314,7 +306,7 @@ class _Rewrite:
         for kind, new, past, out in (("k", k, past_k, present_k), ("v", v, past_v, present_v)):
             new = a("Reshape", [new, self.ints(-1, kv_heads, d)], f"{kind}_rows")  # (n, kv, d)
             if self.kv_dtype == "int8":
-                new = self._quantized(a, new, kind)
+                new = a("Quantize8", [new], f"{kind}_int8", kernel.DOMAIN)  # (n, kv, d + 2)
             elif self.kv_dtype != "float32":
                 new = a("Cast", [new], f"{kind}_stored", to=ELEM[self.kv_dtype])
             nodes.append(_node("ScatterND", [past, index, new], [out], f"{t}/{kind}_write"))
@@ -352,26 +344,3 @@ class _Rewrite:
         nodes.append(_node("Reshape", [o, self.ints(1, -1, heads * d)], [outputs[0]], f"{t}/output"))
         return nodes
 
-    def _quantized(self, a: Callable[..., str], rows: str, kind: str) -> str:
-        """(n, kv, d) float32 rows as int8 KV rows (n, kv, d + 2): codes, exponent, mantissa."""
-        c = self.const
-        one = c("one_f", FLOAT, [1.0], [])
-        top = a("ReduceMax", [a("Abs", [rows], f"{kind}_abs")], f"{kind}_top", axes=[-1], keepdims=1)
-        top = a("Max", [top, c("smallest", FLOAT, [SMALLEST], [])], f"{kind}_top0")
-        ratio = a("Div", [top, c("code_max", FLOAT, [CODE_MAX], [])], f"{kind}_ratio")  # (n, kv, 1)
-        ln = a("Log", [ratio], f"{kind}_ln")
-        e = a("Floor", [a("Div", [ln, c("ln2", FLOAT, [math.log(2.0)], [])], f"{kind}_log2")], f"{kind}_exp")
-        power = a("Pow", [c("two", FLOAT, [2.0], []), e], f"{kind}_power")
-        frac = a("Sub", [a("Div", [ratio, power], f"{kind}_frac1"), one], f"{kind}_frac")  # [0, 1)
-        m = a("Ceil", [a("Mul", [frac, c("mantissa", FLOAT, [MANTISSA], [])], f"{kind}_m256")], f"{kind}_m")
-        m_bounds = [c("zero_f", FLOAT, [0.0], []), c("m_max", FLOAT, [MANTISSA - 1], [])]
-        m = a("Clip", [m, *m_bounds], f"{kind}_m_in")
-        scale = a("Add", [one, a("Div", [m, c("mantissa", FLOAT, [MANTISSA], [])], f"{kind}_m_frac")],
-                  f"{kind}_scale")
-        step = a("Mul", [power, scale], f"{kind}_step")
-        codes = a("Round", [a("Div", [rows, step], f"{kind}_scaled")], f"{kind}_round")
-        bounds = [c("code_min", FLOAT, [-CODE_MAX], []), c("code_max", FLOAT, [CODE_MAX], [])]
-        codes = a("Cast", [a("Clip", [codes, *bounds], f"{kind}_clip")], f"{kind}_codes", to=INT8)
-        b = a("Sub", [m, c("m_bias", FLOAT, [MANTISSA / 2], [])], f"{kind}_b")
-        step8 = [a("Cast", [e], f"{kind}_e8", to=INT8), a("Cast", [b], f"{kind}_b8", to=INT8)]
-        return a("Concat", [codes, *step8], f"{kind}_int8", axis=-1)

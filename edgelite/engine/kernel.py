@@ -55,6 +55,7 @@ NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if a
 # Attend8 against numpy, of the values' largest magnitude (8-bit queries and weights: random
 # rows, whose softmax is near one-hot, move by up to 3 %)
 INT8_TOLERANCE = 5e-2
+QUANT_SMALLEST = 1e-30  # attend.c's Quantize8: a row of zeros still gets a step (its codes are 0)
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built
 
@@ -129,10 +130,31 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v)).max())
             if got.shape != want.shape or not np.allclose(got, want, atol=tolerance):
                 return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
+        run = ort.InferenceSession(_quantize_model(64), opts, providers=["CPUExecutionProvider"]).run
+        scales = np.exp(rng.uniform(-30, 30, (5, kv, 1)))  # (rows from 1e-13 to 1e13)
+        rows = (rng.standard_normal((5, kv, 64)) * scales).astype(np.float32)
+        rows[0, 0] = 0.0  # (a row of zeros)
+        got = run(None, {"x": rows})[0]
+        if not np.array_equal(got, quantized(rows)):
+            return "its Quantize8 writes other int8 rows than numpy's"
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         return f"onnxruntime {ort.__version__} cannot run it: {first}"
     return None
+
+
+def quantized(rows: np.ndarray) -> np.ndarray:
+    """float32 rows (..., d) as attend.c's Quantize8 writes them, (..., d + 2) int8: the codes
+    round(x / step) in -127..127, then the step's exponent e and mantissa byte b, step =
+    2^e (1 + (b + 128) / 256), the least such at or above the row's largest magnitude / 127."""
+    top = np.maximum(np.abs(rows).max(-1, keepdims=True), np.float32(QUANT_SMALLEST))
+    f, ex = np.frexp(top / np.float32(127))  # f in [0.5, 1)
+    m = np.ceil((2 * f - 1) * 256).astype(np.int32)
+    e = np.where(m > 255, ex, ex - 1)
+    m = np.where(m > 255, 0, m)
+    step = np.ldexp(1 + m / 256, e).astype(np.float32)
+    codes = np.clip(np.rint(rows / step), -127, 127)
+    return np.concatenate([codes, e, m - 128], axis=-1).astype(np.int8)
 
 
 def random_kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -178,6 +200,16 @@ def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes
                     (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, row])),
                     (GRAPH_INPUT, 2, make_value_info("total", INT64, [1])),
                     (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d]))])
+    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
+    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+
+
+def _quantize_model(d: int) -> bytes:
+    """A model of attend.c's Quantize8 over rows of d values."""
+    node = make_node("Quantize8", ["x"], ["y"], "quantize", DOMAIN)
+    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
+                    (GRAPH_INPUT, 2, make_value_info("x", FLOAT, ["n", "kv", d])),
+                    (GRAPH_OUTPUT, 2, make_value_info("y", INT8, ["n", "kv", d + 2]))])
     model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
