@@ -695,18 +695,22 @@ static void pv_slot_init(void) {
         for (int l = 0; l < 16; l++) pv_slot[16 * (l / 4) + 4 * v + l % 4] = 16 * v + l;
 }
 
+/* 4 rows' 64 codes (at x0, stride `row`) as 4 vectors: vector v, lane l holds the 4 rows'
+ * codes of column 16 (l / 4) + 4 v + l % 4 (pv_slot's order) */
+static inline void unpack4(const int8_t *x0, int64_t row, __m512i *u) {
+    __m512i x[4], t[4];
+    for (int l = 0; l < 4; l++) x[l] = _mm512_loadu_si512(x0 + l * row);
+    t[0] = _mm512_unpacklo_epi8(x[0], x[1]), t[1] = _mm512_unpackhi_epi8(x[0], x[1]);
+    t[2] = _mm512_unpacklo_epi8(x[2], x[3]), t[3] = _mm512_unpackhi_epi8(x[2], x[3]);
+    u[0] = _mm512_unpacklo_epi16(t[0], t[2]), u[1] = _mm512_unpackhi_epi16(t[0], t[2]);
+    u[2] = _mm512_unpacklo_epi16(t[1], t[3]), u[3] = _mm512_unpackhi_epi16(t[1], t[3]);
+}
+
 static void pv_prepare(const void *values, int64_t b, int64_t d, __m512i *vt) {
     for (int64_t t4 = 0; t4 < BLOCK / 4; t4++)
         for (int64_t c = 0; c < d / 64; c++) {
             const int8_t *x0 = (const int8_t *)values + (b + 4 * t4) * (d + 2) + 64 * c;
-            __m512i x[4], t[4], u[4];
-            for (int l = 0; l < 4; l++) x[l] = _mm512_loadu_si512(x0 + l * (d + 2));
-            t[0] = _mm512_unpacklo_epi8(x[0], x[1]), t[1] = _mm512_unpackhi_epi8(x[0], x[1]);
-            t[2] = _mm512_unpacklo_epi8(x[2], x[3]), t[3] = _mm512_unpackhi_epi8(x[2], x[3]);
-            u[0] = _mm512_unpacklo_epi16(t[0], t[2]), u[1] = _mm512_unpackhi_epi16(t[0], t[2]);
-            u[2] = _mm512_unpacklo_epi16(t[1], t[3]), u[3] = _mm512_unpackhi_epi16(t[1], t[3]);
-            __m512i *o = vt + (t4 * (d / 64) + c) * 4; /* u[v], 128-bit lane L: columns 16 L + 4 v .. + 3 */
-            for (int v = 0; v < 4; v++) o[v] = u[v];
+            unpack4(x0, d + 2, vt + (t4 * (d / 64) + c) * 4);
         }
 }
 
@@ -789,12 +793,8 @@ INLINE void pv_vnni_row(const uint8_t *w8, const float *wstep, int64_t g, const 
                 for (int v = 0; v < 4; v++) acc[h][v] = _mm512_setzero_si512();
             for (int64_t t4 = 0; t4 < BLOCK / 4; t4++) {
                 const int8_t *x0 = (const int8_t *)values + (b + 4 * t4) * (d + 2) + 64 * c;
-                __m512i x[4], t[4], u[4];
-                for (int l = 0; l < 4; l++) x[l] = _mm512_loadu_si512(x0 + l * (d + 2));
-                t[0] = _mm512_unpacklo_epi8(x[0], x[1]), t[1] = _mm512_unpackhi_epi8(x[0], x[1]);
-                t[2] = _mm512_unpacklo_epi8(x[2], x[3]), t[3] = _mm512_unpackhi_epi8(x[2], x[3]);
-                u[0] = _mm512_unpacklo_epi16(t[0], t[2]), u[1] = _mm512_unpackhi_epi16(t[0], t[2]);
-                u[2] = _mm512_unpacklo_epi16(t[1], t[3]), u[3] = _mm512_unpackhi_epi16(t[1], t[3]);
+                __m512i u[4];
+                unpack4(x0, d + 2, u);
                 for (int h = 0; h < hn; h++) {
                     int32_t w4;
                     memcpy(&w4, w8 + (h0 + h) * BLOCK + 4 * t4, 4);
