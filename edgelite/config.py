@@ -78,6 +78,12 @@ class RuntimeConfig:
     # off, or where no C compiler works, onnxruntime's operators (engine/attention.py,
     # engine/invariant.py)
     attention_kernel: bool = True
+    # fast-mode 4-bit and Q6_K products in edgelite's own operators (engine/matmul.c, built
+    # with the attention kernel: engine/linear.py), which read the weights as stored (4 bits
+    # and a float scale a block; Q6_K's 6.56 bits) where onnxruntime's MatMulNBits packs them
+    # again; only where the device has their vector path (AVX-512 VNNI and VBMI), else
+    # onnxruntime's
+    matmul_kernel: bool = True
     kernel_build_s: float = 180.0  # the longest a build of it may take before it is given up
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 

@@ -71,12 +71,25 @@ class FileEntry:
     scratch_bytes: int = 0
     # the most it held while it loaded (widening scales in memory), where above resident_bytes
     load_peak_bytes: int = 0
+    # the same three where its products run in engine/matmul.c's operators (a device with
+    # AVX-512 VNNI and VBMI: engine/linear.py), measured where the exporter's machine has them;
+    # 0: not measured (the figures above hold, the larger)
+    narrow_resident_bytes: int = 0
+    narrow_scratch_bytes: int = 0
+    narrow_load_peak_bytes: int = 0
 
     @property
     def resident(self) -> int:
         """Bytes it holds once loaded: as measured, else the weights times the largest factor
         measured on onnxruntime's packed blocks (RESIDENT_PER_PARAM_BYTE)."""
         return self.resident_bytes or int(self.param_bytes * RESIDENT_PER_PARAM_BYTE)
+
+    def resident_on(self, narrow: bool) -> int:
+        """`resident` on a device that runs engine/matmul.c's products (`narrow`) or not."""
+        return (narrow and self.narrow_resident_bytes) or self.resident
+
+    def load_peak_on(self, narrow: bool) -> int:
+        return (narrow and self.narrow_resident_bytes and self.narrow_load_peak_bytes) or self.load_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -135,8 +148,9 @@ class Manifest:
     @property
     def scratch(self) -> int:
         """What running a prompt chunk takes beyond the layers it runs through: as measured
-        (the most of any layer), else estimated from the hidden state's size."""
-        measured = max((e.scratch_bytes for e in self.layers), default=0)
+        (the most of any layer, either way its products run), else estimated from the hidden
+        state's size."""
+        measured = max((max(e.scratch_bytes, e.narrow_scratch_bytes) for e in self.layers), default=0)
         return measured or SCRATCH_PER_ACTIVATION_BYTE * SCRATCH_CHUNK * max(
             (e.activation_bytes_per_token for e in self.layers), default=0)
 
@@ -153,15 +167,19 @@ class Manifest:
 
     @property
     def client_bytes(self) -> int:
-        """What the embedding and the head take on the client: both held, and the larger of
-        their loads' transients on top (they load one after the other)."""
-        pieces = (self.embed, self.head)
-        return sum(e.resident for e in pieces) + max(
-            max(0, e.load_peak_bytes - e.resident) for e in pieces)
+        return self.client_bytes_on(False)
 
-    def resident(self, first: int, last: int) -> int:
-        """What layers first..last hold once loaded (FileEntry.resident)."""
-        return sum(e.resident for e in self.layers[first:last + 1])
+    def client_bytes_on(self, narrow: bool) -> int:
+        """What the embedding and the head take on the client: both held, and the larger of
+        their loads' transients on top (they load one after the other); `narrow`: the client
+        runs engine/matmul.c's products."""
+        pieces = (self.embed, self.head)
+        return sum(e.resident_on(narrow) for e in pieces) + max(
+            max(0, e.load_peak_on(narrow) - e.resident_on(narrow)) for e in pieces)
+
+    def resident(self, first: int, last: int, narrow: bool = False) -> int:
+        """What layers first..last hold once loaded (FileEntry.resident_on)."""
+        return sum(e.resident_on(narrow) for e in self.layers[first:last + 1])
 
     @property
     def rotary_dim(self) -> int:
@@ -244,7 +262,10 @@ def _entry(raw: Any, where: str) -> FileEntry:
         _int(raw.get("window", 0), f"{where}.window", 0, MAX_DIM),
         _int(raw.get("resident_bytes", 0), f"{where}.resident_bytes"),
         _int(raw.get("scratch_bytes", 0), f"{where}.scratch_bytes"),
-        _int(raw.get("load_peak_bytes", 0), f"{where}.load_peak_bytes"))
+        _int(raw.get("load_peak_bytes", 0), f"{where}.load_peak_bytes"),
+        _int(raw.get("narrow_resident_bytes", 0), f"{where}.narrow_resident_bytes"),
+        _int(raw.get("narrow_scratch_bytes", 0), f"{where}.narrow_scratch_bytes"),
+        _int(raw.get("narrow_load_peak_bytes", 0), f"{where}.narrow_load_peak_bytes"))
 
 
 def _rope(raw: Any, head_dim: int, where: str) -> dict[str, Any]:

@@ -11,7 +11,12 @@ above that is its scratch. The embedding and the head are measured the same way,
 of their load (widening a large table's scales takes a transient: the 1 B head holds 175 MiB,
 289 while it loads).
 
-    python -m edgelite_export.resident EXPORT_DIR PIECE    (PIECE: a layer index, embed, head)
+    python -m edgelite_export.resident EXPORT_DIR PIECE [narrow]    (PIECE: a layer index, embed, head;
+        narrow: with engine/matmul.c's products)
+
+Where this machine runs engine/matmul.c's products (AVX-512 VNNI and VBMI), each piece is
+measured both ways: with onnxruntime's MatMulNBits (what any device holds) and with them (the
+manifest's narrow_* figures, what a device that has them holds).
 """
 
 from __future__ import annotations
@@ -45,14 +50,15 @@ def _reset_peak() -> bool:
     return True
 
 
-def measure_piece(m: mf.Manifest, piece: str) -> tuple[int, int]:
+def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int, int]:
     """(resident, scratch) bytes of a layer, or (resident, load peak) of the embedding or
-    the head, in this process (see the module's note)."""
+    the head, in this process (see the module's note); `narrow`: with its products in
+    engine/matmul.c's operators (where this machine has them)."""
     from edgelite.engine.layers import LayerRange, export_files
     from edgelite.engine.runtime import Embedding, Head
 
     heap.give_back_large_blocks()
-    cfg = RuntimeConfig(threads=1, verify_hashes=False)
+    cfg = RuntimeConfig(threads=1, verify_hashes=False, matmul_kernel=narrow)
     files = export_files(m, verify=False)
     held: list[object] = []
     if piece in ("embed", "head"):
@@ -97,10 +103,23 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     this platform cannot tell (no /proc)."""
     if rss_bytes() == 0:
         return m
-    cache: dict[tuple[int, ...], tuple[int, int]] = {}
+    from edgelite.engine import linear
 
-    def run(piece: str) -> tuple[int, int]:
-        res = subprocess.run([sys.executable, "-m", "edgelite_export.resident", str(m.root), piece],
+    # (each figure twice where this machine runs engine/matmul.c's products: with onnxruntime's
+    # MatMulNBits, what any device holds, and with them, what a device that has them holds)
+    narrow = linear.library(RuntimeConfig(threads=1)) is not None
+    cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
+
+    def run(piece: str) -> tuple[int, int, int, int]:
+        """(resident, scratch or load peak) with MatMulNBits, then the same narrow (0, 0 when
+        this machine has no narrow products)."""
+        got = [_measure(piece, False)]
+        got.append(_measure(piece, True) if narrow else (0, 0))
+        return (*got[0], *got[1])
+
+    def _measure(piece: str, with_kernel: bool) -> tuple[int, int]:
+        res = subprocess.run([sys.executable, "-m", "edgelite_export.resident", str(m.root), piece,
+                              *(["narrow"] if with_kernel else [])],
                              capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
         if res.returncode != 0:
             raise EdgeliteError(f"measuring {piece} of the export failed: "
@@ -113,22 +132,29 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         k = _kind(e)
         if k not in cache:
             cache[k] = run(str(j))
-        resident, scratch = cache[k]
-        layers.append(replace(e, resident_bytes=resident, scratch_bytes=scratch))
-    embed, head = ((replace(e, resident_bytes=held, load_peak_bytes=peak)
-                    for e, (held, peak) in ((m.embed, run("embed")), (m.head, run("head")))))
+        resident, scratch, narrow_resident, narrow_scratch = cache[k]
+        layers.append(replace(e, resident_bytes=resident, scratch_bytes=scratch,
+                              narrow_resident_bytes=narrow_resident, narrow_scratch_bytes=narrow_scratch))
+    embed, head = ((replace(e, resident_bytes=held, load_peak_bytes=peak, narrow_resident_bytes=nheld,
+                            narrow_load_peak_bytes=npeak)
+                    for e, (held, peak, nheld, npeak) in ((m.embed, run("embed")), (m.head, run("head")))))
     log.info("resident once loaded: layers %.1f-%.1f MiB (%d kinds; weights %.1f MiB at most; "
              "a %d-token chunk %.1f MiB more), embedding %.1f, head %.1f MiB (%.1f loading)",
              min(e.resident_bytes for e in layers) / 2**20, max(e.resident_bytes for e in layers) / 2**20,
              len(cache), max(e.param_bytes for e in layers) / 2**20, mf.SCRATCH_CHUNK,
              max(e.scratch_bytes for e in layers) / 2**20, embed.resident_bytes / 2**20,
              head.resident_bytes / 2**20, head.load_peak_bytes / 2**20)
+    if narrow:
+        log.info("with engine/matmul.c's products: layers %.1f-%.1f MiB, head %.1f MiB (%.1f loading)",
+                 min(e.narrow_resident_bytes for e in layers) / 2**20,
+                 max(e.narrow_resident_bytes for e in layers) / 2**20, head.narrow_resident_bytes / 2**20,
+                 head.narrow_load_peak_bytes / 2**20)
     return replace(m, layers=layers, embed=embed, head=head)
 
 
 def main(argv: list[str]) -> int:
     m = mf.load(Path(argv[0]))
-    resident, scratch = measure_piece(m, argv[1])
+    resident, scratch = measure_piece(m, argv[1], argv[2:] == ["narrow"])
     sys.stdout.write(json.dumps({"resident": resident, "scratch": scratch}) + "\n")
     return 0
 

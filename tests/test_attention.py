@@ -175,8 +175,8 @@ def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(tmp_path: 
     builds = {}
     for name, extra in (("vector", []), ("plain", ["-mno-avx512vnni"])):
         target = tmp_path / f"{name}.so"
-        subprocess.run([compilers[0], *kernel.FLAGS, "-march=native", *extra, "-o", str(target),
-                        str(kernel.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
+        subprocess.run(kernel.command(compilers[0], ["-march=native", *extra], str(target)), check=True,
+                       capture_output=True, timeout=300)
         builds[name] = target
     heads, kv, d, cap, total = 9, 3, 64, 96, 80
     rng = np.random.default_rng(5)

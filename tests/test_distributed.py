@@ -154,8 +154,8 @@ def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, 
     model = tmp_path / "big"
     shutil.copytree(exported["llama"], model)
     m = mf.load(model)
-    mf.write(dataclasses.replace(m, layers=[dataclasses.replace(e, resident_bytes=72 << 20)
-                                            for e in m.layers]), model)
+    big = [dataclasses.replace(e, resident_bytes=72 << 20, narrow_resident_bytes=0) for e in m.layers]
+    mf.write(dataclasses.replace(m, layers=big), model)
     node, other = node_factory(memory_mb=200), node_factory()
     nodes = f"{node.addr},{other.addr}"
     res = run_cli("generate", "--model", str(model), "--nodes", nodes, "--split", "0-1,2-2",
@@ -170,6 +170,32 @@ def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, 
     with open(f"/proc/{node.proc.pid}/status") as f:
         peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 1024
     assert peak <= 200, peak
+
+
+def test_a_node_counts_what_layers_hold_with_its_own_products(exported, node_factory, tmp_path) -> None:
+    """A layer that holds 72 MiB with onnxruntime's MatMulNBits and 2 MiB with engine/matmul.c's
+    products (the manifest's narrow figure): a node that runs them takes two within 200 MiB;
+    the same node with --no-matmul-kernel refuses them, naming what it counted."""
+    import dataclasses
+    import shutil
+
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine import linear
+
+    if linear.library(RuntimeConfig(threads=1)) is None:
+        pytest.skip("this CPU has no AVX-512 VNNI and VBMI: no narrow products here")
+    model = tmp_path / "big"
+    shutil.copytree(exported["llama"], model)
+    m = mf.load(model)
+    big = [dataclasses.replace(e, resident_bytes=72 << 20, narrow_resident_bytes=2 << 20) for e in m.layers]
+    mf.write(dataclasses.replace(m, layers=big), model)
+    for extra, code in (((), 0), (("--no-matmul-kernel",), 1)):
+        node, other = node_factory(memory_mb=200, extra=extra), node_factory()
+        res = run_cli("generate", "--model", str(model), "--nodes", f"{node.addr},{other.addr}", "--split",
+                      "0-1,2-2", "--token", TOKEN, "--max-tokens", "4", "hello")
+        assert res.returncode == code, res.stderr
+        said = "144 MiB once loaded" in res.stderr and "--memory-mb is 200" in res.stderr
+        assert code == 0 or said, res.stderr
 
 
 def test_a_plan_of_small_chunks_is_kept_to_them(exported, node_factory) -> None:

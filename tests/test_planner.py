@@ -38,13 +38,15 @@ def brute_force(p: Problem) -> tuple[float, list[Span]]:
 
 def random_problem(rng: random.Random, identical: bool, objective: str) -> Problem:
     n, m = rng.randint(1, 8), rng.randint(1, 4)
+    # (some layers take less on a `narrow` device: engine/matmul.c's products)
     base = Layer(flops=rng.uniform(1e6, 5e7), mem_bytes=rng.randint(50, 150) * MiB,
-                 out_bytes=rng.choice([2304, 8192, 65536]))
+                 out_bytes=rng.choice([2304, 8192, 65536]), narrow_mem_bytes=rng.choice([0, 40 * MiB]))
     layers = tuple(base if identical else
-                   Layer(rng.uniform(1e6, 5e7), rng.randint(50, 150) * MiB, base.out_bytes)
+                   Layer(rng.uniform(1e6, 5e7), rng.randint(50, 150) * MiB, base.out_bytes,
+                         rng.choice([0, rng.randint(30, 50) * MiB]))
                    for _ in range(n))
     devices = tuple(Device(f"d{i}", rng.uniform(1e9, 2e10), rng.randint(1, 8) * 128 * MiB,
-                           beta=rng.choice([0.5, 0.8, 1.0])) for i in range(m))
+                           beta=rng.choice([0.5, 0.8, 1.0]), narrow=rng.random() < 0.5) for i in range(m))
     links = {(i, k): Link(rng.uniform(1, 30), rng.uniform(5, 200), rng.uniform(0, 3),
                           rng.choice([0, 0, 0.01, 0.05]))
              for i in range(m) for k in range(m) if i != k and rng.random() > 0.1}
@@ -123,6 +125,23 @@ def test_memory_forces_a_third_device() -> None:
     assert {d for d, _, _ in solve(small).spans} == {0, 1}
 
 
+@pytest.mark.parametrize("solver", ["dp", "milp-literal", "milp-aggregated"])
+def test_a_device_that_runs_narrow_products_holds_more_layers(solver: str) -> None:
+    """The same 9 layers take 100 MiB each, 60 on a device whose products are edgelite's: A
+    then holds 8 of them and the slow B stays out."""
+    layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304, narrow_mem_bytes=60 * MiB)
+    link = Link(10, 50)
+    links = {(i, k): link for i in range(3) for k in range(3) if i != k}
+    for narrow, used in ((False, {0, 1, 2}), (True, {0, 1})):
+        devices = (Device("C", 1e10, 300 * MiB, beta=1.0),
+                   Device("A", 1e10, 500 * MiB, beta=1.0, narrow=narrow),
+                   Device("B", 1e9, 2000 * MiB, beta=1.0))
+        plan = solve(Problem((layer,) * 9, devices, links), solver)
+        assert {d for d, _, _ in plan.spans} == used
+        assert all(b - a + 1 <= (8 if narrow and d == 1 else 5 if d == 1 else 3)
+                   for d, a, b in plan.spans if d < 2)
+
+
 def test_infeasible_says_how_much_is_short() -> None:
     layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304)
     devices = (Device("C", 1e10, 200 * MiB, beta=1.0), Device("A", 1e10, 300 * MiB, beta=1.0))
@@ -185,10 +204,10 @@ def test_a_plan_takes_smaller_prompt_chunks_where_memory_is_short(exported) -> N
 
     m = mf.load(exported["llama"])
     m = dataclasses.replace(
-        m, layers=[dataclasses.replace(e, resident_bytes=40 * MiB, scratch_bytes=64 * MiB)
-                   for e in m.layers],
-        embed=dataclasses.replace(m.embed, resident_bytes=MiB, load_peak_bytes=0),
-        head=dataclasses.replace(m.head, resident_bytes=MiB, load_peak_bytes=0))
+        m, layers=[dataclasses.replace(e, resident_bytes=40 * MiB, scratch_bytes=64 * MiB,
+                                       narrow_resident_bytes=0, narrow_scratch_bytes=0) for e in m.layers],
+        embed=dataclasses.replace(m.embed, resident_bytes=MiB, load_peak_bytes=0, narrow_resident_bytes=0),
+        head=dataclasses.replace(m.head, resident_bytes=MiB, load_peak_bytes=0, narrow_resident_bytes=0))
     assert m.scratch_for(256) == 64 * MiB and m.scratch_for(64) < 20 * MiB < m.scratch_for(256)
     layers = m.num_layers * 40 * MiB + m.kv_bytes(0, m.num_layers - 1, 512)
 

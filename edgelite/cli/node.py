@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = RuntimeConfig(threads=args.threads, provider=args.provider, allow_spinning=not args.no_spin,
                             invariant=not args.no_invariant, kv_dtype=options.kv_dtype(args),
                             attention_kernel=not args.no_attention_kernel,
+                            matmul_kernel=not args.no_matmul_kernel,
                             kv_buckets=options.int_list(args.kv_buckets, "--kv-buckets"),
                             kv_store=options.kv_store_config(args))
     providers(runtime)  # a clear error now when this onnxruntime lacks the provider

@@ -60,6 +60,9 @@ def attention_flag(p: argparse.ArgumentParser) -> None:
                    help="attention in onnxruntime's own operators rather than edgelite's kernel "
                         "(built for this device at first use): decode slower at long contexts, "
                         "a long prompt faster with several threads")
+    p.add_argument("--no-matmul-kernel", action="store_true",
+                   help="4-bit and Q6_K products in onnxruntime's MatMulNBits rather than edgelite's "
+                        "MatMul4/MatMul6 (used where the CPU has AVX-512 VNNI): more memory, slower decode")
 
 
 def kv_dtype(args: argparse.Namespace) -> str:
@@ -272,6 +275,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(threads=args.threads, allow_spinning=not getattr(args, "no_spin", False),
                          invariant=not getattr(args, "no_invariant", False),
                          attention_kernel=not getattr(args, "no_attention_kernel", False),
+                         matmul_kernel=not getattr(args, "no_matmul_kernel", False),
                          kv_dtype=kv_dtype(args), kv_store=kv_store_config(args))
 
 

@@ -232,6 +232,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
         probed = await probe(addrs, token, manifest, opts.probe, routes=routes,
                              client_memory_bytes=opts.client_memory_bytes,
                              client_threads=runtime_threads,
+                             client_matmul_kernel=(runtime or RuntimeConfig()).matmul_kernel,
                              progress=_phase(progress, "probe"), client_cfg=client)
         gone = [d for d in probed["devices"][1:] if not d.get("reachable", True)]
         if not opts.allow_local and len(gone) == len(addrs):

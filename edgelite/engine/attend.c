@@ -4,7 +4,9 @@
  * Operators (domain "edgelite"): Attend (float32 KV), Attend16 (float16 KV) and Attend8 (int8
  * KV: a row of d codes, then its step as an exponent byte e and a mantissa byte b, the values
  * code * 2^e * (1 + (b + 128) / 256): exact in float32), and Quantize8, which writes such rows
- * from float32 ones (below, before compute()).
+ * from float32 ones (below, before compute()). RegisterCustomOps, at the end, registers
+ * engine/matmul.c's MatMul4 and MatMul6 in the same domain (one library: engine/kernel.py
+ * builds both files).
  *   inputs:  q      float32 (1, n, heads * d), rotated
  *            key    (1, kv_heads, capacity, d) (int8: d + 2), this step's rows already written
  *            value  (1, kv_heads, capacity, d) (int8: d + 2)
@@ -39,78 +41,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define API_VERSION 12 /* what this file asks onnxruntime for (1.12 and later give it) */
-#define OP_VERSION 12  /* the OrtCustomOp layout below (up to the I/O characteristics) */
+#include "ortop.h"
 
-/* OrtApi entries (indices into its table of function pointers) */
-enum {
-    CREATE_STATUS = 0,
-    CREATE_DOMAIN = 26,
-    DOMAIN_ADD = 27,
-    ADD_DOMAIN = 28,
-    TENSOR_DATA = 51,
-    DIMS_COUNT = 61,
-    DIMS = 62,
-    TYPE_AND_SHAPE = 65,
-    ATTR_FLOAT = 85,
-    ATTR_INT = 86,
-    INPUT = 90,
-    OUTPUT = 91,
-    RELEASE_STATUS = 93,
-    RELEASE_SHAPE = 99,
-    PARALLEL_FOR = 274, /* KernelContext_ParallelFor: onnxruntime 1.17 (API 17) on */
-};
-#define PARALLEL_FOR_SINCE 17 /* the onnxruntime 1.x minor version that has it */
-enum { ELEM_FLOAT = 1, ELEM_INT8 = 3, ELEM_INT64 = 7, ELEM_FLOAT16 = 10 };
 enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, QUANTIZE = 3 }; /* what a KV row holds (QUANTIZE: Quantize8) */
-enum { ERR_FAIL = 1 };
-
-typedef void *status_t;
-typedef void *(*const *api_t);
-typedef struct {
-    api_t (*get_api)(uint32_t version);
-    const char *(*version)(void);
-} api_base_t;
-
-typedef status_t (*create_status_fn)(int, const char *);
-typedef status_t (*create_domain_fn)(const char *, void **);
-typedef status_t (*domain_add_fn)(void *, const void *);
-typedef status_t (*add_domain_fn)(void *, void *);
-typedef status_t (*tensor_data_fn)(const void *, void **);
-typedef status_t (*dims_count_fn)(const void *, size_t *);
-typedef status_t (*dims_fn)(const void *, int64_t *, size_t);
-typedef status_t (*type_and_shape_fn)(const void *, void **);
-typedef status_t (*attr_float_fn)(const void *, const char *, float *);
-typedef status_t (*attr_int_fn)(const void *, const char *, int64_t *);
-typedef status_t (*input_fn)(const void *, size_t, const void **);
-typedef status_t (*output_fn)(void *, size_t, const int64_t *, size_t, void **);
-typedef void (*release_fn)(void *);
-typedef status_t (*parallel_for_fn)(const void *, void (*)(void *, size_t), size_t, size_t, void *);
-
-static int has_pool; /* the loading onnxruntime has KernelContext_ParallelFor */
-
-#define CALL(api, index, type) ((type)(api)[index])
-
-/* 1 when onnxruntime's call succeeded; a failure's status is released */
-static int ok(api_t api, status_t status) {
-    if (status) CALL(api, RELEASE_STATUS, release_fn)(status);
-    return !status;
-}
-
-struct custom_op {
-    uint32_t version;
-    void *(*create)(const struct custom_op *, api_t, const void *);
-    const char *(*name)(const struct custom_op *);
-    const char *(*provider)(const struct custom_op *);
-    int (*input_type)(const struct custom_op *, size_t);
-    size_t (*input_count)(const struct custom_op *);
-    int (*output_type)(const struct custom_op *, size_t);
-    size_t (*output_count)(const struct custom_op *);
-    void (*compute)(void *, void *);
-    void (*destroy)(void *);
-    int (*input_kind)(const struct custom_op *, size_t);
-    int (*output_kind)(const struct custom_op *, size_t);
-};
+int has_pool; /* the loading onnxruntime has KernelContext_ParallelFor */
 
 typedef struct {
     struct custom_op op;
@@ -1175,19 +1109,7 @@ static void compute(void *state, void *ctx) {
     threads = n * total < PARALLEL_WORK ? 1 : threads < w.items ? threads : w.items;
     part parts[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
-    /* onnxruntime's pool runs the parts where it can (a part that ran twice after a failed
-     * call writes the same rows again) */
-    if (threads > 1 && has_pool &&
-        ok(api, CALL(api, PARALLEL_FOR, parallel_for_fn)(ctx, run_indexed, (size_t)threads, 0, parts)))
-        return;
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 1; t < threads; t++) started[t] = !pthread_create(&ids[t], NULL, run_part, &parts[t]);
-    run_part(&parts[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_part(&parts[t]); /* (no thread to be had: done here) */
-    }
+    run_parts(api, ctx, run_part, run_indexed, parts, sizeof(part), threads);
 }
 
 static void *create(const struct custom_op *op, api_t api, const void *info) {
@@ -1233,6 +1155,8 @@ static int input_type(const struct custom_op *op, size_t i) {
       destroy, required, required},                                                                 \
      label, kind}
 
+const struct custom_op *matmul_op(int i); /* engine/matmul.c's operators (NULL past the last) */
+
 #define OPS 4
 static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8),
                              ATTEND_OP("Quantize8", QUANTIZE)};
@@ -1253,6 +1177,7 @@ status_t RegisterCustomOps(void *options, const api_base_t *base) {
     void *domain = NULL;
     status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
     for (int i = 0; !status && i < OPS; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &ops[i].op);
+    for (int i = 0; !status && matmul_op(i); i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, matmul_op(i));
     if (!status) status = CALL(api, ADD_DOMAIN, add_domain_fn)(options, domain);
     return status;
 }

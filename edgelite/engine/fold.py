@@ -51,6 +51,7 @@ DTYPES: dict[int, np.dtype[Any]] = {
     13: np.dtype(np.uint64)}
 CODES = {v: k for k, v in DTYPES.items()}
 ALIGN = mmap.PAGESIZE  # each folded tensor starts on a page of its own
+MADV_POPULATE_READ = 22  # Linux 5.14 on: map a range's pages now (Python's mmap has no name for it)
 # inputs at least this large are read, and their results computed, this many bytes at a time
 CHUNK_BYTES = 8 << 20
 
@@ -157,7 +158,9 @@ class Tensor:
         return a.reshape(self.dims)
 
 
-def _tensor(buf: bytes) -> Tensor | None:
+def tensor(buf: bytes) -> Tensor | None:
+    """An initializer (TensorProto bytes) as it declares itself; None for a form left to
+    onnxruntime (float_data and the like, external data without a location)."""
     t = Tensor("", DTYPES[1], [])
     code, external = 0, False
     for number, wire, value in fields(buf):
@@ -230,6 +233,7 @@ class Folded:
     names: list[str]
     values: list[Any]  # OrtValues over `mapping`
     mapping: mmap.mmap | None
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
 
     def add_to(self, options: Any) -> None:
         for name, value in zip(self.names, self.values, strict=True):
@@ -242,6 +246,21 @@ class Folded:
                 self.mapping.madvise(mmap.MADV_DONTNEED)
             except (OSError, AttributeError) as exc:  # (a platform without it: pages stay)
                 log.debug("madvise: %s", exc)
+
+    def populate(self, prefixes: tuple[str, ...]) -> None:
+        """The pages of the tensors whose names start with one of `prefixes` mapped in now: an
+        operator that reads them in place at every step (engine/matmul.c's) would otherwise
+        take their page faults in the first step (a prompt's first token)."""
+        if self.mapping is None or not prefixes:
+            return
+        for name, (start, size) in self.spans.items():
+            if not name.startswith(prefixes) or not size:
+                continue
+            length = -(-size // ALIGN) * ALIGN  # (start is on a page: ALIGN)
+            try:
+                self.mapping.madvise(MADV_POPULATE_READ, start, min(length, len(self.mapping) - start))
+            except (OSError, AttributeError, ValueError):  # (older kernels: touch a byte a page)
+                int(np.frombuffer(self.mapping, np.uint8, size, start)[::ALIGN].sum())
 
 
 class _Evaluator:
@@ -461,7 +480,9 @@ def fold(model: bytes, folder: Path, spill: Path | None = None) -> Folded:
     kept = _rewrite(model, graph, inits, done, read_later, where, placeholder)
     log.debug("folded %d nodes into %d tensors (%.1f MiB)", len(done), len(names),
               (mapping.size() if mapping else 0) / 2**20)
-    return Folded(kept, names, ort_values, mapping)
+    spans = {name: (where[name][0], int(np.prod(where[name][2])) * np.dtype(where[name][1]).itemsize)
+             for name in names}
+    return Folded(kept, names, ort_values, mapping, spans)
 
 
 def _writable(folder: Path) -> Path | None:
@@ -480,7 +501,7 @@ def _parse(model: bytes) -> tuple[bytes, list[Node], list[Tensor | None], set[st
         if number == GRAPH_NODE:
             nodes.append(_node(bytes(value)))  # type: ignore[arg-type]
         elif number == GRAPH_INIT:
-            inits.append(_tensor(bytes(value)))  # type: ignore[arg-type]
+            inits.append(tensor(bytes(value)))  # type: ignore[arg-type]
         elif number == GRAPH_OUTPUT:
             outputs.add(value_name(bytes(value)))  # type: ignore[arg-type]
     return graph, nodes, inits, outputs

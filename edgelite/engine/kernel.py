@@ -1,6 +1,7 @@
-"""engine/attend.c, the attention operator, built for this device the first time a range needs
-it and kept in the machine's build cache (`paths.cache()`/kernels), one library per source,
-compiler and machine, each checked against numpy before use (a broken one is built again).
+"""edgelite's operators, built for this device the first time a range needs them and kept in
+the machine's build cache (`paths.cache()`/kernels), one library per source, compiler and
+machine, each checked against numpy before use (a broken one is built again): engine/attend.c,
+the attention operators, and engine/matmul.c, the products with narrow weights (engine/linear.py).
 
 It is compiled here rather than shipped: phones have no wheel of ours to carry one, Termux has
 clang (`pkg install clang`), and `-march=native` then fits the very core that runs it. Where
@@ -10,6 +11,7 @@ operators (engine/attention.py, engine/invariant.py), slower at long contexts, a
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -36,6 +38,7 @@ from edgelite.engine.onnxgraph import (
     INT64,
     MODEL_GRAPH,
     MODEL_IR_VERSION,
+    UINT8,
     encode,
     make_node,
     make_value_info,
@@ -45,6 +48,8 @@ from edgelite.engine.onnxgraph import (
 log = logging.getLogger(__name__)
 DOMAIN = "edgelite"  # the operators' ONNX domain (attend.c registers it)
 SOURCE = Path(__file__).with_name("attend.c")
+SOURCES = (SOURCE, Path(__file__).with_name("matmul.c"))  # compiled together
+HEADERS = (Path(__file__).with_name("ortop.h"),)
 HEAD_DIMS = range(8, 257, 8)  # the head sizes attend.c computes (multiples of its 8 lanes, up to 256)
 COMPILERS = ("cc", "clang", "gcc")  # tried in this order after $CC
 # every build: optimised, no fast-math (no reassociation: a row's sums are the same sequence
@@ -55,6 +60,7 @@ NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if a
 # Attend8 against numpy, of the values' largest magnitude (8-bit queries and weights: random
 # rows, whose softmax is near one-hot, move by up to 3 %)
 INT8_TOLERANCE = 5e-2
+ZERO6 = 32  # the zero point of a Q6_K's codes (0..63), MatMul6's default
 QUANT_SMALLEST = 1e-30  # attend.c's Quantize8: a row of zeros still gets a step (its codes are 0)
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built
@@ -76,7 +82,7 @@ def _compilers() -> list[str]:
 
 def _build(cfg: RuntimeConfig) -> Path | None:
     try:
-        source = SOURCE.read_bytes()
+        source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     except OSError as exc:
         log.warning("attention kernel: cannot read %s (%s); using onnxruntime's operators", SOURCE, exc)
         return None
@@ -130,6 +136,27 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v)).max())
             if got.shape != want.shape or not np.allclose(got, want, atol=tolerance):
                 return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
+        # MatMul4: 3 blocks (padded to 4) and 8; MatMul6: 1 and 2 super-blocks; rows in a tile
+        # of 4 and one more
+        for op, k, n in (("MatMul4", 96, 8), ("MatMul4", 256, 12), ("MatMul6", 256, 8), ("MatMul6", 512, 4)):
+            run = ort.InferenceSession(_matmul_model(op, k, n), opts, providers=["CPUExecutionProvider"]).run
+            a = rng.standard_normal((5, k)).astype(np.float32)
+            if op == "MatMul4":
+                codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+                scales = rng.uniform(-1, 1, (n, k // 32)).astype(np.float32)
+                c4, s4 = interleaved(codes, scales)
+                got = run(None, {"a": a, "codes": c4, "scales": s4})[0]
+                want = matmul4(a, codes, scales)
+            else:
+                codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
+                mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
+                base = rng.uniform(-0.01, 0.01, (n, k // 256)).astype(np.float32)
+                c6, m6, b6 = interleaved6(codes, mult, base)
+                got = run(None, {"a": a, "codes": c6, "mult": m6, "base": b6})[0]
+                want = matmul6(a, codes, mult, base, ZERO6)
+            tolerance = 1e-4 * float(np.abs(want).max())
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=tolerance):
+                return f"its {op} differs from numpy's product (at most {np.abs(got - want).max():.2g})"
         run = ort.InferenceSession(_quantize_model(64), opts, providers=["CPUExecutionProvider"]).run
         scales = np.exp(rng.uniform(-30, 30, (5, kv, 1)))  # (rows from 1e-13 to 1e13)
         rows = (rng.standard_normal((5, kv, 64)) * scales).astype(np.float32)
@@ -155,6 +182,85 @@ def quantized(rows: np.ndarray) -> np.ndarray:
     step = np.ldexp(1 + m / 256, e).astype(np.float32)
     codes = np.clip(np.rint(rows / step), -127, 127)
     return np.concatenate([codes, e, m - 128], axis=-1).astype(np.int8)
+
+
+def fast_matmul(library: Path) -> bool:
+    """Whether the library's MatMul4 and MatMul6 have their vector path (AVX-512 VNNI and
+    VBMI): elsewhere onnxruntime's MatMulNBits is the faster product (engine/linear.py leaves
+    it)."""
+    try:
+        return bool(ctypes.CDLL(str(library)).edgelite_matmul_fast())
+    except (OSError, AttributeError):
+        return False
+
+
+def matmul4(a: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """What matmul.c's MatMul4 computes, in numpy: a (m, K) float32 by 4-bit codes (N, K/32,
+    16) (element 2j of a block in byte j's low half, 2j + 1 in its high half) less 8, times
+    scales (N, K/32); each row of a quantized per block of 32 (round(a x 127 / largest), to
+    even)."""
+    m, k = a.shape
+    blocks = a.reshape(m, k // 32, 32)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    steps = (top / np.float32(127)).astype(np.float32)
+    w = np.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:2], 32).astype(np.float64) - 8
+    dots = np.einsum("mbj,nbj->mnb", q.astype(np.float64), w)
+    return np.einsum("mnb,nb,mb->mn", dots, scales.astype(np.float64),
+                     steps[..., 0].astype(np.float64)).astype(np.float32)
+
+
+def interleaved(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMul4's codes (N/4, B/4, 4, 64) and scales (N/4, B/4, 4, 4) from MatMulNBits' (N,
+    K/32, 16) and (N, K/32): blocks padded with zeros to B, a multiple of 4, four columns
+    interleaved (as engine/linear.py's nodes make them)."""
+    n, blocks = scales.shape
+    pad = -blocks % 4
+    codes = np.concatenate([codes, np.zeros((n, pad, 16), np.uint8)], axis=1)
+    scales = np.concatenate([scales, np.zeros((n, pad), np.float32)], axis=1)
+    b4 = (blocks + pad) // 4
+    return (np.ascontiguousarray(codes.reshape(n // 4, 4, b4, 64).transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(scales.reshape(n // 4, 4, b4, 4).transpose(0, 2, 1, 3)))
+
+
+def matmul6(a: np.ndarray, codes: np.ndarray, mult: np.ndarray, base: np.ndarray, zero: int) -> np.ndarray:
+    """What matmul.c's MatMul6 computes, in numpy: a (m, K) float32 by codes (N, K) (0..63)
+    less `zero`, times each block of 16's scale, base (N, K/256) x mult (N, K/16) in float32;
+    each row of a quantized per block of 16 (as matmul4)."""
+    m, k = a.shape
+    blocks = a.reshape(m, k // 16, 16)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    steps = (top / np.float32(127)).astype(np.float32)[..., 0]
+    w = codes.reshape(codes.shape[0], k // 16, 16).astype(np.float64) - zero
+    dots = np.einsum("mbj,nbj->mnb", q.astype(np.float64), w)
+    scales = (np.repeat(base, 16, axis=1) * mult.astype(np.float32)).astype(np.float32)
+    out = np.einsum("mnb,nb,mb->mn", dots, scales.astype(np.float64), steps.astype(np.float64))
+    return out.astype(np.float32)
+
+
+def pack6(codes: np.ndarray) -> np.ndarray:
+    """6-bit codes (..., a multiple of 8) as the exporter's stream holds them: (count / 8, 6)
+    bytes, 8 codes in 6, code i at bit 6i."""
+    groups = codes.reshape(-1, 8).astype(np.uint64)
+    v = np.zeros(len(groups), np.uint64)
+    for i in range(8):
+        v |= groups[:, i] << np.uint64(6 * i)
+    return np.stack([(v >> np.uint64(8 * j)) & np.uint64(255) for j in range(6)], axis=1).astype(np.uint8)
+
+
+def interleaved6(codes: np.ndarray, mult: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, ...]:
+    """MatMul6's codes (N/4, K/256, 4, 192), mult (N/4, K/256, 4, 16) and base (N/4, K/256, 4)
+    from codes (N, K), mult (N, K/16) and base (N, K/256) (as engine/linear.py's nodes make
+    them from the export's stream)."""
+    n, k = codes.shape
+    s = k // 256
+    stream = pack6(codes).reshape(n // 4, 4, s, 192)
+    return (np.ascontiguousarray(stream.transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(mult.reshape(n // 4, 4, s, 16).transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(base.astype(np.float32).reshape(n // 4, 4, s).transpose(0, 2, 1)))
 
 
 def random_kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -204,6 +310,28 @@ def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
 
+def _matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
+    """A model of one matmul.c operator: (m, k) by n columns (MatMul6: zero point ZERO6)."""
+    if op == "MatMul4":
+        b4 = -(-k // 128)
+        weights = [make_value_info("codes", UINT8, [n // 4, b4, 4, 64]),
+                   make_value_info("scales", FLOAT, [n // 4, b4, 4, 4])]
+        node = make_node(op, ["a", "codes", "scales"], ["y"], "matmul", DOMAIN, K=k, N=n, threads=threads)
+    else:
+        s = k // 256
+        weights = [make_value_info("codes", UINT8, [n // 4, s, 4, 192]),
+                   make_value_info("mult", INT8, [n // 4, s, 4, 16]),
+                   make_value_info("base", FLOAT, [n // 4, s, 4])]
+        node = make_node(op, ["a", "codes", "mult", "base"], ["y"], "matmul", DOMAIN, K=k, N=n, zero=ZERO6,
+                         threads=threads)
+    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
+                    (GRAPH_INPUT, 2, make_value_info("a", FLOAT, ["m", k])),
+                    *((GRAPH_INPUT, 2, w) for w in weights),
+                    (GRAPH_OUTPUT, 2, make_value_info("y", FLOAT, ["m", n]))])
+    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
+    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+
+
 def _quantize_model(d: int) -> bytes:
     """A model of attend.c's Quantize8 over rows of d values."""
     node = make_node("Quantize8", ["x"], ["y"], "quantize", DOMAIN)
@@ -214,6 +342,11 @@ def _quantize_model(d: int) -> bytes:
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
 
+def command(cc: str, extra: list[str], target: str) -> list[str]:
+    """The compiler's command line that builds the library at `target` (`extra`: flags)."""
+    return [cc, *FLAGS, *extra, "-I", str(SOURCE.parent), "-o", target, *(str(p) for p in SOURCES), "-lm"]
+
+
 def _compile(cc: str, native: str | None, target: Path, timeout_s: float) -> str | None:
     """None when `target` was built; else what went wrong, in one line."""
     try:
@@ -222,7 +355,7 @@ def _compile(cc: str, native: str | None, target: Path, timeout_s: float) -> str
         os.close(fd)
     except OSError as exc:
         return f"cannot write in {target.parent}: {exc}"
-    cmd = [cc, *FLAGS, *([native] if native else []), "-o", tmp, str(SOURCE), "-lm"]
+    cmd = command(cc, [native] if native else [], tmp)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         if done.returncode:

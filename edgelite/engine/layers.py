@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, kernel, onnxgraph, rope
+from edgelite.engine import attention, invariant, kernel, linear, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -100,9 +100,10 @@ class LayerRange:
         # over the valid KV (engine/attention.py) and for float32 its GroupQueryAttention with
         # one-row steps padded to two rows (engine/invariant.py); not invariant:
         # GroupQueryAttention as it is, batching decode steps of several sessions
-        self.library = (kernel.library(self.cfg)
-                        if self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernel.HEAD_DIMS
-                        else None)
+        attend = self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernel.HEAD_DIMS
+        self.library = kernel.library(self.cfg) if attend else None
+        # fast-mode 4- and 6-bit products by engine/matmul.c where it has its vector path
+        self.matmul = linear.library(self.cfg)
         self.plain = self.library is not None or self.kv_dtype != "float32"
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
@@ -139,7 +140,10 @@ class LayerRange:
                                               self.library is not None, self.cfg.threads)
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
-        return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}", self.library)
+        if self.matmul is not None:
+            model = linear.products(model, self.cfg.threads)
+        return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",
+                          self.library or self.matmul, linear.RESIDENT if self.matmul else ())
 
     def _check_shapes(self) -> None:
         """The graphs' fixed input dimensions against the manifest (a manifest that disagrees

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import onnxgraph
+from edgelite.engine import linear, onnxgraph
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
@@ -83,9 +83,14 @@ def _pad(k: int, sizes: tuple[int, ...]) -> int:
 
 class _Piece:
     def __init__(self, manifest: Manifest, entry: FileEntry, cfg: RuntimeConfig, files: ModelFiles,
-                 what: str) -> None:
+                 what: str, products: bool = False) -> None:
+        """`products`: its MatMulNBits by engine/matmul.c's operators where they can (linear.py)."""
         model = onnxgraph.relocated(files.graph(entry), files.locate)
-        self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}")
+        library = linear.library(cfg) if products else None
+        if library is not None:
+            model = linear.products(model, cfg.threads)
+        self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,
+                                  linear.RESIDENT if library else ())
 
     def check_output(self, name: str, axis: int, field: str, value: int) -> None:
         """A fixed dimension of an output against the manifest (which must match its files)."""
@@ -168,7 +173,7 @@ class ExactRows:
 
 class Head(_Piece):
     def __init__(self, manifest: Manifest, cfg: RuntimeConfig, files: ModelFiles) -> None:
-        super().__init__(manifest, manifest.head, cfg, files, "the head")
+        super().__init__(manifest, manifest.head, cfg, files, "the head", products=True)
         self.check_output("logits", 2, "vocab_size", manifest.vocab_size)
         spec = manifest.quantization.get("exact_head")
         self.exact = None

@@ -112,9 +112,10 @@ def _trimming(folded: fold.Folded | None, every_s: float) -> Iterator[None]:
 
 
 def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str,
-               library: Path | None = None) -> ort.InferenceSession:
+               library: Path | None = None, resident: tuple[str, ...] = ()) -> ort.InferenceSession:
     """A session for a graph (bytes) whose external data files are in `folder`; `library`:
-    a custom operator library it uses (engine/kernel.py)."""
+    a custom operator library it uses (engine/kernel.py); `resident`: prefixes of folded
+    tensors its operators read in place at every step, mapped in before it returns."""
     try:
         opts = options(cfg, folder)
         if library is not None:
@@ -127,6 +128,7 @@ def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str,
             session = ort.InferenceSession(model, opts, providers=providers(cfg))
         if folded is not None and folded.names:
             folded.release()
+            folded.populate(resident)
             _folded[session] = folded
         return session
     except ModelFileError as exc:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from edgelite.config import NodeConfig
+from edgelite.engine import linear
 from edgelite.engine.profile import host_profile
 from edgelite.errors import ProtocolError
 from edgelite.net import messages as m
@@ -91,8 +92,13 @@ class Measure:
             self.profiling = False
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
+        # (whether its layers run engine/matmul.c's products: what they hold, for the planner;
+        # finding out may build the kernel library, off the event loop)
+        library = await asyncio.get_running_loop().run_in_executor(
+            self.compute_pool, linear.library, self.cfg.runtime)
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
                                                   "provider": self.cfg.runtime.provider,
+                                                  "narrow_products": library is not None,
                                                   **flops, **host_profile(), **budget})
 
     async def probe_link(self, msg: m.ProbeLink, _owner: str) -> m.LinkReport:

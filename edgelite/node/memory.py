@@ -22,14 +22,16 @@ class Limits:
     max_address_kv_share: float = 1.0
     max_sessions_per_client: int = 64
 
-    def fits(self, m: mf.Manifest, first: int, last: int, now: int | None, scratch: int) -> None:
+    def fits(self, m: mf.Manifest, first: int, last: int, now: int | None, scratch: int,
+             narrow: bool = False) -> None:
         """Refuse, before loading, layers that would take this process over its memory
-        budget: what they hold once loaded (as the exporter measured it) and a prompt chunk's
-        `scratch`, on top of what the process holds `now`."""
+        budget: what they hold once loaded (as the exporter measured it; `narrow`: with
+        engine/matmul.c's products) and a prompt chunk's `scratch`, on top of what the process
+        holds `now`."""
         budget = self.memory_budget_bytes
         if budget is None or now is None:
             return
-        need = m.resident(first, last)
+        need = m.resident(first, last, narrow)
         if now + need + scratch > budget:
             raise EdgeliteError(
                 f"load: layers {first}-{last} of {m.name} hold {need / MIB:.0f} MiB once loaded "

@@ -26,6 +26,7 @@ from edgelite.config import RuntimeConfig
 from edgelite.engine.kv import MAX_ROLLBACK, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
+from edgelite.engine.linear import library  # (engine/matmul.c's products: what layers hold)
 from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
@@ -143,7 +144,7 @@ class StageStore:
             layers = self.ranges.get(key)
             if layers is None:
                 scratch = max(self.scratch_bytes, own := m.scratch_for(max_chunk))
-                self.limits.fits(m, first, last, self._resident(), scratch)
+                self.limits.fits(m, first, last, self._resident(), scratch, bool(library(self.runtime)))
                 layers = LayerRange(m, first, last, self.runtime, self.files(m))
                 try:
                     self.limits.held(m, first, last, self._resident(), scratch)

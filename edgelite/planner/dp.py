@@ -33,15 +33,13 @@ def solve(p: Problem, general: bool = False) -> Solution:
     return Solution(stages, p.objective, value(p, stages), "dp", "optimal", solve_ms=ms)
 
 
-def _range_ok(p: Problem, d: int, a: int, b: int, mem_prefix: list[int]) -> bool:
-    return mem_prefix[b + 1] - mem_prefix[a] <= p.capacity(d)
+def _range_ok(p: Problem, d: int, a: int, b: int, mem_prefix: list[list[int]]) -> bool:
+    return mem_prefix[d][b + 1] - mem_prefix[d][a] <= p.capacity(d)
 
 
 def solve_general(p: Problem) -> list[Span]:
     n, m, lat = p.n, p.m, p.objective.sums
-    mem = [0]
-    for L in p.layers:
-        mem.append(mem[-1] + L.mem_bytes)
+    mem = [[0, *np.cumsum([p.mem(d, j) for j in range(n)]).tolist()] for d in range(m)]  # per device
     comp = [[0.0, *list(np.cumsum([p.compute_ms(d, j) for j in range(n)]))] for d in range(m)]
     w_c = p.weights.w_c
 
@@ -131,7 +129,7 @@ def _fill(p: Problem, members: list[int], lower: dict[int, int],
 
 def solve_identical_latency(p: Problem) -> list[Span]:
     layer, k, w_c = p.layers[0], p.m - 1, p.weights.w_c
-    cap = {d: min(p.n, int(p.capacity(d) // layer.mem_bytes)) if p.capacity(d) > 0 else 0
+    cap = {d: min(p.n, int(p.capacity(d) // p.mem(d, 0))) if p.capacity(d) > 0 else 0
            for d in range(p.m)}
     unit = np.array([p.compute_ms(d, 0) for d in range(p.m)])
     if k == 0:

@@ -106,13 +106,13 @@ def solve_literal(p: Problem, time_limit_s: float = 10.0) -> Solution:
     t0 = time.perf_counter()
     h = _highs(time_limit_s)
     n, m, lat = p.n, p.m, p.objective.sums
-    unit = max(L.mem_bytes for L in p.layers)
+    unit = max(max(L.mem_bytes, L.narrow_mem_bytes) for L in p.layers)
     x = {(i, j): _binary(h, p.compute_ms(i, j) if lat else 0.0) for i in range(m) for j in range(n)}
     u = {i: _binary(h, p.weights.w_c if lat else 0.0) for i in range(m)}
     for j in range(n):
         h.addConstr(sum(x[i, j] for i in range(m)) == 1)
     for i in range(m):
-        h.addConstr(sum(x[i, j] * (p.layers[j].mem_bytes / unit) for j in range(n))
+        h.addConstr(sum(x[i, j] * (p.mem(i, j) / unit) for j in range(n))
                     <= p.capacity(i) / unit)
         for j in range(n):
             h.addConstr(u[i] >= x[i, j])
@@ -186,7 +186,7 @@ def solve_aggregated(p: Problem, time_limit_s: float = 10.0) -> Solution:
     n, m, lat = p.n, p.m, p.objective.sums
     layer = p.layers[0]
     unit_ms = [p.compute_ms(i, 0) for i in range(m)]
-    fit = [max(0, min(n, int(p.capacity(i) // layer.mem_bytes))) for i in range(m)]
+    fit = [max(0, min(n, int(p.capacity(i) // p.mem(i, 0)))) for i in range(m)]
     integer = highspy.HighsVarType.kInteger
     c = {i: h.addVariable(lb=0, ub=fit[i], obj=unit_ms[i] if lat else 0.0, type=integer)
          for i in range(m)}

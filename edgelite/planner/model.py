@@ -60,6 +60,7 @@ class Device:
     memory_bytes: int
     beta: float = 0.8  # fraction of memory the plan may use
     addr: NodeAddr | None = None  # where a node listens (None: the client itself)
+    narrow: bool = False  # it runs engine/matmul.c's products: a layer holds Layer.narrow_mem_bytes
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class Layer:
     flops: float  # per token
     mem_bytes: int  # what the layer holds once loaded (measured) + its KV reserve
     out_bytes: int  # activation sent to the next stage, per token
+    narrow_mem_bytes: int = 0  # the same on a `narrow` device (0: not measured, mem_bytes)
+
+    def mem_on(self, d: Device) -> int:
+        """What it takes on device d."""
+        return (d.narrow and self.narrow_mem_bytes) or self.mem_bytes
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,10 @@ class Problem:
         d = self.devices[i]
         return (d.beta * d.memory_bytes - self.scratch_bytes
                 - (self.client_reserved_bytes if i == 0 else 0))
+
+    def mem(self, i: int, j: int) -> int:
+        """What layer j takes on device i."""
+        return self.layers[j].mem_on(self.devices[i])
 
     def compute_ms(self, i: int, j: int) -> float:
         return self.layers[j].flops / self.devices[i].flops * 1e3
@@ -186,7 +196,7 @@ def predict(p: Problem, stages: list[Span]) -> Prediction:
     rows, compute, data, qos = [], 0.0, 0.0, 0.0
     prev, client_ms, stage_times = 0, 0.0, []
     for d, a, b in stages:
-        mem = sum(p.layers[j].mem_bytes for j in range(a, b + 1))
+        mem = sum(p.mem(d, j) for j in range(a, b + 1))
         c = sum(p.compute_ms(d, j) for j in range(a, b + 1))
         hop = p.hop(prev, d, p.layers[max(a - 1, 0)].out_bytes)
         if hop is None or mem > p.capacity(d):

@@ -36,15 +36,16 @@ def precheck(p: Problem) -> None:
             f"{-p.capacity(0) / 2**20:.0f} MiB short")
     names = ", ".join(f"{d.name} ({max(0.0, p.capacity(i)) / 2**20:.0f} MiB usable)"
                       for i, d in enumerate(p.devices))
-    need = sum(L.mem_bytes for L in p.layers)
+    # (a layer may take less on some devices: engine/matmul.c's products; count its least)
+    need = sum(min(p.mem(i, j) for i in range(p.m)) for j in range(p.n))
     have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
     if need > have:
         raise PlanInfeasible(f"the layers need {need / 2**20:.0f} MiB, the devices offer "
                              f"{have / 2**20:.0f} MiB: {(need - have) / 2**20:.0f} MiB short; "
                              f"considered {names}")
-    biggest = max(p.layers, key=lambda L: L.mem_bytes).mem_bytes
-    if all(p.capacity(i) < biggest for i in range(p.m)):
-        raise PlanInfeasible(f"no device can hold one layer of {biggest / 2**20:.0f} MiB; "
+    biggest = [max(p.mem(i, j) for j in range(p.n)) for i in range(p.m)]
+    if all(p.capacity(i) < biggest[i] for i in range(p.m)):
+        raise PlanInfeasible(f"no device can hold one layer of {min(biggest) / 2**20:.0f} MiB; "
                              f"considered {names}")
 
 
@@ -81,8 +82,9 @@ def solution(p: Problem, solver: str = "auto", time_limit_s: float = 10.0) -> So
 
 def _no_fit(p: Problem, how: str) -> str:
     """Why no placement fits though the bytes add up: each device holds whole layers."""
-    mean = sum(L.mem_bytes for L in p.layers) / p.n
-    fits = [max(0, int(p.capacity(i) // mean)) for i in range(p.m)]
+    means = [sum(p.mem(i, j) for j in range(p.n)) / p.n for i in range(p.m)]
+    mean = means[0]
+    fits = [max(0, int(p.capacity(i) // means[i])) for i in range(p.m)]
     held = ", ".join(f"{d.name} ~{k}" for d, k in zip(p.devices, fits, strict=True))
     return (f"no placement fits ({how}): each device holds whole layers of ~{mean / 2**20:.0f} MiB "
             f"(what a layer holds once loaded and its KV): {held}, {sum(fits)} of {p.n}; more "
@@ -152,12 +154,12 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
 def room_for_layer_0(p: Problem) -> Problem:
     """Client-first (layer 0 on the client, so that only hidden states cross the network)
     only where the client has room for it: else the nodes take every layer."""
-    if not p.client_first or p.capacity(0) >= p.layers[0].mem_bytes:
+    if not p.client_first or p.capacity(0) >= p.mem(0, 0):
         return p
     log.info("the client (%s) has %.0f MiB usable beyond the embedding and head, less than layer "
              "0's %.0f MiB: the nodes hold every layer (--client-memory-mb sets what the client "
              "may use)", p.devices[0].name, max(0.0, p.capacity(0)) / 2**20,
-             p.layers[0].mem_bytes / 2**20)
+             p.mem(0, 0) / 2**20)
     return dataclasses.replace(p, client_first=False)
 
 
@@ -165,7 +167,7 @@ def with_nodes_ms(p: Problem) -> float:
     """Expected ms/token of the best plan that gives the nodes at least one layer (the client
     may hold all but one layer's bytes, beside its scratch); inf when no such plan fits. Says
     why a plan keeps every layer on the client."""
-    total = sum(L.mem_bytes for L in p.layers)
+    total = sum(p.mem(0, j) for j in range(p.n))
     client = p.devices[0]
     memory = min(client.memory_bytes,
                  int((total - 1 + p.client_reserved_bytes + p.scratch_bytes) / client.beta))

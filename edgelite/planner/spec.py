@@ -1,6 +1,6 @@
 """Build a planner Problem from a manifest and a cluster description (pure: dicts in, data out).
 
-cluster.json: {"devices": [{"name", "flops", "memory_bytes", "beta"?, "addr"?}],
+cluster.json: {"devices": [{"name", "flops", "memory_bytes", "beta"?, "addr"?, "narrow"?}],
                "links": [{"src", "dst", "latency_ms", "bandwidth_mbps", "jitter_ms", "loss"}],
                "client": name}. A missing link means unreachable.
 """
@@ -23,7 +23,9 @@ def layers_of(m: Manifest, kv_tokens: int = KV_TOKENS) -> tuple[Layer, ...]:
     windowed layer (Gemma 3's local ones) reserves KV for its window."""
     dtype = m.kv_dtype(KV_AUTO, invariant=True)
     return tuple(Layer(flops=float(e.flops_per_token), out_bytes=e.activation_bytes_per_token,
-                       mem_bytes=e.resident + m.kv_bytes(j, j, kv_tokens, dtype))
+                       mem_bytes=e.resident + m.kv_bytes(j, j, kv_tokens, dtype),
+                       narrow_mem_bytes=(e.narrow_resident_bytes + m.kv_bytes(j, j, kv_tokens, dtype)
+                                         if e.narrow_resident_bytes else 0))
                  for j, e in enumerate(m.layers))
 
 
@@ -47,7 +49,8 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
         by_name = {d["name"]: d for d in devs}
         devices = tuple(Device(n, float(by_name[n]["flops"]), int(by_name[n]["memory_bytes"]),
                                float(by_name[n].get("beta", 0.8)),
-                               None if n == client else _addr(by_name[n]))
+                               None if n == client else _addr(by_name[n]),
+                               bool(by_name[n].get("narrow", False)))
                         for n in order)
         index = {n: i for i, n in enumerate(order)}
         links = {}
@@ -60,7 +63,7 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
                 float(link.get("jitter_ms", 0.0)), float(link.get("loss", 0.0)))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EdgeliteError(f"cluster description is malformed: {exc!r}") from exc
-    reserved = m.client_bytes
+    reserved = m.client_bytes_on(devices[0].narrow)
     return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
                    client_first=client_first, client_reserved_bytes=reserved, objective=objective,
                    client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token),

@@ -60,12 +60,13 @@ class _Steps:
 async def probe(addrs: list[NodeAddr], token: str, manifest: Manifest | None = None,
                 cfg: ProbeConfig | None = None, repeat: int = 1, routes: Routes | None = None,
                 client_memory_bytes: int | None = None, client_threads: int = 2,
-                progress: Progress | None = None,
+                progress: Progress | None = None, client_matmul_kernel: bool = True,
                 client_cfg: ClientConfig | None = None) -> dict[str, Any]:
     """{"devices": [...], "links": [...]} for the client and every node (README schema).
     Node -> node links are measured over `routes` (default: the client's address of the peer);
     `client_memory_bytes` caps what the plan may use on this device, which is timed with the
-    onnxruntime threads it will run with (`client_threads`). `progress(what, done, total)` is
+    onnxruntime threads it will run with (`client_threads`) and products
+    (`client_matmul_kernel`: RuntimeConfig.matmul_kernel). `progress(what, done, total)` is
     told of each measurement as it finishes."""
     cfg, ccfg = cfg or ProbeConfig(), client_cfg or ClientConfig()
     n = len(addrs)
@@ -79,7 +80,7 @@ async def probe(addrs: list[NodeAddr], token: str, manifest: Manifest | None = N
         for x in opened:
             if isinstance(x, BaseException) and not isinstance(x, EdgeliteError):
                 raise x
-        prof = await asyncio.to_thread(_client_profile, manifest, client_threads)
+        prof = await asyncio.to_thread(_client_profile, manifest, client_threads, client_matmul_kernel)
         steps.done("profiled the client")
         client = {"name": CLIENT, "addr": None, "reachable": True, **prof}
         if client_memory_bytes is not None:
@@ -192,13 +193,16 @@ def smooth(rounds: list[list[dict[str, Any]]], alpha: float = 0.3) -> list[dict[
     return [{**row, "samples": n} for row, _, n in state.values()]
 
 
-def _client_profile(manifest: Manifest | None, threads: int) -> dict[str, Any]:
-    """This device (the client) measured like a node: on the model's layer 0 when given."""
+def _client_profile(manifest: Manifest | None, threads: int, matmul_kernel: bool = True) -> dict[str, Any]:
+    """This device (the client) measured like a node: on the model's layer 0 when given, and
+    whether it runs engine/matmul.c's products (what a layer then holds: the manifest's narrow
+    figures)."""
+    from edgelite.engine import linear
     from edgelite.engine.layers import LayerRange, export_files
 
-    prof = host_profile()
+    cfg = RuntimeConfig(threads=threads, verify_hashes=False, matmul_kernel=matmul_kernel)
+    prof = {**host_profile(), "narrow_products": linear.library(cfg) is not None}
     if manifest is not None:
-        cfg = RuntimeConfig(threads=threads, verify_hashes=False)
         layer = LayerRange(manifest, 0, 0, cfg, export_files(manifest, verify=False))
         try:
             secs = range_decode_seconds(layer)
@@ -222,7 +226,7 @@ def cluster_spec(probed: dict[str, Any]) -> dict[str, Any]:
     """The planner's cluster description from a probe result (unreachable devices and links
     left out)."""
     devices = [{"name": d["name"], "addr": d["addr"], "flops": d.get("flops") or 1e9,
-                "memory_bytes": _memory(d),
+                "memory_bytes": _memory(d), "narrow": bool(d.get("narrow_products", False)),
                 # a budget is a hard bound, and what the process holds already is measured:
                 # the plan may use all of the rest (free memory alone keeps a margin)
                 **({"beta": 1.0} if d.get("memory_budget_bytes") is not None else {})}

@@ -1,0 +1,206 @@
+"""Products with narrow weights by engine/matmul.c's operators, in place of onnxruntime's
+MatMulNBits, rewritten as a range (or the head) loads: no re-export.
+
+- A fast export's 4-bit products in blocks of 32 (MatMulNBits, bits 4, block_size 32,
+  accuracy_level 4, no zero points: the exporter centres them at 8) become MatMul4: the
+  export's codes and scales, interleaved four columns at a time (Reshape, Concat padding the
+  blocks to a multiple of 4 with zeros, Transpose). onnxruntime then holds 4 bits and a float
+  scale per 32 weights where MatMulNBits packs them again at about 6.
+- Its Q6_K products (MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes the
+  export stores at 6 bits, `<B>.6bit` with the constant `<B>.low` added, and whose scales are
+  a float16 per 256 weights, `<S>.base_fp16`, times a signed byte per block, `<S>.mult`: see
+  exporter/graph.py) become MatMul6 on that stream and those scales, interleaved the same way:
+  6.56 bits a weight where MatMulNBits holds about 12.
+
+The interleaving nodes work on initializers only, so engine/fold.py computes them before
+onnxruntime sees the graph (into its mapping: no copy), and a decode step reads each
+product's bytes as one stream. Only where the library's operators have their vector path
+(`kernel.fast_matmul`); elsewhere onnxruntime's own kernels are faster, and the graph is left
+as it is. Any other product (exact mode, other widths, zero points, a form the names above do
+not find) stays MatMulNBits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from edgelite.config import RuntimeConfig
+from edgelite.engine import kernel
+from edgelite.engine.attention import _attrs
+from edgelite.engine.fold import Tensor, tensor
+from edgelite.engine.onnxgraph import (
+    FLOAT,
+    GRAPH_INIT,
+    GRAPH_NODE,
+    INT64,
+    TENSOR_DIMS,
+    TENSOR_NAME,
+    TENSOR_RAW,
+    TENSOR_TYPE,
+    UINT8,
+    Field,
+    each_node,
+    encode,
+    fields,
+    make_node,
+    make_tensor,
+    with_graph,
+    with_opset,
+)
+from edgelite.errors import ModelFileError
+
+BLOCK = 32  # the weights a block (one scale) MatMul4 takes
+GROUP = 4  # columns interleaved together
+STEP = 4  # blocks a column's 64 bytes hold
+SUPER = 256  # MatMul6: the weights a super-block (one float16 base scale)
+BLOCK6 = 16  # MatMul6: the weights a block (one signed byte of scale)
+P = "edgelite_mm"  # names of what the rewrite adds
+RESIDENT = (f"{P}/",)  # its folded weights, read in place at every step (session.open_model)
+
+
+def library(cfg: RuntimeConfig) -> Path | None:
+    """The kernel library whose products a session should use: where `matmul_kernel` is on
+    and the build has their vector path; else None (MatMulNBits stays)."""
+    if not cfg.matmul_kernel:
+        return None
+    found = kernel.library(cfg)
+    return found if found is not None and kernel.fast_matmul(found) else None
+
+
+def products(model: bytes, threads: int = 1) -> bytes:
+    """The graph with each eligible MatMulNBits (see the module's text) a MatMul4 or MatMul6
+    node (the session must register engine/kernel.py's library); unchanged when it has none."""
+    try:
+        rewrite = _Rewrite(threads)
+        out = with_graph(model, rewrite.graph)
+        return with_opset(out, kernel.DOMAIN, 1) if rewrite.count else model
+    except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
+        raise ModelFileError(f"cannot rewrite the graph's products: {exc}") from exc
+
+
+def _shape(attrs: dict[str, int | float], inputs: list[str], bits: int, block: int, k_multiple: int) -> bool:
+    """A MatMulNBits of `bits` in blocks of `block` at accuracy level 4, no zero points, bias
+    or group index, K a multiple of `k_multiple` and N of the group."""
+    k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
+    return (attrs.get("bits") == bits and attrs.get("block_size") == block
+            and attrs.get("accuracy_level") == 4 and len(inputs) == 3 and all(inputs)
+            and k > 0 and k % k_multiple == 0 and n > 0 and n % GROUP == 0)
+
+
+class _Rewrite:
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.count = 0
+        self.consts: dict[str, Field] = {}
+
+    def graph(self, graph: bytes) -> bytes:
+        inits: dict[str, Tensor] = {}
+        for number, _, value in fields(graph):
+            if number == GRAPH_INIT:
+                t = tensor(value)  # type: ignore[arg-type]
+                if t is not None:
+                    inits[t.name] = t
+        items: list[Field] = []
+        for field, node in each_node(graph, "MatMulNBits"):
+            if node is None:
+                items.append(field)
+                continue
+            inputs, outputs, rest = node
+            attrs = _attrs(rest)
+            k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
+            new = None
+            if _shape(attrs, inputs, 4, BLOCK, BLOCK):
+                new = self._four(self.count + 1, inputs, outputs[0], k, n)
+            elif _shape(attrs, inputs, 8, BLOCK6, SUPER):
+                new = self._six(self.count + 1, inputs, outputs[0], k, n, inits)
+            if new is None:
+                items.append(field)
+                continue
+            self.count += 1
+            items += new
+        return encode([*items, *self.consts.values()]) if self.count else graph
+
+    def _ints(self, *values: int) -> str:
+        name = f"{P}/c/i" + "_".join(str(v) for v in values)
+        if name not in self.consts:
+            self.consts[name] = (GRAPH_INIT, 2, make_tensor(name, INT64, list(values), [len(values)]))
+        return name
+
+    def _zeros(self, elem: int, dims: list[int]) -> str:
+        """A constant of zeros (float32 or uint8)."""
+        name = f"{P}/c/z{elem}_" + "_".join(str(d) for d in dims)
+        if name not in self.consts:
+            count = 1
+            for d in dims:
+                count *= d
+            size = 4 if elem == FLOAT else 1
+            tensor = encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, elem),
+                             (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, bytes(count * size))])
+            self.consts[name] = (GRAPH_INIT, 2, tensor)
+        return name
+
+    def _four(self, i: int, inputs: list[str], out: str, k: int, n: int) -> list[Field]:
+        """The nodes of one MatMul4 and its interleaved weights (what engine/fold.py computes)."""
+        a, codes, scales = inputs
+        blocks = k // BLOCK
+        padded = -(-blocks // STEP) * STEP
+        t = f"{P}/{i}"
+        nodes: list[Field] = []
+        add = _adder(nodes)
+
+        c = add("Reshape", [codes, self._ints(n, blocks, 16)], f"{t}/codes")
+        s = add("Reshape", [scales, self._ints(n, blocks)], f"{t}/scales")
+        if padded > blocks:
+            c = add("Concat", [c, self._zeros(UINT8, [n, padded - blocks, 16])], f"{t}/codes_padded", axis=1)
+            s = add("Concat", [s, self._zeros(FLOAT, [n, padded - blocks])], f"{t}/scales_padded", axis=1)
+        c = add("Reshape", [c, self._ints(n // GROUP, GROUP, padded // STEP, 64)], f"{t}/codes_grouped")
+        s = add("Reshape", [s, self._ints(n // GROUP, GROUP, padded // STEP, STEP)], f"{t}/scales_grouped")
+        c = add("Transpose", [c], f"{t}/codes4", perm=[0, 2, 1, 3])
+        s = add("Transpose", [s], f"{t}/scales4", perm=[0, 2, 1, 3])
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul4", [a, c, s], [out], f"{t}/MatMul4", kernel.DOMAIN,
+                                               K=k, N=n, threads=self.threads)))
+        return nodes
+
+    def _six(self, i: int, inputs: list[str], out: str, k: int, n: int,
+             inits: dict[str, Tensor]) -> list[Field] | None:
+        """The nodes of one MatMul6 on a Q6_K product's stored stream and scales (None when the
+        product is not in that form)."""
+        a, codes, scales = inputs
+        tail = "/Flatten/output_0"
+        if not scales.endswith(tail):
+            return None
+        stream, low = inits.get(f"{codes}.6bit"), inits.get(f"{codes}.low")
+        base, mult = inits.get(f"{scales[:-len(tail)]}.base_fp16"), inits.get(f"{scales[:-len(tail)]}.mult")
+        supers = k // SUPER
+        if (stream is None or low is None or base is None or mult is None
+                or stream.dtype != np.uint8 or stream.dims != [n * k // 8, 6]
+                or low.dtype != np.uint8 or low.dims not in ([], [1]) or low.location
+                or base.dtype != np.float16 or base.dims != [n, supers]
+                or mult.dtype != np.int8 or mult.dims != [n, k // BLOCK6]):
+            return None
+        zero = 128 - int(low.load(Path(".")).reshape(-1)[0])
+        t = f"{P}/{i}"
+        nodes: list[Field] = []
+        add = _adder(nodes)
+        c = add("Reshape", [stream.name, self._ints(n // GROUP, GROUP, supers, 192)], f"{t}/codes_grouped")
+        c = add("Transpose", [c], f"{t}/codes6", perm=[0, 2, 1, 3])
+        m = add("Reshape", [mult.name, self._ints(n // GROUP, GROUP, supers, 16)], f"{t}/mult_grouped")
+        m = add("Transpose", [m], f"{t}/mult6", perm=[0, 2, 1, 3])
+        b = add("Cast", [base.name], f"{t}/base", to=FLOAT)
+        b = add("Reshape", [b, self._ints(n // GROUP, GROUP, supers)], f"{t}/base_grouped")
+        b = add("Transpose", [b], f"{t}/base6", perm=[0, 2, 1])
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul6", [a, c, m, b], [out], f"{t}/MatMul6", kernel.DOMAIN,
+                                               K=k, N=n, zero=zero, threads=self.threads)))
+        return nodes
+
+
+def _adder(nodes: list[Field]) -> Callable[..., str]:
+    """add(op, inputs, name, **attributes): appends a node whose one output is `name`."""
+
+    def add(op: str, ins: list[str], name: str, **attrs: int | list[int]) -> str:
+        nodes.append((GRAPH_NODE, 2, make_node(op, ins, [name], name, **attrs)))
+        return name
+    return add

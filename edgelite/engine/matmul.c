@@ -1,0 +1,426 @@
+/* Products with narrow weights, read as they are stored (engine/linear.py rewrites a fast
+ * export's MatMulNBits as a range loads), where onnxruntime's MatMulNBits packs them again:
+ *
+ * MatMul4: 4-bit codes in blocks of 32 (MatMulNBits bits 4, block_size 32, accuracy_level 4,
+ * zero point 8): 4 bits and a float scale a block, where MatMulNBits holds about 6.
+ *   inputs:  a       float32 (..., K)
+ *            codes   uint8 (N/4, B/4, 4, 64): four columns' codes interleaved, 64 bytes (4
+ *                    blocks, two codes a byte: the block's element 2j in byte j's low half,
+ *                    2j + 1 in its high half, as MatMulNBits holds them) of each column in
+ *                    turn, then the next 4 blocks; B: the blocks of K padded to a multiple of 4
+ *            scales  float32 (N/4, B/4, 4, 4): the same order, one a block
+ *   output:  float32 (..., N): y[n] = sum over blocks b of scale[n, b] step[b]
+ *            sum_j (code[n, b, j] - 8) x[b, j]
+ *   attributes: K, N, threads
+ *
+ * MatMul6: 6-bit codes in blocks of 16 with a K-quant's scales (Q6_K as the exporter stores it:
+ * MatMulNBits bits 8, block_size 16, accuracy_level 4, the codes widened from 6 bits at load,
+ * each block's scale a float16 per 256 weights times a signed byte per block): 6.56 bits a
+ * weight, where MatMulNBits holds about 12.
+ *   inputs:  a       float32 (..., K)
+ *            codes   uint8 (N/4, K/256, 4, 192): each column's 256 codes of a super-block as
+ *                    the export's stream holds them (8 codes in 6 bytes, code i at bit 6i),
+ *                    four columns in turn, then the next super-block
+ *            mult    int8 (N/4, K/256, 4, 16): each block's multiple, the same order
+ *            base    float32 (N/4, K/256, 4): each super-block's scale
+ *   output:  float32 (..., N): y[n] = sum over blocks b of base[n, b / 16] mult[n, b] step[b]
+ *            sum_j (code[n, b, j] - zero) x[b, j]
+ *   attributes: K, N, zero (the codes' zero point), threads
+ *
+ * Each row of a is quantized per block as MatMulNBits' level 4 does: codes round(a x 127 /
+ * largest) (to even) and a step, largest / 127 (blocks of 32 for MatMul4, 16 for MatMul6).
+ * Where the compiler targets AVX-512 VNNI and VBMI, the sums are byte dot products
+ * (`vpdpbusd`; MatMul4: the codes' low halves against the even elements, the high halves
+ * against the odd ones; MatMul6: codes unpacked by `vpmultishiftqb`), four columns and up to
+ * four rows at a time, each block's integer sum times its scale and step added to the row's
+ * float lanes; every row is the same sequence of operations whatever the rows beside it, so a
+ * row comes out the same in any chunking. Elsewhere the same sums in plain C
+ * (edgelite_matmul_fast says which: engine/linear.py only rewrites where it is 1). */
+
+#include "ortop.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define MM_VECTOR 1
+#else
+#define MM_VECTOR 0
+#endif
+
+enum { MM4 = 0, MM6 = 1 }; /* the operators */
+#define MM_GROUP 4         /* columns interleaved together */
+#define MM_ROWS 4          /* rows of a that share a group's codes once loaded */
+#define MM_THREADS 16      /* threads a call may use */
+#define MM_PARALLEL (1 << 20) /* rows x weights below which a call stays on its caller's thread */
+#define MM_MAX_RANK 8
+#define MM_PAD 64          /* bytes after each quantized row (see mm_compute) */
+#define MM4_BLOCK 32       /* MatMul4: weights a block (one scale) */
+#define MM4_STEP 4         /* blocks a column holds in 64 bytes */
+#define MM4_AHEAD 8        /* steps (256 bytes of codes) asked for ahead: measured best of 2-32 */
+#define MM6_BLOCK 16       /* MatMul6: weights a block (one multiple) */
+#define MM6_SUPER 256      /* weights a super-block (one base scale) */
+#define MM6_BYTES 192      /* a column's codes of a super-block */
+#define MM6_AHEAD 2        /* super-blocks (768 bytes of codes) asked for ahead */
+
+int edgelite_matmul_fast(void) { return MM_VECTOR; }
+
+typedef struct {
+    api_t api;
+    int kind;
+    int64_t k, n, zero, threads;
+} mm_state;
+
+/* rows of a, quantized: per row, `width` bytes of codes in lo (MatMul4: a block's even
+ * elements; MatMul6: all, in order) and hi (MatMul4: its odd elements), and each block's step
+ * and correction (minus the zero point times the sum of its codes: where a block's integer sum
+ * starts): MatMul4 in 4 lanes a block (the
+ * correction in the first), MatMul6 one a block (its vector path spreads them itself) */
+typedef struct {
+    int8_t *lo, *hi;
+    float *steps;
+    int32_t *bias;
+    int64_t blocks, width, lanes; /* blocks a row; a row's bytes of codes and its steps' count, padded */
+} qrows;
+
+typedef struct {
+    const qrows *x;
+    int kind;
+    const uint8_t *codes;
+    const void *scales; /* MatMul4: float scales; MatMul6: int8 multiples */
+    const float *base;  /* MatMul6 */
+    float *y;
+    int64_t rows, n, g0, g1;
+} mm_part;
+
+/* row x (k values) in blocks of `block` as codes: element j of block b at lo[b * block / 2 +
+ * j / 2] (even j) or hi[..] (odd j) when `split` (MatMul4), else at lo[b * block + j]; its
+ * step and correction as qrows holds them; blocks past k zero */
+static void quantize_a(const float *x, int64_t k, int64_t blocks, int64_t block, int split, int64_t zero,
+                       int8_t *lo, int8_t *hi, float *steps, int32_t *bias) {
+    memset(lo, 0, (size_t)(split ? blocks * block / 2 : blocks * block));
+    if (split) memset(hi, 0, (size_t)(blocks * block / 2));
+    int64_t lanes = split ? 4 : 1;
+    memset(steps, 0, (size_t)(blocks * lanes) * sizeof(float));
+    memset(bias, 0, (size_t)(blocks * lanes) * sizeof(int32_t));
+    for (int64_t b = 0; b * block < k; b++) {
+        const float *v = x + b * block;
+        int64_t len = k - b * block < block ? k - b * block : block;
+        float top = 0.0f;
+        for (int64_t j = 0; j < len; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+        float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < len; j++) {
+            int c = (int)nearbyintf(v[j] * inv);
+            c = c > 127 ? 127 : c < -127 ? -127 : c;
+            if (split) (j % 2 ? hi : lo)[b * block / 2 + j / 2] = (int8_t)c;
+            else lo[b * block + j] = (int8_t)c;
+            sum += c;
+        }
+        if (split) { /* MatMul4: in 4 lanes a block (the correction in the first) */
+            for (int l = 0; l < 4; l++) steps[4 * b + l] = top / 127.0f;
+            bias[4 * b] = -(int32_t)zero * sum;
+        } else { /* MatMul6: one a block */
+            steps[b] = top / 127.0f;
+            bias[b] = -(int32_t)zero * sum;
+        }
+    }
+}
+
+/* code i (0..255) of a MatMul6 column's super-block (8 codes in 6 bytes, code i at bit 6i) */
+static inline int code6(const uint8_t *c, int64_t i) {
+    const uint8_t *g = c + 6 * (i / 8);
+    uint64_t v = 0;
+    for (int j = 0; j < 6; j++) v |= (uint64_t)g[j] << (8 * j);
+    return (int)((v >> (6 * (i % 8))) & 63);
+}
+
+#if MM_VECTOR
+#define MM_INLINE static inline __attribute__((always_inline))
+#define MM_PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+
+/* each row's lanes summed into y */
+MM_INLINE void mm_finish(__m512 (*f)[MM_ROWS], int64_t r0, int R, float *y, int64_t n) {
+    for (int r = 0; r < MM_GROUP; r++)
+        for (int m = 0; m < R; m++) y[(r0 + m) * n + r] = _mm512_reduce_add_ps(f[r][m]);
+}
+
+/* MatMul4: one group of 4 columns for rows r0..r0+R-1 (R a constant, 1..MM_ROWS; each row the
+ * same operations whatever R) */
+MM_INLINE void group4_vector(const qrows *x, const uint8_t *c, const float *s, int64_t r0, int R, float *y,
+                             int64_t n, int64_t units) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 f[MM_GROUP][MM_ROWS];
+    for (int r = 0; r < MM_GROUP; r++)
+        for (int m = 0; m < R; m++)
+            f[r][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < units; b++, c += 256, s += 16) {
+        for (int l = 0; l < 4; l++) MM_PREFETCH(c + MM4_AHEAD * 256 + 64 * l);
+        MM_PREFETCH(s + MM4_AHEAD * 16);
+        __m512 sc4 = _mm512_loadu_ps(s);
+        for (int r = 0; r < MM_GROUP; r++) {
+            __m512i code = _mm512_loadu_si512(c + 64 * r);
+            __m512i lo = _mm512_and_si512(code, nib);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(code, 4), nib);
+            __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(base, _mm512_set1_epi32(4 * r)), sc4);
+            for (int m = 0; m < R; m++) {
+                int64_t row = r0 + m;
+                const int8_t *e = x->lo + row * x->width + 64 * b, *o = x->hi + row * x->width + 64 * b;
+                __m512i acc = _mm512_loadu_si512(x->bias + row * x->lanes + 16 * b); /* (the correction) */
+                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(e));
+                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(o));
+                __m512 step = _mm512_loadu_ps(x->steps + row * x->lanes + 16 * b);
+                f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
+            }
+        }
+    }
+    mm_finish(f, r0, R, y, n);
+}
+
+/* byte 8g + i of a vector <- byte 6g + i of 48 loaded ones (i < 6): 8 codes a 64-bit lane */
+static const uint8_t UNPACK6[64] = {
+    0,  1,  2,  3,  4,  5,  5,  5,  6,  7,  8,  9,  10, 11, 11, 11, 12, 13, 14, 15, 16, 17,
+    17, 17, 18, 19, 20, 21, 22, 23, 23, 23, 24, 25, 26, 27, 28, 29, 29, 29, 30, 31, 32, 33,
+    34, 35, 35, 35, 36, 37, 38, 39, 40, 41, 41, 41, 42, 43, 44, 45, 46, 47, 47, 47};
+
+/* MatMul6: one group of 4 columns for rows r0..r0+R-1 (as group4_vector) */
+MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mult, const float *base, int64_t r0,
+                             int R, float *y, int64_t n, int64_t units) {
+    const __m512i perm = _mm512_loadu_si512(UNPACK6);
+    const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600LL); /* bit 6i for byte i */
+    const __m512i six = _mm512_set1_epi8(0x3F);
+    const __m128i rep = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* block -> its lanes */
+    __m512 f[MM_GROUP][MM_ROWS];
+    for (int r = 0; r < MM_GROUP; r++)
+        for (int m = 0; m < R; m++) f[r][m] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < units; sb++, c += MM_GROUP * MM6_BYTES, mult += MM_GROUP * 16, base += MM_GROUP) {
+        for (int l = 0; l < MM_GROUP * MM6_BYTES / 64; l++) MM_PREFETCH(c + MM6_AHEAD * MM_GROUP * MM6_BYTES + 64 * l);
+        MM_PREFETCH(mult + MM6_AHEAD * MM_GROUP * 16);
+        for (int s = 0; s < 4; s++) { /* 64 codes (4 blocks) a column */
+            /* the 4 columns' codes and scales, then each row against all 4 (its codes, steps
+             * and corrections read once) */
+            __m512i q[MM_GROUP];
+            __m512 sc[MM_GROUP];
+            for (int r = 0; r < MM_GROUP; r++) {
+                __m512i raw = _mm512_maskz_loadu_epi8(0x0000FFFFFFFFFFFFULL, c + MM6_BYTES * r + 48 * s);
+                q[r] = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(perm, raw)), six);
+                int32_t m4;
+                memcpy(&m4, mult + 16 * r + 4 * s, sizeof(m4));
+                sc[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(m4), rep))),
+                                      _mm512_set1_ps(base[r]));
+            }
+            int64_t block = sb * (MM6_SUPER / MM6_BLOCK) + 4 * s;
+            for (int m = 0; m < R; m++) {
+                int64_t row = r0 + m;
+                __m512i xv = _mm512_loadu_si512(x->lo + row * x->width + sb * MM6_SUPER + 64 * s);
+                __m512 step = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + block)));
+                __m512i bias = _mm512_maskz_permutexvar_epi32(
+                    0x1111, spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + block))));
+                for (int r = 0; r < MM_GROUP; r++) {
+                    __m512i acc = _mm512_dpbusd_epi32(bias, q[r], xv); /* (from the correction) */
+                    f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc[r], step), f[r][m]);
+                }
+            }
+        }
+    }
+    mm_finish(f, r0, R, y, n);
+}
+#endif
+
+#if !MM_VECTOR
+/* the same sums in plain C, block by block (one row) */
+static void group4_plain(const qrows *x, const uint8_t *c, const float *s, int64_t row, float *y, int64_t n) {
+    for (int r = 0; r < MM_GROUP; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < x->blocks; b++) {
+            const uint8_t *q = c + (b / MM4_STEP) * 256 + 64 * r + 16 * (b % MM4_STEP);
+            const int8_t *e = x->lo + row * x->width + 16 * b, *o = x->hi + row * x->width + 16 * b;
+            int32_t dot = x->bias[row * x->lanes + 4 * b];
+            for (int j = 0; j < 16; j++) dot += (q[j] & 15) * e[j] + (q[j] >> 4) * o[j];
+            total += (float)dot * (s[(b / MM4_STEP) * 16 + 4 * r + b % MM4_STEP] * x->steps[row * x->lanes + 4 * b]);
+        }
+        y[row * n + r] = total;
+    }
+}
+
+static void group6_plain(const qrows *x, const uint8_t *c, const int8_t *mult, const float *base, int64_t row,
+                         float *y, int64_t n) {
+    for (int r = 0; r < MM_GROUP; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < x->blocks; b++) {
+            int64_t sb = b / 16, at = (sb * MM_GROUP + r);
+            const int8_t *xq = x->lo + row * x->width + b * MM6_BLOCK;
+            int32_t dot = x->bias[row * x->lanes + b];
+            for (int j = 0; j < MM6_BLOCK; j++) dot += code6(c + at * MM6_BYTES, (b % 16) * MM6_BLOCK + j) * xq[j];
+            total += (float)dot * (((float)mult[at * 16 + b % 16] * base[at]) * x->steps[row * x->lanes + b]);
+        }
+        y[row * n + r] = total;
+    }
+}
+#endif
+
+static void *mm_run(void *arg) {
+    const mm_part *p = (const mm_part *)arg;
+    const qrows *x = p->x;
+    /* a group's bytes: MatMul4 codes and scales a step; MatMul6 codes, multiples, bases a super-block */
+    int64_t units = p->kind == MM4 ? x->blocks / MM4_STEP : x->blocks * MM6_BLOCK / MM6_SUPER;
+    int64_t unit_bytes = p->kind == MM4 ? 256 : MM_GROUP * MM6_BYTES;
+#if MM_VECTOR
+    int64_t tiles = (p->rows + MM_ROWS - 1) / MM_ROWS;
+    for (int64_t g = p->g0; g < p->g1; g++) {
+        const uint8_t *c = p->codes + g * units * unit_bytes;
+        const float *s4 = (const float *)p->scales + g * units * 16;
+        const int8_t *m6 = (const int8_t *)p->scales + g * units * MM_GROUP * 16;
+        const float *b6 = p->base + g * units * MM_GROUP;
+        float *y = p->y + g * MM_GROUP;
+        /* rows in tiles of 1-4, as even as they go (a lone row costs nearly what four do: the
+         * group's codes are unpacked once a tile) */
+        for (int64_t t = 0, r = 0; t < tiles; t++) {
+            int64_t size = p->rows / tiles + (t < p->rows % tiles);
+#define MM_TILE(R)                                                                                  \
+    (p->kind == MM4 ? group4_vector(x, c, s4, r, R, y, p->n, units)                                 \
+                    : group6_vector(x, c, m6, b6, r, R, y, p->n, units))
+            switch (size) {
+            case 4: MM_TILE(4); break;
+            case 3: MM_TILE(3); break;
+            case 2: MM_TILE(2); break;
+            default: MM_TILE(1); break;
+            }
+#undef MM_TILE
+            r += size;
+        }
+    }
+#else
+    for (int64_t g = p->g0; g < p->g1; g++) {
+        const uint8_t *c = p->codes + g * units * unit_bytes;
+        for (int64_t r = 0; r < p->rows; r++) {
+            if (p->kind == MM4) group4_plain(x, c, (const float *)p->scales + g * units * 16, r, p->y + g * MM_GROUP, p->n);
+            else group6_plain(x, c, (const int8_t *)p->scales + g * units * MM_GROUP * 16, p->base + g * units * MM_GROUP,
+                              r, p->y + g * MM_GROUP, p->n);
+        }
+    }
+#endif
+    return NULL;
+}
+
+static void mm_indexed(void *parts, size_t i) { mm_run((mm_part *)parts + i); }
+
+/* dims of a value (rank up to MM_MAX_RANK); 0 when it has none */
+static size_t dims_of(api_t api, const void *value, int64_t *dims) {
+    void *info = NULL;
+    size_t rank = 0;
+    if (!ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(value, &info))) return 0;
+    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &rank)) && rank >= 1 && rank <= MM_MAX_RANK &&
+               ok(api, CALL(api, DIMS, dims_fn)(info, dims, rank));
+    CALL(api, RELEASE_SHAPE, release_fn)(info);
+    return good ? rank : 0;
+}
+
+/* whether the weights' shapes fit K and N (the graph is ours: never expected otherwise) */
+static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_t *rank) {
+    int64_t k = st->k, n = st->n, groups = n / MM_GROUP;
+    if (n % MM_GROUP || d[1][0] != groups || d[1][2] != MM_GROUP) return 0;
+    if (st->kind == MM4) {
+        int64_t blocks = d[1][1] * MM4_STEP;
+        return rank[1] == 4 && rank[2] == 4 && d[1][3] == 64 && blocks * MM4_BLOCK >= k &&
+               (blocks - MM4_STEP) * MM4_BLOCK < k && d[2][0] == groups && d[2][1] == d[1][1] &&
+               d[2][2] == MM_GROUP && d[2][3] == MM4_STEP;
+    }
+    int64_t supers = k / MM6_SUPER;
+    return k % MM6_SUPER == 0 && rank[1] == 4 && rank[2] == 4 && rank[3] == 3 && d[1][1] == supers &&
+           d[1][3] == MM6_BYTES && d[2][0] == groups && d[2][1] == supers && d[2][2] == MM_GROUP && d[2][3] == 16 &&
+           d[3][0] == groups && d[3][1] == supers && d[3][2] == MM_GROUP && st->zero >= 0 && st->zero <= 255;
+}
+
+static void mm_compute(void *state, void *ctx) {
+    const mm_state *st = (const mm_state *)state;
+    api_t api = st->api;
+    size_t count = st->kind == MM4 ? 3 : 4, rank[4] = {0};
+    const void *in[4] = {NULL};
+    int64_t d[4][MM_MAX_RANK];
+    void *data[4] = {NULL};
+    for (size_t i = 0; i < count; i++)
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i])) ||
+            !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
+            return;
+    int64_t rows = 1, k = st->k, n = st->n, out_dims[MM_MAX_RANK];
+    for (size_t i = 0; i + 1 < rank[0]; i++) rows *= d[0][i], out_dims[i] = d[0][i];
+    out_dims[rank[0] - 1] = n;
+    void *out_value = NULL, *y = NULL;
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, out_dims, rank[0], &out_value)) || !out_value ||
+        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(out_value, &y)))
+        return;
+    memset(y, 0, (size_t)(rows * n) * sizeof(float));
+    if (rows < 1 || d[0][rank[0] - 1] != k || !fits(st, (const int64_t(*)[MM_MAX_RANK])d, rank)) return; /* zeros */
+    int split = st->kind == MM4;
+    int64_t block = split ? MM4_BLOCK : MM6_BLOCK, blocks = split ? d[1][1] * MM4_STEP : k / MM6_BLOCK;
+    /* each row's codes and steps padded by a cache line: rows a power of two apart would share
+     * the first-level cache's sets (K = 8,192: a tile's rows thrashed it) */
+    int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks * (split ? 4 : 1) + MM_PAD / 4;
+    size_t code_bytes = (size_t)(rows * width), lane_bytes = (size_t)(rows * lanes) * sizeof(float);
+    char *scratch = (char *)malloc(2 * code_bytes + 2 * lane_bytes);
+    if (!scratch) return;
+    qrows x = {(int8_t *)scratch, (int8_t *)(scratch + code_bytes), (float *)(scratch + 2 * code_bytes),
+               (int32_t *)(scratch + 2 * code_bytes + lane_bytes), blocks, width, lanes};
+    for (int64_t r = 0; r < rows; r++)
+        quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, x.lo + r * width,
+                   x.hi + r * width, x.steps + r * lanes, x.bias + r * lanes);
+    int64_t groups = n / MM_GROUP, threads = st->threads < MM_THREADS ? st->threads : MM_THREADS;
+    threads = rows * n * k < MM_PARALLEL ? 1 : threads < groups ? threads : groups;
+    mm_part parts[MM_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        parts[t] = (mm_part){&x, st->kind, (const uint8_t *)data[1], data[2], count > 3 ? (const float *)data[3] : NULL,
+                             (float *)y, rows, n, groups * t / threads, groups * (t + 1) / threads};
+    run_parts(api, ctx, mm_run, mm_indexed, parts, sizeof(mm_part), threads);
+    free(scratch);
+}
+
+typedef struct {
+    struct custom_op op;
+    const char *op_name;
+    int kind;
+} mm_op;
+
+static int mm_kind(const struct custom_op *op) { return ((const mm_op *)op)->kind; }
+
+static void *mm_create(const struct custom_op *op, api_t api, const void *info) {
+    mm_state *st = (mm_state *)calloc(1, sizeof(mm_state));
+    if (!st) return NULL;
+    st->api = api;
+    st->kind = mm_kind(op);
+    if (CALL(api, ATTR_INT, attr_int_fn)(info, "K", &st->k) || CALL(api, ATTR_INT, attr_int_fn)(info, "N", &st->n) ||
+        st->k < 1 || st->n < 1)
+        st->k = st->n = 0; /* compute() then refuses every input (zeros) */
+    st->zero = 32;
+    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "zero", &st->zero);
+    st->threads = 1;
+    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &st->threads);
+    st->threads = st->threads < 1 ? 1 : st->threads;
+    return st;
+}
+
+static void mm_destroy(void *state) { free(state); }
+static const char *mm_name(const struct custom_op *op) { return ((const mm_op *)op)->op_name; }
+static const char *mm_provider(const struct custom_op *op) { (void)op; return "CPUExecutionProvider"; }
+static int mm_input_type(const struct custom_op *op, size_t i) {
+    return i == 1 ? ELEM_UINT8 : i == 2 && mm_kind(op) == MM6 ? ELEM_INT8 : ELEM_FLOAT;
+}
+static size_t mm_input_count(const struct custom_op *op) { return mm_kind(op) == MM4 ? 3 : 4; }
+static int mm_output_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t mm_output_count(const struct custom_op *op) { (void)op; return 1; }
+static int mm_required(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
+
+#define MM_OP(label, kind)                                                                                      \
+    {{OP_VERSION, mm_create, mm_name, mm_provider, mm_input_type, mm_input_count, mm_output_type, mm_output_count, \
+      mm_compute, mm_destroy, mm_required, mm_required},                                                         \
+     label, kind}
+
+static const mm_op matmul_ops[2] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6)};
+
+/* the operators for RegisterCustomOps (engine/attend.c): i < 2, else NULL */
+const struct custom_op *matmul_op(int i) { return i >= 0 && i < 2 ? &matmul_ops[i].op : NULL; }

@@ -1,0 +1,151 @@
+"""engine/matmul.c's MatMul4 and MatMul6 and engine/linear.py's rewrite of a fast export's
+4-bit and Q6_K MatMulNBits products (issue 35)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edgelite import manifest as mf
+from edgelite.config import RuntimeConfig
+from edgelite.engine import kernel, linear, onnxgraph
+from edgelite.engine.layers import LayerRange, export_files
+from edgelite.engine.runtime import LocalChain
+from edgelite.engine.session import options
+from edgelite.engine.tokenizer import Tokenizer
+
+
+def _vnni_library() -> Path:
+    library = kernel.library(RuntimeConfig(threads=1))
+    assert library is not None, "the kernel library could not be built here"
+    if not kernel.fast_matmul(library):
+        pytest.skip("this CPU has no AVX-512 VNNI and VBMI: MatMul4 and MatMul6 are not used here")
+    return library
+
+
+def _weights(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], tuple]:
+    """Random weights: the operator's inputs, and the numpy twin's arguments."""
+    if op == "MatMul4":
+        codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+        scales = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
+        return dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True)), (codes, scales)
+    codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
+    mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
+    base = rng.uniform(-0.01, 0.01, (n, k // 256)).astype(np.float32)
+    return (dict(zip(("codes", "mult", "base"), kernel.interleaved6(codes, mult, base), strict=True)),
+            (codes, mult, base, kernel.ZERO6))
+
+
+def _twin(op: str, a: np.ndarray, args: tuple) -> np.ndarray:
+    return kernel.matmul4(a, *args) if op == "MatMul4" else kernel.matmul6(a, *args)
+
+
+def _run(library: Path, op: str, k: int, n: int, a: np.ndarray, weights: dict[str, np.ndarray],
+         threads: int = 1) -> np.ndarray:
+    opts = options(RuntimeConfig(threads=threads), Path("."))
+    opts.register_custom_ops_library(str(library))
+    model = kernel._matmul_model(op, k, n, threads)
+    run = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"]).run
+    return run(None, {"a": a, **weights})[0]
+
+
+@pytest.mark.parametrize("op, shapes", [("MatMul4", ((96, 12), (576, 512))),
+                                       ("MatMul6", ((256, 12), (512, 512)))])
+def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, shapes: tuple) -> None:
+    """Against the numpy twin (MatMul4: blocks padded to 4 and not); each row the same bits
+    alone, in tiles of 2, 3 and 4 rows, and split over two threads; codes at the zero point
+    give zeros (up to the roundings of each lane's part of a block's zero sum)."""
+    library = _vnni_library()
+    rng = np.random.default_rng(3)
+    for k, n in shapes:
+        a = rng.standard_normal((9, k)).astype(np.float32)
+        weights, args = _weights(op, k, n, rng)
+        whole = _run(library, op, k, n, a, weights)
+        want = _twin(op, a, args)
+        assert np.allclose(whole, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        for cut in (1, 2, 3, 5):
+            rows = np.concatenate([_run(library, op, k, n, a[s:s + cut], weights) for s in range(0, 9, cut)])
+            assert np.array_equal(rows, whole), cut
+        assert np.array_equal(_run(library, op, k, n, a, weights, threads=2), whole)
+    weights, _ = _weights(op, 256, 4, rng)
+    if op == "MatMul4":
+        weights["codes"] = np.full_like(weights["codes"], 0x88)
+    else:
+        weights["codes"] = kernel.interleaved6(np.full((4, 256), kernel.ZERO6, np.uint8),
+                                               np.ones((4, 16), np.int8), np.ones((4, 1), np.float32))[0]
+    a = rng.standard_normal((2, 256)).astype(np.float32)
+    scale = float(np.abs(weights.get("scales", 1.0)).max())  # (MatMul6: base and multiples of 1)
+    assert np.abs(_run(library, op, 256, 4, a, weights)).max() < 1e-6 * np.abs(a).sum() * scale * 64
+
+
+def test_the_plain_c_products_are_numpys_too(tmp_path: Path) -> None:
+    """Built without AVX-512 VNNI, the library says its products have no vector path (linear.py
+    then leaves MatMulNBits) and still computes them."""
+    _vnni_library()
+    target = tmp_path / "plain.so"
+    subprocess.run(kernel.command(kernel._compilers()[0], ["-march=native", "-mno-avx512vnni"], str(target)),
+                   check=True, capture_output=True, timeout=300)
+    assert not kernel.fast_matmul(target)
+    rng = np.random.default_rng(4)
+    for op, k in (("MatMul4", 96), ("MatMul6", 512)):
+        a = rng.standard_normal((3, k)).astype(np.float32)
+        weights, args = _weights(op, k, 8, rng)
+        want = _twin(op, a, args)
+        got = _run(target, op, k, 8, a, weights)
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _log_probs(model: Path, ids: np.ndarray, on: bool) -> np.ndarray:
+    chain = LocalChain(mf.load(model), RuntimeConfig(threads=1, matmul_kernel=on))
+    x = chain.logits_all("t", ids).astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_a_k_quant_export_runs_its_q4_k_and_q6_k_products_in_matmul4_and_matmul6(
+        ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """A tiny Q4_K + Q6_K GGUF exported fast: its layers' and head's products all become MatMul4
+    and MatMul6, and the log probabilities are MatMulNBits' within the noise of int8
+    activations (a wrong layout of the weights is off by it all)."""
+    from edgelite_export import build
+
+    _vnni_library()
+    out = build.run(str(ggufs["Q4_K+Q6_K"]), tmp_path / "fast", build.Options(steps=4)).out
+    m = mf.load(out)
+    files = export_files(m, verify=False)
+    ops = [op for e in (*m.layers, m.head) for op in _ops(linear.products(files.graph(e)))]
+    assert "MatMul4" in ops and "MatMul6" in ops and "MatMulNBits" not in ops, ops
+    ids = np.array([[5, 17, 42, 8, 99, 3, 61, 7, 23, 11, 2, 90]])
+    off, on = _log_probs(out, ids, False), _log_probs(out, ids, True)
+    assert np.abs(off - on).max() < 0.05 and (off.argmax(-1) == on.argmax(-1)).all()
+
+
+def _ops(model: bytes) -> list[str]:
+    graph = next(v for n, _, v in onnxgraph.fields(model) if n == onnxgraph.MODEL_GRAPH)
+    return [onnxgraph.node_parts(v)[0] for n, _, v in onnxgraph.fields(graph)  # type: ignore[arg-type]
+            if n == onnxgraph.GRAPH_NODE]
+
+
+def test_a_fast_export_runs_its_4_bit_products_in_matmul4(smollm2_int4: Path) -> None:
+    """SmolLM2's int4 fast export: every 4-bit product of a range becomes MatMul4 (the vocabulary's
+    8-bit one stays), and the chain's log probabilities over a text are those of MatMulNBits
+    within the noise of int8 activations (a wrong layout of the weights is off by it all)."""
+    _vnni_library()
+    m = mf.load(smollm2_int4)
+    cfg = RuntimeConfig(threads=1)
+    files = export_files(m, verify=False)
+    two = m.layers[:2]
+    joined = onnxgraph.join([files.graph(e) for e in two], files.locate, "two", [e.file for e in two])
+    before, after = _ops(joined), _ops(linear.products(joined))
+    assert before.count("MatMulNBits") == 8 and after.count("MatMul4") == 8 and "MatMulNBits" not in after
+    assert LayerRange(m, 0, 1, cfg, files).matmul is not None
+    assert LayerRange(m, 0, 1, RuntimeConfig(threads=1, matmul_kernel=False), files).matmul is None
+    ids = np.array([Tokenizer(m).encode("The river runs to the sea, and the sea is never full; to the place "
+                                        "where the rivers come from, there they return again. " * 3)])
+    out = {on: _log_probs(smollm2_int4, ids, on) for on in (False, True)}
+    kl = float((np.exp(out[False]) * (out[False] - out[True])).sum(-1).mean())
+    assert kl < 1e-2 and (out[False].argmax(-1) == out[True].argmax(-1)).mean() >= 0.9
