@@ -2,6 +2,7 @@
 
     python scripts/bench_scale.py --cache DIR [--gguf FILE] [--llama-cpp BIN_DIR]
         [--nodes 3] [--node-mb 400] [--client-mb 400] [--tokens 128] [--rounds 3]
+        [--matmulnbits-too]
 
 The GGUF defaults to a 1 B Llama-shaped Q4_K_M in the cache (random weights: made with
 scripts/random_models.py as F16, then llama.cpp's llama-quantize from --llama-cpp); it is
@@ -10,7 +11,9 @@ Each round, edgelite: `--nodes` node processes on loopback with `--memory-mb NOD
 `edgelite generate` planning over them (probe + HiGHS) with `--client-memory-mb CLIENT_MB`,
 `--tokens` greedy tokens, 1 thread everywhere; llama.cpp (with --llama-cpp): as many
 `ggml-rpc-server -t 1` and `llama-completion --rpc ... -ngl 99 -t 1 --temp 0 --ignore-eos`.
-Rounds interleave the two. Prints one JSON object: the plan, predicted against measured
+With --matmulnbits-too, each round also runs edgelite with `--no-matmul-kernel` (onnxruntime's
+MatMulNBits instead of engine/matmul.c's MatMul4 and MatMul6): "edgelite_matmulnbits".
+Rounds interleave them. Prints one JSON object: the plan, predicted against measured
 ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians, ratios.
 """
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -85,21 +89,24 @@ def export_for(gguf: Path, cache: Path) -> Path:
 
 
 def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens: int,
-                   context: int) -> dict:
+                   context: int, extra: tuple[str, ...] = ()) -> dict:
     from edgelite.cli.localnodes import TOKEN, start_node
 
-    nodes = [start_node(Path(tempfile.mkdtemp()), threads=1, memory_mb=node_mb) for _ in range(n)]
+    homes = [Path(tempfile.mkdtemp()) for _ in range(n)]  # (each gets the model's blobs: removed after)
+    nodes = [start_node(home, threads=1, memory_mb=node_mb, extra=extra) for home in homes]
     try:
         res = subprocess.run(
             [sys.executable, "-c", CLIENT, "generate", "--model", str(model), "--json", "--raw",
              "--nodes", ",".join(x.addr for x in nodes), "--token", TOKEN, "--threads", "1",
              "--no-spin", "--client-memory-mb", str(client_mb), "--max-tokens", str(tokens),
-             "--kv-store-mb", "0", "--context", str(context), PROMPT],
+             "--kv-store-mb", "0", "--context", str(context), *extra, PROMPT],
             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         node_peaks = [round(peak_mib(x.proc.pid), 1) for x in nodes]
     finally:
         for x in nodes:
             x.kill()
+        for home in homes:
+            shutil.rmtree(home, ignore_errors=True)
     peak = re.search(r"PEAK_RSS_MIB ([\d.]+)", res.stderr)
     if res.returncode != 0:
         err = res.stderr.strip().splitlines()
@@ -169,14 +176,20 @@ def main() -> None:
     ap.add_argument("--client-mb", type=float, default=400)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--matmulnbits-too", action="store_true",
+                    help="each round also edgelite with --no-matmul-kernel")
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     gguf = args.gguf or gguf_for(args.cache, args.llama_cpp)
     model = export_for(gguf, args.cache)
     runs: dict[str, list[dict]] = {"edgelite": [], "llama_cpp_rpc": []}
-    for _ in range(args.rounds):
-        runs["edgelite"].append(edgelite_round(model, args.nodes, args.node_mb, args.client_mb,
-                                               args.tokens, args.context))
+    sides: dict[str, tuple[str, ...]] = {"edgelite": ()}
+    if args.matmulnbits_too:
+        sides["edgelite_matmulnbits"] = ("--no-matmul-kernel",)
+    for r in range(args.rounds):
+        for side, extra in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+            runs.setdefault(side, []).append(edgelite_round(model, args.nodes, args.node_mb, args.client_mb,
+                                                            args.tokens, args.context, extra))
         if args.llama_cpp is not None:
             runs["llama_cpp_rpc"].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens))
 
@@ -188,16 +201,21 @@ def main() -> None:
                      "export_mb": round(sum(p.stat().st_size for p in model.iterdir()) / 1e6, 1),
                      "node_budget_mib": args.node_mb, "client_budget_mib": args.client_mb,
                      "nodes": args.nodes, "context": args.context,
-                     "edgelite": {k: med("edgelite", k) for k in ("decode_tok_s", "ttft_ms",
-                                                                   "measured_ms_per_token",
-                                                                   "predicted_ms_per_token")}}
-    ok = [r for r in runs["edgelite"] if "error" not in r]
-    if ok:
-        summary["edgelite"]["max_node_peak_rss_mib"] = max(max(r["node_peak_rss_mib"]) for r in ok)
-        summary["edgelite"]["max_client_peak_rss_mib"] = max(r["client_peak_rss_mib"] or 0 for r in ok)
-        p, mm = summary["edgelite"]["predicted_ms_per_token"], summary["edgelite"]["measured_ms_per_token"]
-        if p and mm:
-            summary["edgelite"]["predicted_over_measured"] = round(p / mm, 3)
+                     }
+    for side in sides:
+        summary[side] = {k: med(side, k) for k in ("decode_tok_s", "ttft_ms", "measured_ms_per_token",
+                                                    "predicted_ms_per_token")}
+        ok = [r for r in runs[side] if "error" not in r]
+        if ok:
+            summary[side]["max_node_peak_rss_mib"] = max(max(r["node_peak_rss_mib"]) for r in ok)
+            summary[side]["max_client_peak_rss_mib"] = max(r["client_peak_rss_mib"] or 0 for r in ok)
+            p, mm = summary[side]["predicted_ms_per_token"], summary[side]["measured_ms_per_token"]
+            if p and mm:
+                summary[side]["predicted_over_measured"] = round(p / mm, 3)
+    if "edgelite_matmulnbits" in summary:
+        e, b = summary["edgelite"], summary["edgelite_matmulnbits"]
+        summary["ratio_matmul4_over_matmulnbits"] = {
+            k: round(e[k] / b[k], 3) for k in ("decode_tok_s", "ttft_ms") if e.get(k) and b.get(k)}
     if runs["llama_cpp_rpc"]:
         summary["llama_cpp_rpc"] = {k: med("llama_cpp_rpc", k) for k in ("decode_tok_s", "ttft_ms")}
         good = [r for r in runs["llama_cpp_rpc"] if "error" not in r]

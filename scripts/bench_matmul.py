@@ -1,0 +1,122 @@
+"""engine/matmul.c's products against onnxruntime's MatMulNBits on the same weights, 1 thread
+(issue 35).
+
+For each product (MatMul4: 4-bit codes in blocks of 32 with a float scale; MatMul6: a Q6_K's
+6-bit codes with a float16 per 256 weights and a signed byte per block of 16) and each row
+count (1: a decode step; 17 and 64: prompt chunks): COPIES random matrices of K x N (more
+than the caches hold, so the weights come from memory, as a layer's do), run as one session
+each way, in alternating order round by round. MatMulNBits gets the same values (the codes
+widened to its storage, the scales as floats). Prints one JSON: microseconds a matrix, the
+ratio, and the bytes each side holds a weight.
+
+    python scripts/bench_matmul.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+SHAPES = ((2048, 8192), (4096, 4096), (8192, 2048))  # K x N: 1 B and 7 B layers' products
+ROWS = (1, 17, 64)
+COPIES = 8  # matrices a run: 8 x 16.8 M weights, past the caches
+
+
+def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, bytes, dict[str, float]]:
+    """(edgelite's model, MatMulNBits' model, bits a weight each holds)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgelite.engine import kernel
+
+    mine, theirs, inits_m, inits_t = [], [], [], []
+    for i in range(COPIES):
+        if op == "MatMul4":
+            codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+            scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32)
+            weights = dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True))
+            theirs_in, bits, block = (codes, scales), 4, 32
+            attrs = {}
+        else:
+            codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
+            mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
+            base = (rng.random((n, k // 256)) * 0.001).astype(np.float32)
+            six = kernel.interleaved6(codes, mult, base)
+            weights = dict(zip(("codes", "mult", "base"), six, strict=True))
+            scales = (np.repeat(base, 16, axis=1) * mult.astype(np.float32)).astype(np.float32)
+            theirs_in, bits, block = ((codes + 128 - kernel.ZERO6).reshape(n, k // 16, 16), scales), 8, 16
+            attrs = {"zero": kernel.ZERO6}
+        names = [f"{w}{i}" for w in weights]
+        inits_m += [numpy_helper.from_array(v, nm) for v, nm in zip(weights.values(), names, strict=True)]
+        mine.append(helper.make_node(op, ["x", *names], [f"y{i}"], domain=kernel.DOMAIN, K=k, N=n, **attrs))
+        inits_t += [numpy_helper.from_array(theirs_in[0], f"B{i}"),
+                    numpy_helper.from_array(theirs_in[1], f"S{i}")]
+        theirs.append(helper.make_node("MatMulNBits", ["x", f"B{i}", f"S{i}"], [f"y{i}"],
+                                       domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                                       accuracy_level=4))
+    held = {"edgelite": sum(t.ByteSize() for t in inits_m) * 8 / (COPIES * k * n)}
+
+    def model(nodes: list, inits: list) -> bytes:
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["m", n])
+                               for i in range(COPIES)], inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                helper.make_opsetid("com.microsoft", 1),
+                                                helper.make_opsetid(kernel.DOMAIN, 1)])
+        m.ir_version = 9
+        return m.SerializeToString()
+
+    return model(mine, inits_m), model(theirs, inits_t), held
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine import kernel
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    library = kernel.library(RuntimeConfig(threads=1))
+    if library is None or not kernel.fast_matmul(library):
+        raise SystemExit("the kernel library has no vector products here (AVX-512 VNNI and VBMI)")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.register_custom_ops_library(str(library))
+    rng = np.random.default_rng(0)
+    out: dict = {"copies": COPIES, "products": {}}
+    for op in ("MatMul4", "MatMul6"):
+        for k, n in SHAPES:
+            mine, theirs, held = _models(op, k, n, rng)
+            sessions = {"edgelite": ort.InferenceSession(mine, opts, providers=["CPUExecutionProvider"]),
+                        "matmulnbits": ort.InferenceSession(theirs, opts, providers=["CPUExecutionProvider"])}
+            for rows in ROWS:
+                x = rng.standard_normal((rows, k)).astype(np.float32)
+                got = {side: s.run(None, {"x": x})[0] for side, s in sessions.items()}
+                diff = np.abs(got["edgelite"] - got["matmulnbits"]).max()
+                rel = float(diff / np.abs(got["matmulnbits"]).max())
+                times: dict[str, list[float]] = {side: [] for side in sessions}
+                for r in range(args.rounds):
+                    for side in (list(sessions) if r % 2 == 0 else list(sessions)[::-1]):
+                        t = time.perf_counter()
+                        sessions[side].run(None, {"x": x})
+                        times[side].append((time.perf_counter() - t) / COPIES * 1e6)
+                med = {side: statistics.median(v) for side, v in times.items()}
+                out["products"][f"{op} {k}x{n} rows={rows}"] = {
+                    "us_edgelite": round(med["edgelite"], 1), "us_matmulnbits": round(med["matmulnbits"], 1),
+                    "speedup": round(med["matmulnbits"] / med["edgelite"], 3),
+                    "edgelite_bits_per_weight": round(held["edgelite"], 2), "max_rel_diff": rel}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
