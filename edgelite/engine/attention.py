@@ -34,13 +34,8 @@ steps and prompt chunks alike. Batch 1: a range rewritten so runs steps one sess
 
 from __future__ import annotations
 
-import struct
-
 from edgelite.engine import kernel
 from edgelite.engine.onnxgraph import (
-    ATTR_F,
-    ATTR_I,
-    ATTR_NAME,
     DIM_VALUE,
     FLOAT,
     FLOAT16,
@@ -50,7 +45,6 @@ from edgelite.engine.onnxgraph import (
     GRAPH_OUTPUT,
     INT8,
     INT64,
-    NODE_ATTR,
     SHAPE_DIM,
     TENSOR_ELEM,
     TENSOR_SHAPE,
@@ -63,6 +57,7 @@ from edgelite.engine.onnxgraph import (
     hidden_input,
     make_node,
     make_tensor,
+    node_attrs,
     value_name,
     with_graph,
     with_opset,
@@ -82,24 +77,6 @@ WINDOW_ALIGN = 256
 def _node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "",
           **attrs: int | float | list[int]) -> Field:
     return GRAPH_NODE, 2, make_node(op, inputs, outputs, name, domain, **attrs)
-
-
-def _attrs(rest: list[Field]) -> dict[str, int | float]:
-    out: dict[str, int | float] = {}
-    for number, _, value in rest:
-        if number != NODE_ATTR:
-            continue
-        name, got = "", None
-        for n, w, v in fields(value):  # type: ignore[arg-type]
-            if n == ATTR_NAME:
-                name = v.decode()  # type: ignore[union-attr]
-            elif n == ATTR_I:
-                got = v - (1 << 64) if v >= 1 << 63 else v  # type: ignore[operator]
-            elif n == ATTR_F and w == 5:
-                got = struct.unpack("<f", struct.pack("<I", v))[0]
-        if name and got is not None:
-            out[name] = got
-    return out
 
 
 def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32",
@@ -153,7 +130,7 @@ class _Rewrite:
                 total = inputs[6]
                 self._positions(hidden, total)
             count += 1
-            items += self._layer(count, inputs, outputs, _attrs(rest))
+            items += self._layer(count, inputs, outputs, node_attrs(rest))
         if not count:
             return graph
         items = [self._retyped(n, w, v) for n, w, v in items]

@@ -29,7 +29,6 @@ import numpy as np
 
 from edgelite.config import RuntimeConfig
 from edgelite.engine import kernel
-from edgelite.engine.attention import _attrs
 from edgelite.engine.fold import Tensor, tensor
 from edgelite.engine.onnxgraph import (
     FLOAT,
@@ -47,6 +46,7 @@ from edgelite.engine.onnxgraph import (
     fields,
     make_node,
     make_tensor,
+    node_attrs,
     with_graph,
     with_opset,
 )
@@ -109,7 +109,7 @@ class _Rewrite:
                 items.append(field)
                 continue
             inputs, outputs, rest = node
-            attrs = _attrs(rest)
+            attrs = node_attrs(rest)
             k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
             new = None
             if _shape(attrs, inputs, 4, BLOCK, BLOCK):
@@ -137,9 +137,9 @@ class _Rewrite:
             for d in dims:
                 count *= d
             size = 4 if elem == FLOAT else 1
-            tensor = encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, elem),
-                             (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, bytes(count * size))])
-            self.consts[name] = (GRAPH_INIT, 2, tensor)
+            proto = encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, elem),
+                            (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, bytes(count * size))])
+            self.consts[name] = (GRAPH_INIT, 2, proto)
         return name
 
     def _four(self, i: int, inputs: list[str], out: str, k: int, n: int) -> list[Field]:

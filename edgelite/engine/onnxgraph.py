@@ -111,6 +111,25 @@ def node_parts(node: bytes) -> tuple[str, list[str], list[str], list[Field]]:
 NodeParts = tuple[list[str], list[str], list[Field]]  # a node's inputs, outputs, other fields
 
 
+def node_attrs(rest: list[Field]) -> dict[str, int | float]:
+    """A node's integer and float attributes by name (its other fields, as node_parts gives them)."""
+    out: dict[str, int | float] = {}
+    for number, _, value in rest:
+        if number != NODE_ATTR:
+            continue
+        name, got = "", None
+        for n, w, v in fields(value):  # type: ignore[arg-type]
+            if n == ATTR_NAME:
+                name = v.decode()  # type: ignore[union-attr]
+            elif n == ATTR_I:
+                got = v - (1 << 64) if v >= 1 << 63 else v  # type: ignore[operator]
+            elif n == ATTR_F and w == 5:
+                got = struct.unpack("<f", struct.pack("<I", v))[0]
+        if name and got is not None:
+            out[name] = got
+    return out
+
+
 def each_node(graph: bytes, op: str) -> Iterator[tuple[Field, NodeParts | None]]:
     """A GraphProto's fields in order, each with (inputs, outputs, other fields) when it is a
     node of type `op` (None otherwise): what a rewrite of those nodes walks."""
