@@ -89,6 +89,7 @@ class FileEntry:
         return (narrow and self.narrow_resident_bytes) or self.resident
 
     def load_peak_on(self, narrow: bool) -> int:
+        """`load_peak_bytes` likewise (the narrow figure where it was measured)."""
         return (narrow and self.narrow_resident_bytes and self.narrow_load_peak_bytes) or self.load_peak_bytes
 
 

@@ -113,9 +113,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     def run(piece: str) -> tuple[int, int, int, int]:
         """(resident, scratch or load peak) with MatMulNBits, then the same narrow (0, 0 when
         this machine has no narrow products)."""
-        got = [_measure(piece, False)]
-        got.append(_measure(piece, True) if narrow else (0, 0))
-        return (*got[0], *got[1])
+        return (*_measure(piece, False), *(_measure(piece, True) if narrow else (0, 0)))
 
     def _measure(piece: str, with_kernel: bool) -> tuple[int, int]:
         res = subprocess.run([sys.executable, "-m", "edgelite_export.resident", str(m.root), piece,

@@ -599,6 +599,16 @@ def test_bad_manifest_values_are_named(exported, field, value, words) -> None:
         mf.parse(j, exported["llama"])
 
 
+@pytest.mark.parametrize("field", ["narrow_resident_bytes", "narrow_scratch_bytes", "narrow_load_peak_bytes"])
+@pytest.mark.parametrize("value", [-1, "64", 2.5, True, 1 << 80])
+def test_bad_narrow_memory_figures_are_named(exported, field, value) -> None:
+    """The figures a device with engine/matmul.c's products counts: integers, at least 0."""
+    j = json.loads((exported["llama"] / "manifest.json").read_text())
+    j["layers"][0][field] = value
+    with pytest.raises(ManifestError, match=f"layers.*{field}"):
+        mf.parse(j, exported["llama"])
+
+
 def test_manifest_and_files_that_disagree(exported, node_factory, tmp_path) -> None:
     model = tmp_path / "m"
     shutil.copytree(exported["llama"], model)

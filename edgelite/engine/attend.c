@@ -965,13 +965,7 @@ static void attend_head(const float *q, const void *keys, const void *values, in
 }
 
 static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
-    void *info = NULL;
-    size_t count = 0;
-    if (!ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(value, &info))) return 0;
-    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &count)) && count == want &&
-               ok(api, CALL(api, DIMS, dims_fn)(info, dims, want));
-    CALL(api, RELEASE_SHAPE, release_fn)(info);
-    return good;
+    return dims_of(api, value, dims, want) == want;
 }
 
 /* one operator call's work: its tiles are (KV head, rows r0..r0+rows-1) items */
@@ -1046,16 +1040,11 @@ static void quantize_row(const float *x, int64_t d, int8_t *out) {
 #define MAX_RANK 8
 static void quantize(api_t api, void *ctx) {
     const void *in = NULL;
-    void *info = NULL, *out_value = NULL, *data = NULL, *in_data = NULL;
-    size_t rank = 0;
+    void *out_value = NULL, *data = NULL, *in_data = NULL;
     int64_t dims[MAX_RANK];
-    if (!ok(api, CALL(api, INPUT, input_fn)(ctx, 0, &in)) || !in ||
-        !ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(in, &info)))
+    size_t rank = 0;
+    if (!ok(api, CALL(api, INPUT, input_fn)(ctx, 0, &in)) || !in || !(rank = dims_of(api, in, dims, MAX_RANK)))
         return;
-    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &rank)) && rank >= 1 && rank <= MAX_RANK &&
-               ok(api, CALL(api, DIMS, dims_fn)(info, dims, rank));
-    CALL(api, RELEASE_SHAPE, release_fn)(info);
-    if (!good) return;
     int64_t d = dims[rank - 1], rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = d + 2;

@@ -199,16 +199,24 @@ def matmul4(a: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     16) (element 2j of a block in byte j's low half, 2j + 1 in its high half) less 8, times
     scales (N, K/32); each row of a quantized per block of 32 (round(a x 127 / largest), to
     even)."""
+    w = np.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:2], 32).astype(np.float64) - 8
+    return _block_product(a, w, scales)
+
+
+def _block_product(a: np.ndarray, w: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """a (m, K) float32 by integer weights w (N, K / block, block) times scales (N, K / block):
+    each block of a row quantized to codes round(a x 127 / largest) (to even) and a step,
+    largest / 127, as matmul.c's operators (and MatMulNBits' accuracy level 4) do."""
     m, k = a.shape
-    blocks = a.reshape(m, k // 32, 32)
+    block = w.shape[2]
+    blocks = a.reshape(m, k // block, block)
     top = np.abs(blocks).max(-1, keepdims=True)
     inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
     q = np.clip(np.rint(blocks * inv), -127, 127)
-    steps = (top / np.float32(127)).astype(np.float32)
-    w = np.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:2], 32).astype(np.float64) - 8
+    steps = (top / np.float32(127)).astype(np.float32)[..., 0]
     dots = np.einsum("mbj,nbj->mnb", q.astype(np.float64), w)
-    return np.einsum("mnb,nb,mb->mn", dots, scales.astype(np.float64),
-                     steps[..., 0].astype(np.float64)).astype(np.float32)
+    out = np.einsum("mnb,nb,mb->mn", dots, scales.astype(np.float64), steps.astype(np.float64))
+    return out.astype(np.float32)
 
 
 def interleaved(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -228,17 +236,9 @@ def matmul6(a: np.ndarray, codes: np.ndarray, mult: np.ndarray, base: np.ndarray
     """What matmul.c's MatMul6 computes, in numpy: a (m, K) float32 by codes (N, K) (0..63)
     less `zero`, times each block of 16's scale, base (N, K/256) x mult (N, K/16) in float32;
     each row of a quantized per block of 16 (as matmul4)."""
-    m, k = a.shape
-    blocks = a.reshape(m, k // 16, 16)
-    top = np.abs(blocks).max(-1, keepdims=True)
-    inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(blocks * inv), -127, 127)
-    steps = (top / np.float32(127)).astype(np.float32)[..., 0]
-    w = codes.reshape(codes.shape[0], k // 16, 16).astype(np.float64) - zero
-    dots = np.einsum("mbj,nbj->mnb", q.astype(np.float64), w)
+    w = codes.reshape(codes.shape[0], -1, 16).astype(np.float64) - zero
     scales = (np.repeat(base, 16, axis=1) * mult.astype(np.float32)).astype(np.float32)
-    out = np.einsum("mnb,nb,mb->mn", dots, scales.astype(np.float64), steps.astype(np.float64))
-    return out.astype(np.float32)
+    return _block_product(a, w, scales)
 
 
 def pack6(codes: np.ndarray) -> np.ndarray:

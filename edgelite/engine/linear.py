@@ -22,6 +22,7 @@ not find) stays MatMulNBits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,12 +134,9 @@ class _Rewrite:
         """A constant of zeros (float32 or uint8)."""
         name = f"{P}/c/z{elem}_" + "_".join(str(d) for d in dims)
         if name not in self.consts:
-            count = 1
-            for d in dims:
-                count *= d
-            size = 4 if elem == FLOAT else 1
+            size = math.prod(dims) * (4 if elem == FLOAT else 1)
             proto = encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, elem),
-                            (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, bytes(count * size))])
+                            (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, bytes(size))])
             self.consts[name] = (GRAPH_INIT, 2, proto)
         return name
 

@@ -310,17 +310,6 @@ static void *mm_run(void *arg) {
 
 static void mm_indexed(void *parts, size_t i) { mm_run((mm_part *)parts + i); }
 
-/* dims of a value (rank up to MM_MAX_RANK); 0 when it has none */
-static size_t dims_of(api_t api, const void *value, int64_t *dims) {
-    void *info = NULL;
-    size_t rank = 0;
-    if (!ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(value, &info))) return 0;
-    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &rank)) && rank >= 1 && rank <= MM_MAX_RANK &&
-               ok(api, CALL(api, DIMS, dims_fn)(info, dims, rank));
-    CALL(api, RELEASE_SHAPE, release_fn)(info);
-    return good ? rank : 0;
-}
-
 /* whether the weights' shapes fit K and N (the graph is ours: never expected otherwise) */
 static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_t *rank) {
     int64_t k = st->k, n = st->n, groups = n / MM_GROUP;
@@ -345,7 +334,7 @@ static void mm_compute(void *state, void *ctx) {
     int64_t d[4][MM_MAX_RANK];
     void *data[4] = {NULL};
     for (size_t i = 0; i < count; i++)
-        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i])) ||
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)) ||
             !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
             return;
     int64_t rows = 1, k = st->k, n = st->n, out_dims[MM_MAX_RANK];

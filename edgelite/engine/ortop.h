@@ -80,6 +80,18 @@ struct custom_op {
     int (*output_kind)(const struct custom_op *, size_t);
 };
 
+/* a value's dims into dims[0..max) and its rank; 0 when onnxruntime cannot say or its rank is
+ * over max */
+static inline size_t dims_of(api_t api, const void *value, int64_t *dims, size_t max) {
+    void *info = NULL;
+    size_t rank = 0;
+    if (!ok(api, CALL(api, TYPE_AND_SHAPE, type_and_shape_fn)(value, &info))) return 0;
+    int good = ok(api, CALL(api, DIMS_COUNT, dims_count_fn)(info, &rank)) && rank <= max &&
+               ok(api, CALL(api, DIMS, dims_fn)(info, dims, rank));
+    CALL(api, RELEASE_SHAPE, release_fn)(info);
+    return good ? rank : 0;
+}
+
 #define RUN_PARTS_MAX 16 /* parts run_parts takes (an operator's threads at most) */
 
 /* fn over `count` parts (each `size` bytes from `parts`): on onnxruntime's intra-op pool where it

@@ -92,14 +92,16 @@ class Measure:
             self.profiling = False
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
-        # (whether its layers run engine/matmul.c's products: what they hold, for the planner;
-        # finding out may build the kernel library, off the event loop)
-        library = await asyncio.get_running_loop().run_in_executor(
-            self.compute_pool, linear.library, self.cfg.runtime)
+        # with a model to plan: whether its layers run engine/matmul.c's products (what they
+        # hold); timing layer 0 above has built the kernel library, if it can be built
+        narrow: dict[str, bool] = {}
+        if msg.manifest is not None:
+            library = await asyncio.get_running_loop().run_in_executor(
+                self.compute_pool, linear.library, self.cfg.runtime)
+            narrow["narrow_products"] = library is not None
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
                                                   "provider": self.cfg.runtime.provider,
-                                                  "narrow_products": library is not None,
-                                                  **flops, **host_profile(), **budget})
+                                                  **flops, **host_profile(), **budget, **narrow})
 
     async def probe_link(self, msg: m.ProbeLink, _owner: str) -> m.LinkReport:
         """Measure the link to another node. Packets go only to a peer that has completed the
