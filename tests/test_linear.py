@@ -1,5 +1,5 @@
-"""engine/matmul.c's MatMul4 and MatMul6 and engine/linear.py's rewrite of a fast export's
-4-bit and Q6_K MatMulNBits products (issue 35)."""
+"""engine/matmul.c's MatMul4, MatMul4K and MatMul6 and engine/linear.py's rewrite of a fast
+export's 4-bit, Q4_K and Q6_K MatMulNBits products (issue 35)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ def _weights(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[dict[st
         codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
         scales = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
         return dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True)), (codes, scales)
+    if op == "MatMul4K":
+        codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+        sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
+        d, e = (rng.uniform(-0.01, 0.01, (n, k // 256)).astype(np.float16) for _ in range(2))
+        args = (codes, sc, mins, d, e)
+        return dict(zip(("codes", "mult", "base"), kernel.interleaved4k(*args), strict=True)), args
     codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
     mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
     base = rng.uniform(-0.01, 0.01, (n, k // 256)).astype(np.float32)
@@ -41,7 +47,8 @@ def _weights(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[dict[st
 
 
 def _twin(op: str, a: np.ndarray, args: tuple) -> np.ndarray:
-    return kernel.matmul4(a, *args) if op == "MatMul4" else kernel.matmul6(a, *args)
+    twin = {"MatMul4": kernel.matmul4, "MatMul4K": kernel.matmul4k, "MatMul6": kernel.matmul6}[op]
+    return twin(a, *args)
 
 
 def _run(library: Path, op: str, k: int, n: int, a: np.ndarray, weights: dict[str, np.ndarray],
@@ -54,11 +61,13 @@ def _run(library: Path, op: str, k: int, n: int, a: np.ndarray, weights: dict[st
 
 
 @pytest.mark.parametrize("op, shapes", [("MatMul4", ((96, 12), (576, 512))),
+                                       ("MatMul4K", ((256, 12), (768, 512))),
                                        ("MatMul6", ((256, 12), (512, 512)))])
 def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, shapes: tuple) -> None:
     """Against the numpy twin (MatMul4: blocks padded to 4 and not); each row the same bits
     alone, in tiles of 2, 3 and 4 rows, and split over two threads; codes at the zero point
-    give zeros (up to the roundings of each lane's part of a block's zero sum)."""
+    give zeros (up to the roundings of each lane's part of a block's zero sum; MatMul4K: with
+    no minima)."""
     library = _vnni_library()
     rng = np.random.default_rng(3)
     for k, n in shapes:
@@ -74,6 +83,14 @@ def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, sh
     weights, _ = _weights(op, 256, 4, rng)
     if op == "MatMul4":
         weights["codes"] = np.full_like(weights["codes"], 0x88)
+    elif op == "MatMul4K":  # (with no minima: what is left is the block sums by 8 d sc)
+        _, (_, sc, mins, d, e) = _weights(op, 256, 4, rng)
+        args = (np.full((4, 8, 16), 0x88, np.uint8), sc, mins, d, np.zeros_like(e))
+        weights = dict(zip(("codes", "mult", "base"), kernel.interleaved4k(*args), strict=True))
+        a = rng.standard_normal((2, 256)).astype(np.float32)
+        got, want = _run(library, op, 256, 4, a, weights), kernel.matmul4k(a, *args)
+        assert np.abs(got - want).max() < 1e-6 * np.abs(want).max()
+        return
     else:
         weights["codes"] = kernel.interleaved6(np.full((4, 256), kernel.ZERO6, np.uint8),
                                                np.ones((4, 16), np.int8), np.ones((4, 1), np.float32))[0]
@@ -91,7 +108,7 @@ def test_the_plain_c_products_are_numpys_too(tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=300)
     assert not kernel.fast_matmul(target)
     rng = np.random.default_rng(4)
-    for op, k in (("MatMul4", 96), ("MatMul6", 512)):
+    for op, k in (("MatMul4", 96), ("MatMul4K", 512), ("MatMul6", 512)):
         a = rng.standard_normal((3, k)).astype(np.float32)
         weights, args = _weights(op, k, 8, rng)
         want = _twin(op, a, args)
@@ -106,11 +123,12 @@ def _log_probs(model: Path, ids: np.ndarray, on: bool) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_a_k_quant_export_runs_its_q4_k_and_q6_k_products_in_matmul4_and_matmul6(
+def test_a_k_quant_export_runs_its_q4_k_and_q6_k_products_in_matmul4k_and_matmul6(
         ggufs: dict[str, Path], tmp_path: Path) -> None:
-    """A tiny Q4_K + Q6_K GGUF exported fast: its layers' and head's products all become MatMul4
-    and MatMul6, and the log probabilities are MatMulNBits' within the noise of int8
-    activations (a wrong layout of the weights is off by it all)."""
+    """A tiny Q4_K + Q6_K GGUF exported fast: its layers' and head's products all become
+    MatMul4K (no minima product left, nor the block sums it read) and MatMul6, and the log
+    probabilities are MatMulNBits' within the noise of int8 activations (a wrong layout of the
+    weights is off by it all)."""
     from edgelite_export import build
 
     _vnni_library()
@@ -118,7 +136,8 @@ def test_a_k_quant_export_runs_its_q4_k_and_q6_k_products_in_matmul4_and_matmul6
     m = mf.load(out)
     files = export_files(m, verify=False)
     ops = [op for e in (*m.layers, m.head) for op in _ops(linear.products(files.graph(e)))]
-    assert "MatMul4" in ops and "MatMul6" in ops and "MatMulNBits" not in ops, ops
+    assert "MatMul4K" in ops and "MatMul6" in ops and "MatMulNBits" not in ops, ops
+    assert "MatMul4" not in ops and "MatMul" not in ops and "ReduceSum" not in ops, ops
     ids = np.array([[5, 17, 42, 8, 99, 3, 61, 7, 23, 11, 2, 90]])
     off, on = _log_probs(out, ids, False), _log_probs(out, ids, True)
     assert np.abs(off - on).max() < 0.05 and (off.argmax(-1) == on.argmax(-1)).all()

@@ -136,9 +136,10 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v)).max())
             if got.shape != want.shape or not np.allclose(got, want, atol=tolerance):
                 return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
-        # MatMul4: 3 blocks (padded to 4) and 8; MatMul6: 1 and 2 super-blocks; rows in a tile
-        # of 4 and one more
-        for op, k, n in (("MatMul4", 96, 8), ("MatMul4", 256, 12), ("MatMul6", 256, 8), ("MatMul6", 512, 4)):
+        # MatMul4: 3 blocks (padded to 4) and 8; MatMul6, MatMul4K: 1 and 2 super-blocks; rows in
+        # a tile of 4 and one more
+        for op, k, n in (("MatMul4", 96, 8), ("MatMul4", 256, 12), ("MatMul6", 256, 8), ("MatMul6", 512, 4),
+                         ("MatMul4K", 256, 8), ("MatMul4K", 512, 4)):
             run = ort.InferenceSession(_matmul_model(op, k, n), opts, providers=["CPUExecutionProvider"]).run
             a = rng.standard_normal((5, k)).astype(np.float32)
             if op == "MatMul4":
@@ -147,6 +148,13 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
                 c4, s4 = interleaved(codes, scales)
                 got = run(None, {"a": a, "codes": c4, "scales": s4})[0]
                 want = matmul4(a, codes, scales)
+            elif op == "MatMul4K":
+                codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+                sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
+                d, e = (rng.uniform(-0.01, 0.01, (n, k // 256)).astype(np.float16) for _ in range(2))
+                c4, mk, bk = interleaved4k(codes, sc, mins, d, e)
+                got = run(None, {"a": a, "codes": c4, "mult": mk, "base": bk})[0]
+                want = matmul4k(a, codes, sc, mins, d, e)
             else:
                 codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
                 mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
@@ -230,6 +238,30 @@ def interleaved(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
     b4 = (blocks + pad) // 4
     return (np.ascontiguousarray(codes.reshape(n // 4, 4, b4, 64).transpose(0, 2, 1, 3)),
             np.ascontiguousarray(scales.reshape(n // 4, 4, b4, 4).transpose(0, 2, 1, 3)))
+
+
+def matmul4k(a: np.ndarray, codes: np.ndarray, sc: np.ndarray, mins: np.ndarray, d: np.ndarray,
+             e: np.ndarray) -> np.ndarray:
+    """What matmul.c's MatMul4K computes, in numpy: a (m, K) float32 by a Q4_K product, codes
+    (N, K/32, 16) as MatMulNBits holds them, scale multiples sc and minimum multiples mins (N,
+    K/32) uint8, d and e (N, K/256) float16: block b's weights d sc (code - 8) + (8 d sc + e m),
+    the first part by matmul4's quantized rows, the second by each block's exact sum of a."""
+    scales = (np.repeat(d.astype(np.float32), 8, axis=1) * sc.astype(np.float32)).astype(np.float32)
+    coef = scales.astype(np.float64) * 8 + np.repeat(e, 8, axis=1).astype(np.float64) * mins
+    sums = a.reshape(a.shape[0], -1, 32).astype(np.float64).sum(-1)
+    return (matmul4(a, codes, scales).astype(np.float64) + sums @ coef.T).astype(np.float32)
+
+
+def interleaved4k(codes: np.ndarray, sc: np.ndarray, mins: np.ndarray, d: np.ndarray,
+                  e: np.ndarray) -> tuple[np.ndarray, ...]:
+    """MatMul4K's codes (as MatMul4's), multiples (N/4, K/256, 4, 16) and float16 bases (N/4,
+    K/256, 8) from matmul4k's arrays (as engine/linear.py's nodes make them)."""
+    n, supers = d.shape
+    mult = np.concatenate([sc.reshape(n, supers, 8), mins.reshape(n, supers, 8)], axis=2)
+    base = np.concatenate([d.reshape(n // 4, 4, supers), e.reshape(n // 4, 4, supers)], axis=1)
+    return (interleaved(codes, np.zeros(codes.shape[:2], np.float32))[0],
+            np.ascontiguousarray(mult.reshape(n // 4, 4, supers, 16).transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(base.transpose(0, 2, 1)).astype(np.float16))
 
 
 def matmul6(a: np.ndarray, codes: np.ndarray, mult: np.ndarray, base: np.ndarray, zero: int) -> np.ndarray:
@@ -317,6 +349,13 @@ def _matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
         weights = [make_value_info("codes", UINT8, [n // 4, b4, 4, 64]),
                    make_value_info("scales", FLOAT, [n // 4, b4, 4, 4])]
         node = make_node(op, ["a", "codes", "scales"], ["y"], "matmul", DOMAIN, K=k, N=n, threads=threads)
+    elif op == "MatMul4K":
+        s = k // 256
+        weights = [make_value_info("codes", UINT8, [n // 4, 2 * s, 4, 64]),
+                   make_value_info("mult", UINT8, [n // 4, s, 4, 16]),
+                   make_value_info("base", FLOAT16, [n // 4, s, 8])]
+        node = make_node(op, ["a", "codes", "mult", "base"], ["y"], "matmul", DOMAIN, K=k, N=n,
+                         threads=threads)
     else:
         s = k // 256
         weights = [make_value_info("codes", UINT8, [n // 4, s, 4, 192]),

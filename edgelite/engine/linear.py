@@ -6,6 +6,13 @@ MatMulNBits, rewritten as a range (or the head) loads: no re-export.
   export's codes and scales, interleaved four columns at a time (Reshape, Concat padding the
   blocks to a multiple of 4 with zeros, Transpose). onnxruntime then holds 4 bits and a float
   scale per 32 weights where MatMulNBits packs them again at about 6.
+- Its Q4_K products (the same 4-bit MatMulNBits, whose scales are a float16 per 256 weights,
+  `<name>.scales.base_fp16`, times a byte per block, `<name>.scales.mult`, with the separate
+  minima product the exporter adds: x's block sums by `<name>.minima`, the block's minimum,
+  `<name>.minima.base.*` times `factor` (1 or -1), plus 8 times its scale) become one MatMul4K:
+  the codes as MatMul4 takes them, each block's two bytes and each super-block's two float16s.
+  4.625 bits a weight where MatMul4 and the float minima product read about 6, and three fewer
+  operators a product.
 - Its Q6_K products (MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes the
   export stores at 6 bits, `<B>.6bit` with the constant `<B>.low` added, and whose scales are
   a float16 per 256 weights, `<S>.base_fp16`, times a signed byte per block, `<S>.mult`: see
@@ -17,7 +24,8 @@ onnxruntime sees the graph (into its mapping: no copy), and a decode step reads 
 product's bytes as one stream. Only where the library's operators have their vector path
 (`kernel.fast_matmul`); elsewhere onnxruntime's own kernels are faster, and the graph is left
 as it is. Any other product (exact mode, other widths, zero points, a form the names above do
-not find) stays MatMulNBits.
+not find) stays MatMulNBits. What the rewrite leaves unread (a replaced product's minima, block
+sums no product reads any more) is dropped.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from edgelite.engine import kernel
 from edgelite.engine.fold import Tensor, tensor
 from edgelite.engine.onnxgraph import (
     FLOAT,
+    FLOAT16,
     GRAPH_INIT,
     GRAPH_NODE,
+    GRAPH_OUTPUT,
     INT64,
     TENSOR_DIMS,
     TENSOR_NAME,
@@ -48,6 +58,8 @@ from edgelite.engine.onnxgraph import (
     make_node,
     make_tensor,
     node_attrs,
+    node_parts,
+    value_name,
     with_graph,
     with_opset,
 )
@@ -58,6 +70,7 @@ GROUP = 4  # columns interleaved together
 STEP = 4  # blocks a column's 64 bytes hold
 SUPER = 256  # MatMul6: the weights a super-block (one float16 base scale)
 BLOCK6 = 16  # MatMul6: the weights a block (one signed byte of scale)
+SHIFT = 8.0  # the codes' centre, whose part of a Q4_K block's weights its minima carry
 P = "edgelite_mm"  # names of what the rewrite adds
 RESIDENT = (f"{P}/",)  # its folded weights, read in place at every step (session.open_model)
 
@@ -104,17 +117,23 @@ class _Rewrite:
                 t = tensor(value)  # type: ignore[arg-type]
                 if t is not None:
                     inits[t.name] = t
+        nodes = {outputs[0]: (op, inputs, outputs) for number, _, value in fields(graph)
+                 if number == GRAPH_NODE for op, inputs, outputs, _ in [node_parts(value)]  # type: ignore[arg-type]
+                 if outputs}
         items: list[Field] = []
+        replaced: set[str] = set()  # outputs of the minima nodes a MatMul4K replaces
         for field, node in each_node(graph, "MatMulNBits"):
             if node is None:
-                items.append(field)
+                if field[0] != GRAPH_NODE or not set(node_parts(field[2])[2]) & replaced:  # type: ignore[arg-type]
+                    items.append(field)
                 continue
             inputs, outputs, rest = node
             attrs = node_attrs(rest)
             k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
             new = None
-            if _shape(attrs, inputs, 4, BLOCK, BLOCK):
-                new = self._four(self.count + 1, inputs, outputs[0], k, n)
+            if _shape(attrs, inputs, 4, BLOCK, BLOCK):  # (a Q4_K's whole, else the codes and scales)
+                new = (self._four_k(self.count + 1, inputs, outputs[0], k, n, inits, nodes, replaced)
+                       if k % SUPER == 0 else None) or self._four(self.count + 1, inputs, outputs[0], k, n)
             elif _shape(attrs, inputs, 8, BLOCK6, SUPER):
                 new = self._six(self.count + 1, inputs, outputs[0], k, n, inits)
             if new is None:
@@ -122,7 +141,7 @@ class _Rewrite:
                 continue
             self.count += 1
             items += new
-        return encode([*items, *self.consts.values()]) if self.count else graph
+        return encode(_read([*items, *self.consts.values()])) if self.count else graph
 
     def _ints(self, *values: int) -> str:
         name = f"{P}/c/i" + "_".join(str(v) for v in values)
@@ -162,6 +181,63 @@ class _Rewrite:
                                                K=k, N=n, threads=self.threads)))
         return nodes
 
+    def _four_k(self, i: int, inputs: list[str], out: str, k: int, n: int, inits: dict[str, Tensor],
+                nodes: dict[str, tuple[str, list[str], list[str]]], replaced: set[str]) -> list[Field] | None:
+        """The nodes of one MatMul4K on a Q4_K product's codes, scales and minima (None when the
+        product is not in that form); the minima product's MatMul and Add it replaces go into
+        `replaced`."""
+        a, codes, scales = inputs
+        name = out.removesuffix("/MatMulNBits/output_0")
+        mins = f"{name}.minima"
+        adds = [o for o, (op, ins, _) in nodes.items() if op == "Add" and out in ins]
+        if name == out or scales != f"{name}.scales/Flatten/output_0" or len(adds) != 1:
+            return None
+        add_ins = nodes[adds[0]][1]
+        other = add_ins[1] if add_ins[0] == out else add_ins[0]
+        product = nodes.get(other)
+        total = nodes.get(mins)
+        shifted = nodes.get(f"{mins}/Mul/output_0")
+        supers = k // SUPER
+        d, sc = inits.get(f"{name}.scales.base_fp16"), inits.get(f"{name}.scales.mult")
+        e, m = inits.get(f"{mins}.base.base_fp16"), inits.get(f"{mins}.base.mult")
+        shift, factor = inits.get(f"{mins}.shift"), inits.get(f"{mins}.base.factor")
+        based = f"{mins}.base/factor/Mul/output_0" if factor is not None else f"{mins}.base/Flatten/output_0"
+        sums = f"{a}/block_sums{BLOCK}/ReduceSum/output_0"
+        if (product is None or product[0] != "MatMul" or product[1] != [sums, mins]
+                or total is None or total[0] != "Transpose" or nodes.get(total[1][0], ("",))[0] != "Add"
+                or sorted(nodes[total[1][0]][1]) != sorted([based, f"{mins}/Mul/output_0"])
+                or shifted is None or shifted[1] != [scales, f"{mins}.shift"]
+                or f"{name}.scales.factor" in inits
+                or any(t is None or t.dtype != np.float16 or t.dims != [n, supers] for t in (d, e))
+                or any(t is None or t.dtype != np.uint8 or t.dims != [n, k // BLOCK] for t in (sc, m))
+                or not _scalar(shift, SHIFT)
+                or (factor is not None and _scalar(factor, None) not in (1.0, -1.0))):
+            return None
+        assert d is not None and e is not None and sc is not None and m is not None
+        replaced.update([other, adds[0]])
+        t = f"{P}/{i}"
+        nodes_out: list[Field] = []
+        add = _adder(nodes_out)
+        c = add("Reshape", [codes, self._ints(n // GROUP, GROUP, 2 * supers, 64)], f"{t}/codes_grouped")
+        c = add("Transpose", [c], f"{t}/codes4", perm=[0, 2, 1, 3])
+        halves = [add("Reshape", [x.name, self._ints(n, supers, 8)], f"{t}/{label}") for x, label in
+                  ((sc, "scale_mult"), (m, "min_mult"))]
+        mult = add("Concat", halves, f"{t}/mult", axis=2)
+        mult = add("Reshape", [mult, self._ints(n // GROUP, GROUP, supers, 16)], f"{t}/mult_grouped")
+        mult = add("Transpose", [mult], f"{t}/mult4k", perm=[0, 2, 1, 3])
+        e_half = e.name
+        if factor is not None:  # (a power of two: exact in float16)
+            e_f = add("Mul", [add("Cast", [e.name], f"{t}/e", to=FLOAT), factor.name], f"{t}/e_signed")
+            e_half = add("Cast", [e_f], f"{t}/e_half", to=FLOAT16)
+        shape = self._ints(n // GROUP, GROUP, supers)
+        grouped = [add("Reshape", [x, shape], f"{t}/{label}_grouped")
+                   for x, label in ((d.name, "d"), (e_half, "e"))]
+        base = add("Concat", grouped, f"{t}/base", axis=1)
+        base = add("Transpose", [base], f"{t}/base4k", perm=[0, 2, 1])
+        nodes_out.append((GRAPH_NODE, 2, make_node("MatMul4K", [a, c, mult, base], [adds[0]], f"{t}/MatMul4K",
+                                                   kernel.DOMAIN, K=k, N=n, threads=self.threads)))
+        return nodes_out
+
     def _six(self, i: int, inputs: list[str], out: str, k: int, n: int,
              inits: dict[str, Tensor]) -> list[Field] | None:
         """The nodes of one MatMul6 on a Q6_K product's stored stream and scales (None when the
@@ -193,6 +269,38 @@ class _Rewrite:
         nodes.append((GRAPH_NODE, 2, make_node("MatMul6", [a, c, m, b], [out], f"{t}/MatMul6", kernel.DOMAIN,
                                                K=k, N=n, zero=zero, threads=self.threads)))
         return nodes
+
+
+def _scalar(t: Tensor | None, want: float | None) -> float | None:
+    """An in-file float32 scalar's value (None when it is not one, or not `want`)."""
+    if t is None or t.dtype != np.float32 or t.dims not in ([], [1]) or t.location:
+        return None
+    value = float(t.load(Path(".")).reshape(-1)[0])
+    return value if want is None or value == want else None
+
+
+def _read(items: list[Field]) -> list[Field]:
+    """A graph's fields without the nodes and initializers nothing reads (repeatedly: a node
+    read only by dropped ones goes too)."""
+    outputs = {value_name(v) for number, _, v in items if number == GRAPH_OUTPUT}  # type: ignore[arg-type]
+    parts = {i: node_parts(v) for i, (number, _, v) in enumerate(items) if number == GRAPH_NODE}  # type: ignore[arg-type]
+    while True:
+        read = outputs | {x for _, ins, _, _ in parts.values() for x in ins}
+        dead = [i for i, (_, _, outs, _) in parts.items() if not set(outs) & read]
+        if not dead:
+            break
+        for i in dead:
+            del parts[i]
+    keep = []
+    for i, (number, wire, value) in enumerate(items):
+        if number == GRAPH_NODE and i not in parts:
+            continue
+        if number == GRAPH_INIT:
+            t = tensor(value)  # type: ignore[arg-type]
+            if t is not None and t.name not in read:
+                continue
+        keep.append((number, wire, value))
+    return keep
 
 
 def _adder(nodes: list[Field]) -> Callable[..., str]:

@@ -27,6 +27,19 @@
  *            sum_j (code[n, b, j] - zero) x[b, j]
  *   attributes: K, N, zero (the codes' zero point), threads
  *
+ * MatMul4K: Q4_K's products whole (4-bit codes in blocks of 32, each block's scale d x sc and
+ * minimum dmin x m, as the exporter stores a K-quant's: a float per 256 weights, a byte per 32):
+ * 4.625 bits a weight, where MatMul4 with the export's separate minima product reads about 6.
+ *   inputs:  a       float32 (..., K), K a multiple of 256
+ *            codes   uint8 (N/4, K/128, 4, 64): as MatMul4's
+ *            mult    uint8 (N/4, K/256, 4, 16): each column's 8 scale multiples sc, then its 8
+ *                    minimum multiples m, four columns in turn, then the next super-block
+ *            base    float16 (N/4, K/256, 8): the four columns' d, then their e (dmin, signed)
+ *   output:  float32 (..., N): y[n] = sum over blocks b of d sc[n, b] step[b] sum_j (code[n, b,
+ *            j] - 8) x[b, j] + (8 d sc[n, b] + e m[n, b]) sum_j a[b, j]: the codes centred at 8 as
+ *            MatMul4's, and the rest of each block's weights by the block's exact sum of a
+ *   attributes: K, N, threads
+ *
  * Each row of a is quantized per block as MatMulNBits' level 4 does: codes round(a x 127 /
  * largest) (to even) and a step, largest / 127 (blocks of 32 for MatMul4, 16 for MatMul6).
  * Where the compiler targets AVX-512 VNNI and VBMI, the sums are byte dot products
@@ -35,7 +48,9 @@
  * four rows at a time, each block's integer sum times its scale and step added to the row's
  * float lanes; every row is the same sequence of operations whatever the rows beside it, so a
  * row comes out the same in any chunking. Elsewhere the same sums in plain C
- * (edgelite_matmul_fast says which: engine/linear.py only rewrites where it is 1). */
+ * (edgelite_matmul_fast says which: engine/linear.py only rewrites where it is 1). MatMul4K runs
+ * MatMul4's sums; each super-block's scales and minimum coefficients come from its bytes once
+ * for all the tile's rows. */
 
 #include "ortop.h"
 
@@ -51,13 +66,14 @@
 #define MM_VECTOR 0
 #endif
 
-enum { MM4 = 0, MM6 = 1 }; /* the operators */
+enum { MM4 = 0, MM6 = 1, MM4K = 2 }; /* the operators */
 #define MM_GROUP 4         /* columns interleaved together */
 #define MM_ROWS 4          /* rows of a that share a group's codes once loaded */
 #define MM_THREADS 16      /* threads a call may use */
 #define MM_PARALLEL (1 << 20) /* rows x weights below which a call stays on its caller's thread */
 #define MM_MAX_RANK 8
 #define MM_PAD 64          /* bytes after each quantized row (see mm_compute) */
+#define MM_BAND_BYTES (512 << 10) /* quantized rows' bytes a band of rows holds at most (see mm_run) */
 #define MM4_BLOCK 32       /* MatMul4: weights a block (one scale) */
 #define MM4_STEP 4         /* blocks a column holds in 64 bytes */
 #define MM4_AHEAD 8        /* steps (256 bytes of codes) asked for ahead: measured best of 2-32 */
@@ -65,6 +81,11 @@ enum { MM4 = 0, MM6 = 1 }; /* the operators */
 #define MM6_SUPER 256      /* weights a super-block (one base scale) */
 #define MM6_BYTES 192      /* a column's codes of a super-block */
 #define MM6_AHEAD 2        /* super-blocks (768 bytes of codes) asked for ahead */
+#define MM4K_SUPER 256     /* MatMul4K: weights a super-block (one d and e) */
+#define MM4K_SHIFT 8.0f    /* its codes' centre */
+#define MM4K_SUMS 16       /* floats a super-block of a row's sums (see qrows) */
+#define MM4K_ROWS 3        /* MatMul4K's most rows a tile (4 spill its registers) */
+#define MM4K_AHEAD 4       /* super-blocks (2,048 bytes of codes) asked for ahead */
 
 int edgelite_matmul_fast(void) { return MM_VECTOR; }
 
@@ -77,21 +98,24 @@ typedef struct {
 /* rows of a, quantized: per row, `width` bytes of codes in lo (MatMul4: a block's even
  * elements; MatMul6: all, in order) and hi (MatMul4: its odd elements), and each block's step
  * and correction (minus the zero point times the sum of its codes: where a block's integer sum
- * starts): MatMul4 in 4 lanes a block (the
- * correction in the first), MatMul6 one a block (its vector path spreads them itself) */
+ * starts): MatMul4 in 4 lanes a block (the correction in the first), MatMul6 and MatMul4K one a
+ * block (their vector paths spread them themselves) */
 typedef struct {
     int8_t *lo, *hi;
     float *steps;
     int32_t *bias;
-    int64_t blocks, width, lanes; /* blocks a row; a row's bytes of codes and its steps' count, padded */
+    /* MatMul4K: a super-block's 8 block sums of a, twice (16 lanes) */
+    float *sums;
+    /* blocks a row; a row's bytes of codes, its steps' count and its sums' count, padded */
+    int64_t blocks, width, lanes, sum_width;
 } qrows;
 
 typedef struct {
     const qrows *x;
     int kind;
     const uint8_t *codes;
-    const void *scales; /* MatMul4: float scales; MatMul6: int8 multiples */
-    const float *base;  /* MatMul6 */
+    const void *scales; /* MatMul4: float scales; MatMul6: int8 multiples; MatMul4K: uint8 ones */
+    const void *base;   /* MatMul6: float32; MatMul4K: float16 */
     float *y;
     int64_t rows, n, g0, g1;
 } mm_part;
@@ -100,17 +124,16 @@ typedef struct {
  * j / 2] (even j) or hi[..] (odd j) when `split` (MatMul4), else at lo[b * block + j]; its
  * step and correction as qrows holds them; blocks past k zero */
 static void quantize_a(const float *x, int64_t k, int64_t blocks, int64_t block, int split, int64_t zero,
-                       int8_t *lo, int8_t *hi, float *steps, int32_t *bias) {
+                       int64_t lanes, int8_t *lo, int8_t *hi, float *steps, int32_t *bias, float *sums) {
     memset(lo, 0, (size_t)(split ? blocks * block / 2 : blocks * block));
     if (split) memset(hi, 0, (size_t)(blocks * block / 2));
-    int64_t lanes = split ? 4 : 1;
     memset(steps, 0, (size_t)(blocks * lanes) * sizeof(float));
     memset(bias, 0, (size_t)(blocks * lanes) * sizeof(int32_t));
     for (int64_t b = 0; b * block < k; b++) {
         const float *v = x + b * block;
         int64_t len = k - b * block < block ? k - b * block : block;
-        float top = 0.0f;
-        for (int64_t j = 0; j < len; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+        float top = 0.0f, exact = 0.0f;
+        for (int64_t j = 0; j < len; j++) top = fabsf(v[j]) > top ? fabsf(v[j]) : top, exact += v[j];
         float inv = top > 0.0f ? 127.0f / top : 0.0f;
         int32_t sum = 0;
         for (int64_t j = 0; j < len; j++) {
@@ -120,13 +143,10 @@ static void quantize_a(const float *x, int64_t k, int64_t blocks, int64_t block,
             else lo[b * block + j] = (int8_t)c;
             sum += c;
         }
-        if (split) { /* MatMul4: in 4 lanes a block (the correction in the first) */
-            for (int l = 0; l < 4; l++) steps[4 * b + l] = top / 127.0f;
-            bias[4 * b] = -(int32_t)zero * sum;
-        } else { /* MatMul6: one a block */
-            steps[b] = top / 127.0f;
-            bias[b] = -(int32_t)zero * sum;
-        }
+        if (sums) /* MatMul4K: block b of super-block s at lanes 16s + b % 8 and + 8 */
+            sums[MM4K_SUMS * (b / 8) + b % 8] = sums[MM4K_SUMS * (b / 8) + b % 8 + 8] = exact;
+        for (int64_t l = 0; l < lanes; l++) steps[lanes * b + l] = top / 127.0f;
+        bias[lanes * b] = -(int32_t)zero * sum; /* (in the first of a block's lanes) */
     }
 }
 
@@ -230,9 +250,86 @@ MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mul
     }
     mm_finish(f, r0, R, y, n);
 }
+
+/* bytes of a MatMul4K super-block's 64 of multiples in the order [sc of columns 0..3, m of
+ * columns 0..3] (8 each) */
+static const uint8_t GATHER4K[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23, 32, 33, 34, 35, 36, 37,
+    38, 39, 48, 49, 50, 51, 52, 53, 54, 55, 8,  9,  10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+    28, 29, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
+
+/* MatMul4K: one group of 4 columns for rows r0..r0+R-1 (as group4_vector; R up to MM4K_ROWS).
+ * A super-block's scales (d sc) and minimum coefficients (8 d sc + e m) are two vectors each,
+ * lane 8 (r % 2) + b of vector r / 2 for column r's block b; each row's minimum part gathers in
+ * two vectors of its own against the super-block's block sums. */
+MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *base,
+                              int64_t r0, int R, float *y, int64_t n, int64_t units) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i gather = _mm512_loadu_si512(GATHER4K);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* block -> its lanes */
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);   /* lane -> column */
+    __m512 f[MM_GROUP][MM_ROWS], minima[2][MM_ROWS];
+    for (int m = 0; m < R; m++) {
+        for (int r = 0; r < MM_GROUP; r++) f[r][m] = _mm512_setzero_ps();
+        minima[0][m] = minima[1][m] = _mm512_setzero_ps();
+    }
+    for (int64_t sb = 0; sb < units; sb++, c += 512, mult += 64, base += 8) {
+        for (int l = 0; l < 8; l++) MM_PREFETCH(c + MM4K_AHEAD * 512 + 64 * l);
+        MM_PREFETCH(mult + MM4K_AHEAD * 64);
+        MM_PREFETCH(base + MM4K_AHEAD * 8);
+        __m512i g = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(mult));
+        __m512 de = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)base)));
+        __m512 scale[2], low[2]; /* (low: the minimum coefficients) */
+        for (int h = 0; h < 2; h++) { /* columns 2h, 2h + 1 */
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, h)));
+            __m512 mm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, h + 2)));
+            __m512 d = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * h)), de);
+            __m512 e = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * h + 4)), de);
+            scale[h] = _mm512_mul_ps(sc, d);
+            low[h] = _mm512_fmadd_ps(scale[h], _mm512_set1_ps(MM4K_SHIFT), _mm512_mul_ps(mm, e));
+        }
+        for (int s = 0; s < 2; s++) { /* MatMul4's steps of 4 blocks */
+            int64_t unit = 2 * sb + s;
+            for (int r = 0; r < MM_GROUP; r++) {
+                __m512i code = _mm512_loadu_si512(c + 256 * s + 64 * r);
+                __m512i lo = _mm512_and_si512(code, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(code, 4), nib);
+                __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(8 * (r % 2) + 4 * s)),
+                                                  scale[r / 2]);
+                for (int m = 0; m < R; m++) {
+                    int64_t row = r0 + m;
+                    const int8_t *ev = x->lo + row * x->width + 64 * unit, *od = x->hi + row * x->width + 64 * unit;
+                    __m512i acc = _mm512_maskz_permutexvar_epi32( /* (from the correction) */
+                        0x1111, spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + 4 * unit))));
+                    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(ev));
+                    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(od));
+                    __m512 step = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + 4 * unit)));
+                    f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
+                }
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            const float *sums = x->sums + (r0 + m) * x->sum_width + MM4K_SUMS * sb;
+            __m512 exact = _mm512_loadu_ps(sums);
+            minima[0][m] = _mm512_fmadd_ps(low[0], exact, minima[0][m]);
+            minima[1][m] = _mm512_fmadd_ps(low[1], exact, minima[1][m]);
+        }
+    }
+    for (int r = 0; r < MM_GROUP; r++)
+        for (int m = 0; m < R; m++)
+            y[(r0 + m) * n + r] = _mm512_reduce_add_ps(f[r][m]) +
+                                  _mm512_mask_reduce_add_ps(r % 2 ? 0xFF00 : 0x00FF, minima[r / 2][m]);
+}
 #endif
 
 #if !MM_VECTOR
+/* a float16's value */
+static float half(uint16_t h) {
+    int exp = (h >> 10) & 31, frac = h & 1023;
+    float v = exp == 0 ? ldexpf((float)frac, -24) : exp == 31 ? (frac ? NAN : INFINITY) : ldexpf((float)(frac | 1024), exp - 25);
+    return h & 0x8000 ? -v : v;
+}
+
 /* the same sums in plain C, block by block (one row) */
 static void group4_plain(const qrows *x, const uint8_t *c, const float *s, int64_t row, float *y, int64_t n) {
     for (int r = 0; r < MM_GROUP; r++) {
@@ -262,29 +359,59 @@ static void group6_plain(const qrows *x, const uint8_t *c, const int8_t *mult, c
         y[row * n + r] = total;
     }
 }
+
+static void group4k_plain(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *halves,
+                          int64_t row, float *y, int64_t n) {
+    for (int r = 0; r < MM_GROUP; r++) {
+        float total = 0.0f, low = 0.0f;
+        for (int64_t b = 0; b < x->blocks; b++) {
+            int64_t sb = b / 8;
+            const uint8_t *q = c + (b / MM4_STEP) * 256 + 64 * r + 16 * (b % MM4_STEP);
+            const int8_t *e = x->lo + row * x->width + 16 * b, *o = x->hi + row * x->width + 16 * b;
+            int32_t dot = x->bias[row * x->lanes + b];
+            for (int j = 0; j < 16; j++) dot += (q[j] & 15) * e[j] + (q[j] >> 4) * o[j];
+            float scale = (float)mult[sb * 64 + 16 * r + b % 8] * half(halves[sb * 8 + r]);
+            float minimum = (float)mult[sb * 64 + 16 * r + 8 + b % 8] * half(halves[sb * 8 + 4 + r]);
+            total += (float)dot * (scale * x->steps[row * x->lanes + b]);
+            low += (scale * MM4K_SHIFT + minimum) * x->sums[row * x->sum_width + MM4K_SUMS * sb + b % 8];
+        }
+        y[row * n + r] = total + low;
+    }
+}
 #endif
 
 static void *mm_run(void *arg) {
     const mm_part *p = (const mm_part *)arg;
     const qrows *x = p->x;
-    /* a group's bytes: MatMul4 codes and scales a step; MatMul6 codes, multiples, bases a super-block */
-    int64_t units = p->kind == MM4 ? x->blocks / MM4_STEP : x->blocks * MM6_BLOCK / MM6_SUPER;
-    int64_t unit_bytes = p->kind == MM4 ? 256 : MM_GROUP * MM6_BYTES;
+    /* a group's bytes: MatMul4 codes and scales a step; MatMul6 and MatMul4K codes, multiples,
+     * bases a super-block */
+    int64_t units = p->kind == MM4 ? x->blocks / MM4_STEP
+                  : p->kind == MM6 ? x->blocks * MM6_BLOCK / MM6_SUPER : x->blocks * MM4_BLOCK / MM4K_SUPER;
+    int64_t unit_bytes = p->kind == MM4 ? 256 : p->kind == MM6 ? MM_GROUP * MM6_BYTES : 512;
 #if MM_VECTOR
-    int64_t tiles = (p->rows + MM_ROWS - 1) / MM_ROWS;
+    /* rows a band: as many as the second-level cache holds beside the codes (every group reads
+     * all of a band's quantized rows: past that cache, each group read them from the third) */
+    int64_t row_bytes = 2 * x->width + 2 * x->lanes * (int64_t)sizeof(float) + x->sum_width * (int64_t)sizeof(float);
+    int64_t band = MM_BAND_BYTES / row_bytes > MM_ROWS ? MM_BAND_BYTES / row_bytes : MM_ROWS;
+    for (int64_t b0 = 0; b0 < p->rows; b0 += band) {
+    int64_t rows = p->rows - b0 < band ? p->rows - b0 : band;
+    int64_t most = p->kind == MM4K ? MM4K_ROWS : MM_ROWS, tiles = (rows + most - 1) / most;
     for (int64_t g = p->g0; g < p->g1; g++) {
         const uint8_t *c = p->codes + g * units * unit_bytes;
         const float *s4 = (const float *)p->scales + g * units * 16;
         const int8_t *m6 = (const int8_t *)p->scales + g * units * MM_GROUP * 16;
-        const float *b6 = p->base + g * units * MM_GROUP;
+        const float *b6 = (const float *)p->base + g * units * MM_GROUP;
+        const uint8_t *m4k = (const uint8_t *)p->scales + g * units * 64;
+        const uint16_t *b4k = (const uint16_t *)p->base + g * units * 8;
         float *y = p->y + g * MM_GROUP;
         /* rows in tiles of 1-4, as even as they go (a lone row costs nearly what four do: the
          * group's codes are unpacked once a tile) */
-        for (int64_t t = 0, r = 0; t < tiles; t++) {
-            int64_t size = p->rows / tiles + (t < p->rows % tiles);
+        for (int64_t t = 0, r = b0; t < tiles; t++) {
+            int64_t size = rows / tiles + (t < rows % tiles);
 #define MM_TILE(R)                                                                                  \
-    (p->kind == MM4 ? group4_vector(x, c, s4, r, R, y, p->n, units)                                 \
-                    : group6_vector(x, c, m6, b6, r, R, y, p->n, units))
+    (p->kind == MM4   ? group4_vector(x, c, s4, r, R, y, p->n, units)                               \
+     : p->kind == MM6 ? group6_vector(x, c, m6, b6, r, R, y, p->n, units)                           \
+                      : group4k_vector(x, c, m4k, b4k, r, R, y, p->n, units))
             switch (size) {
             case 4: MM_TILE(4); break;
             case 3: MM_TILE(3); break;
@@ -295,12 +422,17 @@ static void *mm_run(void *arg) {
             r += size;
         }
     }
+    }
 #else
     for (int64_t g = p->g0; g < p->g1; g++) {
         const uint8_t *c = p->codes + g * units * unit_bytes;
         for (int64_t r = 0; r < p->rows; r++) {
             if (p->kind == MM4) group4_plain(x, c, (const float *)p->scales + g * units * 16, r, p->y + g * MM_GROUP, p->n);
-            else group6_plain(x, c, (const int8_t *)p->scales + g * units * MM_GROUP * 16, p->base + g * units * MM_GROUP,
+            else if (p->kind == MM4K)
+                group4k_plain(x, c, (const uint8_t *)p->scales + g * units * 64,
+                              (const uint16_t *)p->base + g * units * 8, r, p->y + g * MM_GROUP, p->n);
+            else group6_plain(x, c, (const int8_t *)p->scales + g * units * MM_GROUP * 16,
+                              (const float *)p->base + g * units * MM_GROUP,
                               r, p->y + g * MM_GROUP, p->n);
         }
     }
@@ -319,6 +451,12 @@ static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_
         return rank[1] == 4 && rank[2] == 4 && d[1][3] == 64 && blocks * MM4_BLOCK >= k &&
                (blocks - MM4_STEP) * MM4_BLOCK < k && d[2][0] == groups && d[2][1] == d[1][1] &&
                d[2][2] == MM_GROUP && d[2][3] == MM4_STEP;
+    }
+    if (st->kind == MM4K) {
+        int64_t supers = k / MM4K_SUPER;
+        return k % MM4K_SUPER == 0 && rank[1] == 4 && rank[2] == 4 && rank[3] == 3 && d[1][1] == 2 * supers &&
+               d[1][3] == 64 && d[2][0] == groups && d[2][1] == supers && d[2][2] == MM_GROUP && d[2][3] == 16 &&
+               d[3][0] == groups && d[3][1] == supers && d[3][2] == 8;
     }
     int64_t supers = k / MM6_SUPER;
     return k % MM6_SUPER == 0 && rank[1] == 4 && rank[2] == 4 && rank[3] == 3 && d[1][1] == supers &&
@@ -346,24 +484,29 @@ static void mm_compute(void *state, void *ctx) {
         return;
     memset(y, 0, (size_t)(rows * n) * sizeof(float));
     if (rows < 1 || d[0][rank[0] - 1] != k || !fits(st, (const int64_t(*)[MM_MAX_RANK])d, rank)) return; /* zeros */
-    int split = st->kind == MM4;
+    int split = st->kind != MM6, summed = st->kind == MM4K;
     int64_t block = split ? MM4_BLOCK : MM6_BLOCK, blocks = split ? d[1][1] * MM4_STEP : k / MM6_BLOCK;
     /* each row's codes and steps padded by a cache line: rows a power of two apart would share
      * the first-level cache's sets (K = 8,192: a tile's rows thrashed it) */
-    int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks * (split ? 4 : 1) + MM_PAD / 4;
+    int64_t per = st->kind == MM4 ? 4 : 1; /* lanes a block's step and correction take (see qrows) */
+    int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks * per + MM_PAD / 4;
     size_t code_bytes = (size_t)(rows * width), lane_bytes = (size_t)(rows * lanes) * sizeof(float);
-    char *scratch = (char *)malloc(2 * code_bytes + 2 * lane_bytes);
+    int64_t sum_width = summed ? blocks / 8 * MM4K_SUMS + MM_PAD / 4 : 0;
+    size_t sum_bytes = (size_t)(rows * sum_width) * sizeof(float);
+    char *scratch = (char *)malloc(2 * code_bytes + 2 * lane_bytes + sum_bytes);
     if (!scratch) return;
     qrows x = {(int8_t *)scratch, (int8_t *)(scratch + code_bytes), (float *)(scratch + 2 * code_bytes),
-               (int32_t *)(scratch + 2 * code_bytes + lane_bytes), blocks, width, lanes};
+               (int32_t *)(scratch + 2 * code_bytes + lane_bytes),
+               summed ? (float *)(scratch + 2 * code_bytes + 2 * lane_bytes) : NULL, blocks, width, lanes, sum_width};
     for (int64_t r = 0; r < rows; r++)
-        quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, x.lo + r * width,
-                   x.hi + r * width, x.steps + r * lanes, x.bias + r * lanes);
+        quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, per, x.lo + r * width,
+                   x.hi + r * width, x.steps + r * lanes, x.bias + r * lanes,
+                   summed ? x.sums + r * sum_width : NULL);
     int64_t groups = n / MM_GROUP, threads = st->threads < MM_THREADS ? st->threads : MM_THREADS;
     threads = rows * n * k < MM_PARALLEL ? 1 : threads < groups ? threads : groups;
     mm_part parts[MM_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        parts[t] = (mm_part){&x, st->kind, (const uint8_t *)data[1], data[2], count > 3 ? (const float *)data[3] : NULL,
+        parts[t] = (mm_part){&x, st->kind, (const uint8_t *)data[1], data[2], count > 3 ? data[3] : NULL,
                              (float *)y, rows, n, groups * t / threads, groups * (t + 1) / threads};
     run_parts(api, ctx, mm_run, mm_indexed, parts, sizeof(mm_part), threads);
     free(scratch);
@@ -397,7 +540,10 @@ static void mm_destroy(void *state) { free(state); }
 static const char *mm_name(const struct custom_op *op) { return ((const mm_op *)op)->op_name; }
 static const char *mm_provider(const struct custom_op *op) { (void)op; return "CPUExecutionProvider"; }
 static int mm_input_type(const struct custom_op *op, size_t i) {
-    return i == 1 ? ELEM_UINT8 : i == 2 && mm_kind(op) == MM6 ? ELEM_INT8 : ELEM_FLOAT;
+    int kind = mm_kind(op);
+    return i == 1 ? ELEM_UINT8
+         : i == 2 ? (kind == MM4 ? ELEM_FLOAT : kind == MM6 ? ELEM_INT8 : ELEM_UINT8)
+         : i == 3 && kind == MM4K ? ELEM_FLOAT16 : ELEM_FLOAT;
 }
 static size_t mm_input_count(const struct custom_op *op) { return mm_kind(op) == MM4 ? 3 : 4; }
 static int mm_output_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
@@ -409,7 +555,7 @@ static int mm_required(const struct custom_op *op, size_t i) { (void)op; (void)i
       mm_compute, mm_destroy, mm_required, mm_required},                                                         \
      label, kind}
 
-static const mm_op matmul_ops[2] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6)};
+static const mm_op matmul_ops[3] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6), MM_OP("MatMul4K", MM4K)};
 
-/* the operators for RegisterCustomOps (engine/attend.c): i < 2, else NULL */
-const struct custom_op *matmul_op(int i) { return i >= 0 && i < 2 ? &matmul_ops[i].op : NULL; }
+/* the operators for RegisterCustomOps (engine/attend.c): i < 3, else NULL */
+const struct custom_op *matmul_op(int i) { return i >= 0 && i < 3 ? &matmul_ops[i].op : NULL; }
