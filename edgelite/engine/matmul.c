@@ -98,8 +98,7 @@ typedef struct {
 /* rows of a, quantized: per row, `width` bytes of codes in lo (MatMul4: a block's even
  * elements; MatMul6: all, in order) and hi (MatMul4: its odd elements), and each block's step
  * and correction (minus the zero point times the sum of its codes: where a block's integer sum
- * starts): MatMul4 in 4 lanes a block (the correction in the first), MatMul6 and MatMul4K one a
- * block (their vector paths spread them themselves) */
+ * starts), one a block (the vector paths spread them over the block's lanes themselves) */
 typedef struct {
     int8_t *lo, *hi;
     float *steps;
@@ -124,11 +123,11 @@ typedef struct {
  * j / 2] (even j) or hi[..] (odd j) when `split` (MatMul4), else at lo[b * block + j]; its
  * step and correction as qrows holds them; blocks past k zero */
 static void quantize_a(const float *x, int64_t k, int64_t blocks, int64_t block, int split, int64_t zero,
-                       int64_t lanes, int8_t *lo, int8_t *hi, float *steps, int32_t *bias, float *sums) {
+                       int8_t *lo, int8_t *hi, float *steps, int32_t *bias, float *sums) {
     memset(lo, 0, (size_t)(split ? blocks * block / 2 : blocks * block));
     if (split) memset(hi, 0, (size_t)(blocks * block / 2));
-    memset(steps, 0, (size_t)(blocks * lanes) * sizeof(float));
-    memset(bias, 0, (size_t)(blocks * lanes) * sizeof(int32_t));
+    memset(steps, 0, (size_t)blocks * sizeof(float));
+    memset(bias, 0, (size_t)blocks * sizeof(int32_t));
     for (int64_t b = 0; b * block < k; b++) {
         const float *v = x + b * block;
         int64_t len = k - b * block < block ? k - b * block : block;
@@ -145,8 +144,8 @@ static void quantize_a(const float *x, int64_t k, int64_t blocks, int64_t block,
         }
         if (sums) /* MatMul4K: block b of super-block s at lanes 16s + b % 8 and + 8 */
             sums[MM4K_SUMS * (b / 8) + b % 8] = sums[MM4K_SUMS * (b / 8) + b % 8 + 8] = exact;
-        for (int64_t l = 0; l < lanes; l++) steps[lanes * b + l] = top / 127.0f;
-        bias[lanes * b] = -(int32_t)zero * sum; /* (in the first of a block's lanes) */
+        steps[b] = top / 127.0f;
+        bias[b] = -(int32_t)zero * sum;
     }
 }
 
@@ -190,10 +189,11 @@ MM_INLINE void group4_vector(const qrows *x, const uint8_t *c, const float *s, i
             for (int m = 0; m < R; m++) {
                 int64_t row = r0 + m;
                 const int8_t *e = x->lo + row * x->width + 64 * b, *o = x->hi + row * x->width + 64 * b;
-                __m512i acc = _mm512_loadu_si512(x->bias + row * x->lanes + 16 * b); /* (the correction) */
+                __m512i acc = _mm512_maskz_permutexvar_epi32( /* (from the correction) */
+                    0x1111, base, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + 4 * b))));
                 acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(e));
                 acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(o));
-                __m512 step = _mm512_loadu_ps(x->steps + row * x->lanes + 16 * b);
+                __m512 step = _mm512_permutexvar_ps(base, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + 4 * b)));
                 f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
             }
         }
@@ -337,9 +337,9 @@ static void group4_plain(const qrows *x, const uint8_t *c, const float *s, int64
         for (int64_t b = 0; b < x->blocks; b++) {
             const uint8_t *q = c + (b / MM4_STEP) * 256 + 64 * r + 16 * (b % MM4_STEP);
             const int8_t *e = x->lo + row * x->width + 16 * b, *o = x->hi + row * x->width + 16 * b;
-            int32_t dot = x->bias[row * x->lanes + 4 * b];
+            int32_t dot = x->bias[row * x->lanes + b];
             for (int j = 0; j < 16; j++) dot += (q[j] & 15) * e[j] + (q[j] >> 4) * o[j];
-            total += (float)dot * (s[(b / MM4_STEP) * 16 + 4 * r + b % MM4_STEP] * x->steps[row * x->lanes + 4 * b]);
+            total += (float)dot * (s[(b / MM4_STEP) * 16 + 4 * r + b % MM4_STEP] * x->steps[row * x->lanes + b]);
         }
         y[row * n + r] = total;
     }
@@ -392,9 +392,10 @@ static void *mm_run(void *arg) {
     /* rows a band: as many as the second-level cache holds beside the codes (every group reads
      * all of a band's quantized rows: past that cache, each group read them from the third) */
     int64_t row_bytes = 2 * x->width + 2 * x->lanes * (int64_t)sizeof(float) + x->sum_width * (int64_t)sizeof(float);
-    int64_t band = MM_BAND_BYTES / row_bytes > MM_ROWS ? MM_BAND_BYTES / row_bytes : MM_ROWS;
-    for (int64_t b0 = 0; b0 < p->rows; b0 += band) {
-    int64_t rows = p->rows - b0 < band ? p->rows - b0 : band;
+    int64_t most_band = MM_BAND_BYTES / row_bytes > MM_ROWS ? MM_BAND_BYTES / row_bytes : MM_ROWS;
+    int64_t bands = (p->rows + most_band - 1) / most_band; /* (as even as they go) */
+    for (int64_t band = 0, b0 = 0; band < bands; band++) {
+    int64_t rows = p->rows / bands + (band < p->rows % bands);
     int64_t most = p->kind == MM4K ? MM4K_ROWS : MM_ROWS, tiles = (rows + most - 1) / most;
     for (int64_t g = p->g0; g < p->g1; g++) {
         const uint8_t *c = p->codes + g * units * unit_bytes;
@@ -422,6 +423,7 @@ static void *mm_run(void *arg) {
             r += size;
         }
     }
+    b0 += rows;
     }
 #else
     for (int64_t g = p->g0; g < p->g1; g++) {
@@ -488,8 +490,7 @@ static void mm_compute(void *state, void *ctx) {
     int64_t block = split ? MM4_BLOCK : MM6_BLOCK, blocks = split ? d[1][1] * MM4_STEP : k / MM6_BLOCK;
     /* each row's codes and steps padded by a cache line: rows a power of two apart would share
      * the first-level cache's sets (K = 8,192: a tile's rows thrashed it) */
-    int64_t per = st->kind == MM4 ? 4 : 1; /* lanes a block's step and correction take (see qrows) */
-    int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks * per + MM_PAD / 4;
+    int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks + MM_PAD / 4;
     size_t code_bytes = (size_t)(rows * width), lane_bytes = (size_t)(rows * lanes) * sizeof(float);
     int64_t sum_width = summed ? blocks / 8 * MM4K_SUMS + MM_PAD / 4 : 0;
     size_t sum_bytes = (size_t)(rows * sum_width) * sizeof(float);
@@ -499,7 +500,7 @@ static void mm_compute(void *state, void *ctx) {
                (int32_t *)(scratch + 2 * code_bytes + lane_bytes),
                summed ? (float *)(scratch + 2 * code_bytes + 2 * lane_bytes) : NULL, blocks, width, lanes, sum_width};
     for (int64_t r = 0; r < rows; r++)
-        quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, per, x.lo + r * width,
+        quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, x.lo + r * width,
                    x.hi + r * width, x.steps + r * lanes, x.bias + r * lanes,
                    summed ? x.sums + r * sum_width : NULL);
     int64_t groups = n / MM_GROUP, threads = st->threads < MM_THREADS ? st->threads : MM_THREADS;
