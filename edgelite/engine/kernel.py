@@ -254,13 +254,13 @@ def matmul4k(a: np.ndarray, codes: np.ndarray, sc: np.ndarray, mins: np.ndarray,
 
 def interleaved4k(codes: np.ndarray, sc: np.ndarray, mins: np.ndarray, d: np.ndarray,
                   e: np.ndarray) -> tuple[np.ndarray, ...]:
-    """MatMul4K's codes (as MatMul4's), multiples (N/4, K/256, 4, 16) and float16 bases (N/4,
+    """MatMul4K's codes (as MatMul4's), multiples (N/4, K/256, 2, 4, 8) and float16 bases (N/4,
     K/256, 8) from matmul4k's arrays (as engine/linear.py's nodes make them)."""
     n, supers = d.shape
-    mult = np.concatenate([sc.reshape(n, supers, 8), mins.reshape(n, supers, 8)], axis=2)
+    mult = np.stack([x.reshape(n // 4, 4, supers, 8).transpose(0, 2, 1, 3) for x in (sc, mins)], axis=2)
     base = np.concatenate([d.reshape(n // 4, 4, supers), e.reshape(n // 4, 4, supers)], axis=1)
     return (interleaved(codes, np.zeros(codes.shape[:2], np.float32))[0],
-            np.ascontiguousarray(mult.reshape(n // 4, 4, supers, 16).transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(mult),
             np.ascontiguousarray(base.transpose(0, 2, 1)).astype(np.float16))
 
 
@@ -352,7 +352,7 @@ def _matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
     elif op == "MatMul4K":
         s = k // 256
         weights = [make_value_info("codes", UINT8, [n // 4, 2 * s, 4, 64]),
-                   make_value_info("mult", UINT8, [n // 4, s, 4, 16]),
+                   make_value_info("mult", UINT8, [n // 4, s, 2, 4, 8]),
                    make_value_info("base", FLOAT16, [n // 4, s, 8])]
         node = make_node(op, ["a", "codes", "mult", "base"], ["y"], "matmul", DOMAIN, K=k, N=n,
                          threads=threads)

@@ -10,7 +10,8 @@ MatMulNBits, rewritten as a range (or the head) loads: no re-export.
   `<name>.scales.base_fp16`, times a byte per block, `<name>.scales.mult`, with the separate
   minima product the exporter adds: x's block sums by `<name>.minima`, the block's minimum,
   `<name>.minima.base.*` times `factor` (1 or -1), plus 8 times its scale) become one MatMul4K:
-  the codes as MatMul4 takes them, each block's two bytes and each super-block's two float16s.
+  the codes as MatMul4 takes them, each block's two bytes (a super-block's scale multiples of
+  the four columns, then their minimum multiples) and each super-block's two float16s.
   4.625 bits a weight where MatMul4 and the float minima product read about 6, and three fewer
   operators a product.
 - Its Q6_K products (MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes the
@@ -220,11 +221,10 @@ class _Rewrite:
         add = _adder(nodes_out)
         c = add("Reshape", [codes, self._ints(n // GROUP, GROUP, 2 * supers, 64)], f"{t}/codes_grouped")
         c = add("Transpose", [c], f"{t}/codes4", perm=[0, 2, 1, 3])
-        halves = [add("Reshape", [x.name, self._ints(n, supers, 8)], f"{t}/{label}") for x, label in
-                  ((sc, "scale_mult"), (m, "min_mult"))]
-        mult = add("Concat", halves, f"{t}/mult", axis=2)
-        mult = add("Reshape", [mult, self._ints(n // GROUP, GROUP, supers, 16)], f"{t}/mult_grouped")
-        mult = add("Transpose", [mult], f"{t}/mult4k", perm=[0, 2, 1, 3])
+        halves = [add("Transpose", [add("Reshape", [x.name, self._ints(n // GROUP, GROUP, supers, 1, 8)],
+                                        f"{t}/{label}")], f"{t}/{label}_t", perm=[0, 2, 3, 1, 4])
+                  for x, label in ((sc, "scale_mult"), (m, "min_mult"))]
+        mult = add("Concat", halves, f"{t}/mult4k", axis=2)
         e_half = e.name
         if factor is not None:  # (a power of two: exact in float16)
             e_f = add("Mul", [add("Cast", [e.name], f"{t}/e", to=FLOAT), factor.name], f"{t}/e_signed")

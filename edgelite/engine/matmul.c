@@ -32,8 +32,9 @@
  * 4.625 bits a weight, where MatMul4 with the export's separate minima product reads about 6.
  *   inputs:  a       float32 (..., K), K a multiple of 256
  *            codes   uint8 (N/4, K/128, 4, 64): as MatMul4's
- *            mult    uint8 (N/4, K/256, 4, 16): each column's 8 scale multiples sc, then its 8
- *                    minimum multiples m, four columns in turn, then the next super-block
+ *            mult    uint8 (N/4, K/256, 2, 4, 8): a super-block's 8 scale multiples sc of each
+ *                    of the four columns in turn, then their 8 minimum multiples m; then the
+ *                    next super-block
  *            base    float16 (N/4, K/256, 8): the four columns' d, then their e (dmin, signed)
  *   output:  float32 (..., N): y[n] = sum over blocks b of d sc[n, b] step[b] sum_j (code[n, b,
  *            j] - 8) x[b, j] + (8 d sc[n, b] + e m[n, b]) sum_j a[b, j]: the codes centred at 8 as
@@ -213,7 +214,6 @@ MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mul
     const __m512i perm = _mm512_loadu_si512(UNPACK6);
     const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600LL); /* bit 6i for byte i */
     const __m512i six = _mm512_set1_epi8(0x3F);
-    const __m128i rep = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* block -> its lanes */
     __m512 f[MM_GROUP][MM_ROWS];
     for (int r = 0; r < MM_GROUP; r++)
@@ -221,18 +221,19 @@ MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mul
     for (int64_t sb = 0; sb < units; sb++, c += MM_GROUP * MM6_BYTES, mult += MM_GROUP * 16, base += MM_GROUP) {
         for (int l = 0; l < MM_GROUP * MM6_BYTES / 64; l++) MM_PREFETCH(c + MM6_AHEAD * MM_GROUP * MM6_BYTES + 64 * l);
         MM_PREFETCH(mult + MM6_AHEAD * MM_GROUP * 16);
+        /* each column's 16 block scales (base x multiple), once a super-block */
+        __m512i mb = _mm512_loadu_si512(mult);
+        __m512 scales[MM_GROUP];
+        for (int r = 0; r < MM_GROUP; r++)
+            scales[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(mb, r))),
+                                      _mm512_set1_ps(base[r]));
         for (int s = 0; s < 4; s++) { /* 64 codes (4 blocks) a column */
             /* the 4 columns' codes and scales, then each row against all 4 (its codes, steps
              * and corrections read once) */
             __m512i q[MM_GROUP];
-            __m512 sc[MM_GROUP];
             for (int r = 0; r < MM_GROUP; r++) {
                 __m512i raw = _mm512_maskz_loadu_epi8(0x0000FFFFFFFFFFFFULL, c + MM6_BYTES * r + 48 * s);
                 q[r] = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(perm, raw)), six);
-                int32_t m4;
-                memcpy(&m4, mult + 16 * r + 4 * s, sizeof(m4));
-                sc[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(m4), rep))),
-                                      _mm512_set1_ps(base[r]));
             }
             int64_t block = sb * (MM6_SUPER / MM6_BLOCK) + 4 * s;
             for (int m = 0; m < R; m++) {
@@ -243,20 +244,14 @@ MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mul
                     0x1111, spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + block))));
                 for (int r = 0; r < MM_GROUP; r++) {
                     __m512i acc = _mm512_dpbusd_epi32(bias, q[r], xv); /* (from the correction) */
-                    f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc[r], step), f[r][m]);
+                    __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * s)), scales[r]);
+                    f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
                 }
             }
         }
     }
     mm_finish(f, r0, R, y, n);
 }
-
-/* bytes of a MatMul4K super-block's 64 of multiples in the order [sc of columns 0..3, m of
- * columns 0..3] (8 each) */
-static const uint8_t GATHER4K[64] = {
-    0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23, 32, 33, 34, 35, 36, 37,
-    38, 39, 48, 49, 50, 51, 52, 53, 54, 55, 8,  9,  10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-    28, 29, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
 
 /* MatMul4K: one group of 4 columns for rows r0..r0+R-1 (as group4_vector; R up to MM4K_ROWS).
  * A super-block's scales (d sc) and minimum coefficients (8 d sc + e m) are two vectors each,
@@ -265,7 +260,6 @@ static const uint8_t GATHER4K[64] = {
 MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *base,
                               int64_t r0, int R, float *y, int64_t n, int64_t units) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i gather = _mm512_loadu_si512(GATHER4K);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* block -> its lanes */
     const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);   /* lane -> column */
     __m512 f[MM_GROUP][MM_ROWS], minima[2][MM_ROWS];
@@ -277,12 +271,11 @@ MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *m
         for (int l = 0; l < 8; l++) MM_PREFETCH(c + MM4K_AHEAD * 512 + 64 * l);
         MM_PREFETCH(mult + MM4K_AHEAD * 64);
         MM_PREFETCH(base + MM4K_AHEAD * 8);
-        __m512i g = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(mult));
         __m512 de = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)base)));
         __m512 scale[2], low[2]; /* (low: the minimum coefficients) */
         for (int h = 0; h < 2; h++) { /* columns 2h, 2h + 1 */
-            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, h)));
-            __m512 mm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, h + 2)));
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mult + 16 * h))));
+            __m512 mm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mult + 32 + 16 * h))));
             __m512 d = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * h)), de);
             __m512 e = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * h + 4)), de);
             scale[h] = _mm512_mul_ps(sc, d);
@@ -370,8 +363,8 @@ static void group4k_plain(const qrows *x, const uint8_t *c, const uint8_t *mult,
             const int8_t *e = x->lo + row * x->width + 16 * b, *o = x->hi + row * x->width + 16 * b;
             int32_t dot = x->bias[row * x->lanes + b];
             for (int j = 0; j < 16; j++) dot += (q[j] & 15) * e[j] + (q[j] >> 4) * o[j];
-            float scale = (float)mult[sb * 64 + 16 * r + b % 8] * half(halves[sb * 8 + r]);
-            float minimum = (float)mult[sb * 64 + 16 * r + 8 + b % 8] * half(halves[sb * 8 + 4 + r]);
+            float scale = (float)mult[sb * 64 + 8 * r + b % 8] * half(halves[sb * 8 + r]);
+            float minimum = (float)mult[sb * 64 + 32 + 8 * r + b % 8] * half(halves[sb * 8 + 4 + r]);
             total += (float)dot * (scale * x->steps[row * x->lanes + b]);
             low += (scale * MM4K_SHIFT + minimum) * x->sums[row * x->sum_width + MM4K_SUMS * sb + b % 8];
         }
@@ -456,9 +449,9 @@ static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_
     }
     if (st->kind == MM4K) {
         int64_t supers = k / MM4K_SUPER;
-        return k % MM4K_SUPER == 0 && rank[1] == 4 && rank[2] == 4 && rank[3] == 3 && d[1][1] == 2 * supers &&
-               d[1][3] == 64 && d[2][0] == groups && d[2][1] == supers && d[2][2] == MM_GROUP && d[2][3] == 16 &&
-               d[3][0] == groups && d[3][1] == supers && d[3][2] == 8;
+        return k % MM4K_SUPER == 0 && rank[1] == 4 && rank[2] == 5 && rank[3] == 3 && d[1][1] == 2 * supers &&
+               d[1][3] == 64 && d[2][0] == groups && d[2][1] == supers && d[2][2] == 2 && d[2][3] == MM_GROUP &&
+               d[2][4] == 8 && d[3][0] == groups && d[3][1] == supers && d[3][2] == 8;
     }
     int64_t supers = k / MM6_SUPER;
     return k % MM6_SUPER == 0 && rank[1] == 4 && rank[2] == 4 && rank[3] == 3 && d[1][1] == supers &&
