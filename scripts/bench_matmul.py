@@ -4,15 +4,16 @@
 For each product (MatMul4: 4-bit codes in blocks of 32 with a float scale; MatMul4K: a Q4_K's
 codes, scales and minima, against the export's form, MatMulNBits plus the float minima product
 of x's block sums; MatMul6: a Q6_K's 6-bit codes with a float16 per 256 weights and a signed
-byte per block of 16) and each row
-count (1: a decode step; 17 and 64: prompt chunks): COPIES random matrices of K x N (more
+byte per block of 16; MatMul8: 8-bit codes in blocks of 32, a Q8_0 product or an int4 export's
+head) and each row count (1: a decode step; 17 and 64: prompt chunks; 2-5: a speculative
+step's positions): COPIES random matrices of K x N (more
 than the caches hold, so the weights come from memory, as a layer's do), run as one session
 each way, in alternating order round by round. MatMulNBits gets the same values (the codes
 widened to its storage, the scales as floats). Prints one JSON: microseconds a matrix, the
 ratio, the bits each side holds a weight, and the GB/s edgelite's side reads them at beside the
 machine's read bandwidth (numpy summing one large array, in the same run).
 
-    python scripts/bench_matmul.py [--rounds 7] [--ops MatMul4,MatMul4K,MatMul6]
+    python scripts/bench_matmul.py [--rounds 7] [--ops MatMul4,MatMul4K,MatMul6,MatMul8] [--rows 1,17,64]
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 SHAPES = ((2048, 8192), (4096, 4096), (8192, 2048))  # K x N: 1 B and 7 B layers' products
-ROWS = (1, 17, 64)
 COPIES = 8  # matrices a run: 8 x 16.8 M weights, past the caches
 
 
@@ -52,6 +52,12 @@ def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, b
             weights = dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True))
             theirs_in, bits, block = (codes, scales), 4, 32
             attrs = {}
+        elif op == "MatMul8":
+            codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+            scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32)
+            weights = dict(zip(("codes", "scales"), kernel.interleaved8(codes, scales), strict=True))
+            theirs_in, bits, block = (codes, scales), 8, 32
+            attrs = {"zero": kernel.ZERO8}
         elif op == "MatMul4K":
             codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
             sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
@@ -118,7 +124,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--ops", default="MatMul4,MatMul4K,MatMul6", help="which products (comma-separated)")
+    ap.add_argument("--ops", default="MatMul4,MatMul4K,MatMul6,MatMul8",
+                    help="which products (comma-separated)")
+    ap.add_argument("--rows", default="1,17,64", help="rows a product (comma-separated)")
     args = ap.parse_args()
     library = kernel.library(RuntimeConfig(threads=1))
     if library is None or not kernel.fast_matmul(library):
@@ -134,7 +142,7 @@ def main() -> None:
             mine, theirs, held = _models(op, k, n, rng)
             sessions = {"edgelite": ort.InferenceSession(mine, opts, providers=["CPUExecutionProvider"]),
                         "matmulnbits": ort.InferenceSession(theirs, opts, providers=["CPUExecutionProvider"])}
-            for rows in ROWS:
+            for rows in [int(r) for r in args.rows.split(",")]:
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 got = {side: s.run(None, {"x": x})[0] for side, s in sessions.items()}
                 diff = np.abs(got["edgelite"] - got["matmulnbits"]).max()

@@ -1,5 +1,5 @@
-"""engine/matmul.c's MatMul4, MatMul4K and MatMul6 and engine/linear.py's rewrite of a fast
-export's 4-bit, Q4_K and Q6_K MatMulNBits products (issue 35)."""
+"""engine/matmul.c's MatMul4, MatMul4K, MatMul6 and MatMul8 and engine/linear.py's rewrite of a
+fast export's 4-bit, Q4_K, Q6_K and 8-bit MatMulNBits products (issue 35)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _weights(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[dict[st
         codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
         scales = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
         return dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True)), (codes, scales)
+    if op == "MatMul8":
+        codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+        scales = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
+        return (dict(zip(("codes", "scales"), kernel.interleaved8(codes, scales), strict=True)),
+                (codes, scales, kernel.ZERO8))
     if op == "MatMul4K":
         codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
         sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
@@ -47,7 +52,8 @@ def _weights(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[dict[st
 
 
 def _twin(op: str, a: np.ndarray, args: tuple) -> np.ndarray:
-    twin = {"MatMul4": kernel.matmul4, "MatMul4K": kernel.matmul4k, "MatMul6": kernel.matmul6}[op]
+    twin = {"MatMul4": kernel.matmul4, "MatMul4K": kernel.matmul4k, "MatMul6": kernel.matmul6,
+            "MatMul8": kernel.matmul8}[op]
     return twin(a, *args)
 
 
@@ -62,7 +68,8 @@ def _run(library: Path, op: str, k: int, n: int, a: np.ndarray, weights: dict[st
 
 @pytest.mark.parametrize("op, shapes", [("MatMul4", ((96, 12), (576, 512))),
                                        ("MatMul4K", ((256, 12), (768, 512))),
-                                       ("MatMul6", ((256, 12), (512, 512)))])
+                                       ("MatMul6", ((256, 12), (512, 512))),
+                                       ("MatMul8", ((64, 12), (576, 512)))])
 def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, shapes: tuple) -> None:
     """Against the numpy twin (MatMul4: blocks padded to 4 and not); each row the same bits
     alone, in tiles of 2, 3 and 4 rows, and split over two threads; codes at the zero point
@@ -83,6 +90,9 @@ def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, sh
     weights, _ = _weights(op, 256, 4, rng)
     if op == "MatMul4":
         weights["codes"] = np.full_like(weights["codes"], 0x88)
+    elif op == "MatMul8":
+        weights, _ = _weights(op, 256, 4, rng)
+        weights["codes"] = np.full_like(weights["codes"], kernel.ZERO8)
     elif op == "MatMul4K":  # (with no minima: what is left is the block sums by 8 d sc)
         _, (_, sc, mins, d, e) = _weights(op, 256, 4, rng)
         args = (np.full((4, 8, 16), 0x88, np.uint8), sc, mins, d, np.zeros_like(e))
@@ -108,7 +118,7 @@ def test_the_plain_c_products_are_numpys_too(tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=300)
     assert not kernel.fast_matmul(target)
     rng = np.random.default_rng(4)
-    for op, k in (("MatMul4", 96), ("MatMul4K", 512), ("MatMul6", 512)):
+    for op, k in (("MatMul4", 96), ("MatMul4K", 512), ("MatMul6", 512), ("MatMul8", 192)):
         a = rng.standard_normal((3, k)).astype(np.float32)
         weights, args = _weights(op, k, 8, rng)
         want = _twin(op, a, args)
@@ -149,9 +159,9 @@ def _ops(model: bytes) -> list[str]:
             if n == onnxgraph.GRAPH_NODE]
 
 
-def test_a_fast_export_runs_its_4_bit_products_in_matmul4(smollm2_int4: Path) -> None:
-    """SmolLM2's int4 fast export: every 4-bit product of a range becomes MatMul4 (the vocabulary's
-    8-bit one stays), and the chain's log probabilities over a text are those of MatMulNBits
+def test_a_fast_export_runs_its_4_bit_products_in_matmul4_and_its_head_in_matmul8(smollm2_int4: Path) -> None:
+    """SmolLM2's int4 fast export: every 4-bit product of a range becomes MatMul4 and the head's
+    8-bit one MatMul8, and the chain's log probabilities over a text are those of MatMulNBits
     within the noise of int8 activations (a wrong layout of the weights is off by it all)."""
     _vnni_library()
     m = mf.load(smollm2_int4)
@@ -161,6 +171,8 @@ def test_a_fast_export_runs_its_4_bit_products_in_matmul4(smollm2_int4: Path) ->
     joined = onnxgraph.join([files.graph(e) for e in two], files.locate, "two", [e.file for e in two])
     before, after = _ops(joined), _ops(linear.products(joined))
     assert before.count("MatMulNBits") == 8 and after.count("MatMul4") == 8 and "MatMulNBits" not in after
+    head = _ops(linear.products(files.graph(m.head)))
+    assert head.count("MatMul8") == 1 and "MatMulNBits" not in head
     assert LayerRange(m, 0, 1, cfg, files).matmul is not None
     assert LayerRange(m, 0, 1, RuntimeConfig(threads=1, matmul_kernel=False), files).matmul is None
     ids = np.array([Tokenizer(m).encode("The river runs to the sea, and the sea is never full; to the place "

@@ -61,6 +61,7 @@ NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if a
 # rows, whose softmax is near one-hot, move by up to 3 %)
 INT8_TOLERANCE = 5e-2
 ZERO6 = 32  # the zero point of a Q6_K's codes (0..63), MatMul6's default
+ZERO8 = 128  # MatMulNBits' zero point of 8-bit codes without zero points (MatMul8's attribute)
 QUANT_SMALLEST = 1e-30  # attend.c's Quantize8: a row of zeros still gets a step (its codes are 0)
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built
@@ -136,10 +137,11 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v)).max())
             if got.shape != want.shape or not np.allclose(got, want, atol=tolerance):
                 return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
-        # MatMul4: 3 blocks (padded to 4) and 8; MatMul6, MatMul4K: 1 and 2 super-blocks; rows in
-        # a tile of 4 and one more
+        # MatMul4: 3 blocks (padded to 4) and 8; MatMul6, MatMul4K: 1 and 2 super-blocks; MatMul8:
+        # 1 and 3 units of 64; rows in a tile of 4 and one more
         for op, k, n in (("MatMul4", 96, 8), ("MatMul4", 256, 12), ("MatMul6", 256, 8), ("MatMul6", 512, 4),
-                         ("MatMul4K", 256, 8), ("MatMul4K", 512, 4)):
+                         ("MatMul4K", 256, 8), ("MatMul4K", 512, 4), ("MatMul8", 64, 8),
+                         ("MatMul8", 192, 12)):
             run = ort.InferenceSession(_matmul_model(op, k, n), opts, providers=["CPUExecutionProvider"]).run
             a = rng.standard_normal((5, k)).astype(np.float32)
             if op == "MatMul4":
@@ -148,6 +150,12 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
                 c4, s4 = interleaved(codes, scales)
                 got = run(None, {"a": a, "codes": c4, "scales": s4})[0]
                 want = matmul4(a, codes, scales)
+            elif op == "MatMul8":
+                codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+                scales = rng.uniform(-1, 1, (n, k // 32)).astype(np.float32)
+                c8, s8 = interleaved8(codes, scales)
+                got = run(None, {"a": a, "codes": c8, "scales": s8})[0]
+                want = matmul8(a, codes, scales, ZERO8)
             elif op == "MatMul4K":
                 codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
                 sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
@@ -264,6 +272,20 @@ def interleaved4k(codes: np.ndarray, sc: np.ndarray, mins: np.ndarray, d: np.nda
             np.ascontiguousarray(base.transpose(0, 2, 1)).astype(np.float16))
 
 
+def matmul8(a: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
+    """What matmul.c's MatMul8 computes, in numpy: a (m, K) float32 by codes (N, K/32, 32) less
+    `zero`, times scales (N, K/32); each row of a quantized per block of 32 (as matmul4)."""
+    return _block_product(a, codes.astype(np.float64) - zero, scales)
+
+
+def interleaved8(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMul8's codes (N/4, K/64, 4, 64) and scales (N/4, K/64, 4, 2) from MatMulNBits' (N,
+    K/32, 32) and (N, K/32) (as engine/linear.py's nodes make them)."""
+    n, blocks = scales.shape
+    return (np.ascontiguousarray(codes.reshape(n // 4, 4, blocks // 2, 64).transpose(0, 2, 1, 3)),
+            np.ascontiguousarray(scales.reshape(n // 4, 4, blocks // 2, 2).transpose(0, 2, 1, 3)))
+
+
 def matmul6(a: np.ndarray, codes: np.ndarray, mult: np.ndarray, base: np.ndarray, zero: int) -> np.ndarray:
     """What matmul.c's MatMul6 computes, in numpy: a (m, K) float32 by codes (N, K) (0..63)
     less `zero`, times each block of 16's scale, base (N, K/256) x mult (N, K/16) in float32;
@@ -344,7 +366,12 @@ def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes
 
 def _matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
     """A model of one matmul.c operator: (m, k) by n columns (MatMul6: zero point ZERO6)."""
-    if op == "MatMul4":
+    if op == "MatMul8":
+        weights = [make_value_info("codes", UINT8, [n // 4, k // 64, 4, 64]),
+                   make_value_info("scales", FLOAT, [n // 4, k // 64, 4, 2])]
+        node = make_node(op, ["a", "codes", "scales"], ["y"], "matmul", DOMAIN, K=k, N=n, zero=ZERO8,
+                         threads=threads)
+    elif op == "MatMul4":
         b4 = -(-k // 128)
         weights = [make_value_info("codes", UINT8, [n // 4, b4, 4, 64]),
                    make_value_info("scales", FLOAT, [n // 4, b4, 4, 4])]

@@ -14,6 +14,11 @@ MatMulNBits, rewritten as a range (or the head) loads: no re-export.
   the four columns, then their minimum multiples) and each super-block's two float16s.
   4.625 bits a weight where MatMul4 and the float minima product read about 6, and three fewer
   operators a product.
+- Its large 8-bit products in blocks of 32 (MatMulNBits bits 8, block_size 32, accuracy_level
+  4, no zero points, at least EIGHT_FROM weights: the int4 exports' 8-bit head, a big model's
+  Q8_0 products) become MatMul8 on the same codes and scales, interleaved the same way; rows of
+  a chunk (a prompt, a speculative step's positions) share each column's codes. Smaller ones
+  stay in the caches, where MatMulNBits' kernel is the faster.
 - Its Q6_K products (MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes the
   export stores at 6 bits, `<B>.6bit` with the constant `<B>.low` added, and whose scales are
   a float16 per 256 weights, `<S>.base_fp16`, times a signed byte per block, `<S>.mult`: see
@@ -71,6 +76,11 @@ GROUP = 4  # columns interleaved together
 STEP = 4  # blocks a column's 64 bytes hold
 SUPER = 256  # MatMul6: the weights a super-block (one float16 base scale)
 BLOCK6 = 16  # MatMul6: the weights a block (one signed byte of scale)
+UNIT8 = 64  # MatMul8: the weights of a column it reads at a time (K a multiple)
+# weights from which MatMul8 beats MatMulNBits' 8-bit kernel (bench_matmul, 1 thread: 576 x 1536,
+# in the caches, 0.85-0.9x; 576 x 49,152, a head, 1.18x for 1 row and 1.45x for 4; 2048 x 8192
+# 1.0-1.3x)
+EIGHT_FROM = 1 << 22
 SHIFT = 8.0  # the codes' centre, whose part of a Q4_K block's weights its minima carry
 P = "edgelite_mm"  # names of what the rewrite adds
 RESIDENT = (f"{P}/",)  # its folded weights, read in place at every step (session.open_model)
@@ -137,6 +147,8 @@ class _Rewrite:
                        if k % SUPER == 0 else None) or self._four(self.count + 1, inputs, outputs[0], k, n)
             elif _shape(attrs, inputs, 8, BLOCK6, SUPER):
                 new = self._six(self.count + 1, inputs, outputs[0], k, n, inits)
+            elif _shape(attrs, inputs, 8, BLOCK, UNIT8) and k * n >= EIGHT_FROM:
+                new = self._eight(self.count + 1, inputs, outputs[0], k, n)
             if new is None:
                 items.append(field)
                 continue
@@ -180,6 +192,21 @@ class _Rewrite:
         s = add("Transpose", [s], f"{t}/scales4", perm=[0, 2, 1, 3])
         nodes.append((GRAPH_NODE, 2, make_node("MatMul4", [a, c, s], [out], f"{t}/MatMul4", kernel.DOMAIN,
                                                K=k, N=n, threads=self.threads)))
+        return nodes
+
+    def _eight(self, i: int, inputs: list[str], out: str, k: int, n: int) -> list[Field]:
+        """The nodes of one MatMul8 (an 8-bit product in blocks of 32: Q8_0, a fast head)."""
+        a, codes, scales = inputs
+        t = f"{P}/{i}"
+        nodes: list[Field] = []
+        add = _adder(nodes)
+        c = add("Reshape", [codes, self._ints(n // GROUP, GROUP, k // UNIT8, UNIT8)], f"{t}/codes_grouped")
+        c = add("Transpose", [c], f"{t}/codes8", perm=[0, 2, 1, 3])
+        shape = self._ints(n // GROUP, GROUP, k // UNIT8, UNIT8 // BLOCK)
+        s = add("Reshape", [scales, shape], f"{t}/scales_grouped")
+        s = add("Transpose", [s], f"{t}/scales8", perm=[0, 2, 1, 3])
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul8", [a, c, s], [out], f"{t}/MatMul8", kernel.DOMAIN,
+                                               K=k, N=n, zero=kernel.ZERO8, threads=self.threads)))
         return nodes
 
     def _four_k(self, i: int, inputs: list[str], out: str, k: int, n: int, inits: dict[str, Tensor],

@@ -41,12 +41,22 @@
  *            MatMul4's, and the rest of each block's weights by the block's exact sum of a
  *   attributes: K, N, threads
  *
+ * MatMul8: 8-bit codes in blocks of 32 (MatMulNBits bits 8, block_size 32, accuracy_level 4, no
+ * zero points: a Q8_0 product, or a fast export's 8-bit head): its codes and float scales.
+ *   inputs:  a       float32 (..., K), K a multiple of 64
+ *            codes   uint8 (N/4, K/64, 4, 64): each column's 64 codes (2 blocks) in turn, four
+ *                    columns, then the next 64
+ *            scales  float32 (N/4, K/64, 4, 2): the same order, one a block
+ *   output:  float32 (..., N): y[n] = sum over blocks b of scale[n, b] step[b] sum_j (code[n,
+ *            b, j] - zero) x[b, j]
+ *   attributes: K, N, zero (the codes' zero point: MatMulNBits' is 128), threads
+ *
  * Each row of a is quantized per block as MatMulNBits' level 4 does: codes round(a x 127 /
  * largest) (to even) and a step, largest / 127 (blocks of 32 for MatMul4, 16 for MatMul6).
  * Where the compiler targets AVX-512 VNNI and VBMI, the sums are byte dot products
  * (`vpdpbusd`; MatMul4: the codes' low halves against the even elements, the high halves
  * against the odd ones; MatMul6: codes unpacked by `vpmultishiftqb`), four columns and up to
- * four rows at a time, each block's integer sum times its scale and step added to the row's
+ * four rows at a time (MatMul8: the codes as they are), each block's integer sum times its scale and step added to the row's
  * float lanes; every row is the same sequence of operations whatever the rows beside it, so a
  * row comes out the same in any chunking. Elsewhere the same sums in plain C
  * (edgelite_matmul_fast says which: engine/linear.py only rewrites where it is 1). MatMul4K runs
@@ -67,7 +77,7 @@
 #define MM_VECTOR 0
 #endif
 
-enum { MM4 = 0, MM6 = 1, MM4K = 2 }; /* the operators */
+enum { MM4 = 0, MM6 = 1, MM4K = 2, MM8 = 3 }; /* the operators */
 #define MM_GROUP 4         /* columns interleaved together */
 #define MM_ROWS 4          /* rows of a that share a group's codes once loaded */
 #define MM_THREADS 16      /* threads a call may use */
@@ -86,6 +96,9 @@ enum { MM4 = 0, MM6 = 1, MM4K = 2 }; /* the operators */
 #define MM4K_SHIFT 8.0f    /* its codes' centre */
 #define MM4K_SUMS 16       /* floats a super-block of a row's sums (see qrows) */
 #define MM4K_ROWS 3        /* MatMul4K's most rows a tile (4 spill its registers) */
+#define MM8_BLOCK 32       /* MatMul8: weights a block (one scale) */
+#define MM8_UNIT 64        /* its codes a column's unit holds (2 blocks) */
+#define MM8_AHEAD 8        /* units (256 bytes of codes) asked for ahead */
 #define MM4K_AHEAD 4       /* super-blocks (2,048 bytes of codes) asked for ahead */
 
 int edgelite_matmul_fast(void) { return MM_VECTOR; }
@@ -253,6 +266,40 @@ MM_INLINE void group6_vector(const qrows *x, const uint8_t *c, const int8_t *mul
     mm_finish(f, r0, R, y, n);
 }
 
+/* MatMul8: one group of 4 columns for rows r0..r0+R-1 (as group6_vector: the 4 columns' codes
+ * and scales, then each row against all 4) */
+MM_INLINE void group8_vector(const qrows *x, const uint8_t *c, const float *s, int64_t r0, int R, float *y,
+                             int64_t n, int64_t units) {
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); /* block -> its 8 lanes */
+    __m512 f[MM_GROUP][MM_ROWS];
+    for (int r = 0; r < MM_GROUP; r++)
+        for (int m = 0; m < R; m++) f[r][m] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; u++, c += MM_GROUP * MM8_UNIT, s += 2 * MM_GROUP) {
+        for (int l = 0; l < MM_GROUP; l++) MM_PREFETCH(c + MM8_AHEAD * MM_GROUP * MM8_UNIT + 64 * l);
+        MM_PREFETCH(s + MM8_AHEAD * 2 * MM_GROUP);
+        __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(s));
+        __m512i q[MM_GROUP];
+        __m512 sc[MM_GROUP];
+        for (int r = 0; r < MM_GROUP; r++) {
+            q[r] = _mm512_loadu_si512(c + MM8_UNIT * r);
+            sc[r] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * r)), s8);
+        }
+        for (int m = 0; m < R; m++) {
+            int64_t row = r0 + m;
+            __m512i xv = _mm512_loadu_si512(x->lo + row * x->width + MM8_UNIT * u);
+            __m512 step = _mm512_permutexvar_ps(
+                halves, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x->steps + row * x->lanes + 2 * u)))));
+            __m512i bias = _mm512_maskz_permutexvar_epi32(
+                0x0101, halves, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(x->bias + row * x->lanes + 2 * u))));
+            for (int r = 0; r < MM_GROUP; r++) {
+                __m512i acc = _mm512_dpbusd_epi32(bias, q[r], xv); /* (from the correction) */
+                f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc[r], step), f[r][m]);
+            }
+        }
+    }
+    mm_finish(f, r0, R, y, n);
+}
+
 /* MatMul4K: one group of 4 columns for rows r0..r0+R-1 (as group4_vector; R up to MM4K_ROWS).
  * A super-block's scales (d sc) and minimum coefficients (8 d sc + e m) are two vectors each,
  * lane 8 (r % 2) + b of vector r / 2 for column r's block b; each row's minimum part gathers in
@@ -353,6 +400,20 @@ static void group6_plain(const qrows *x, const uint8_t *c, const int8_t *mult, c
     }
 }
 
+static void group8_plain(const qrows *x, const uint8_t *c, const float *s, int64_t row, float *y, int64_t n) {
+    for (int r = 0; r < MM_GROUP; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < x->blocks; b++) {
+            const uint8_t *q = c + (b / 2) * MM_GROUP * MM8_UNIT + MM8_UNIT * r + MM8_BLOCK * (b % 2);
+            const int8_t *xq = x->lo + row * x->width + b * MM8_BLOCK;
+            int32_t dot = x->bias[row * x->lanes + b];
+            for (int j = 0; j < MM8_BLOCK; j++) dot += q[j] * xq[j];
+            total += (float)dot * (s[(b / 2) * 2 * MM_GROUP + 2 * r + b % 2] * x->steps[row * x->lanes + b]);
+        }
+        y[row * n + r] = total;
+    }
+}
+
 static void group4k_plain(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *halves,
                           int64_t row, float *y, int64_t n) {
     for (int r = 0; r < MM_GROUP; r++) {
@@ -377,10 +438,12 @@ static void *mm_run(void *arg) {
     const mm_part *p = (const mm_part *)arg;
     const qrows *x = p->x;
     /* a group's bytes: MatMul4 codes and scales a step; MatMul6 and MatMul4K codes, multiples,
-     * bases a super-block */
+     * bases a super-block; MatMul8 codes and scales 64 weights */
     int64_t units = p->kind == MM4 ? x->blocks / MM4_STEP
-                  : p->kind == MM6 ? x->blocks * MM6_BLOCK / MM6_SUPER : x->blocks * MM4_BLOCK / MM4K_SUPER;
-    int64_t unit_bytes = p->kind == MM4 ? 256 : p->kind == MM6 ? MM_GROUP * MM6_BYTES : 512;
+                  : p->kind == MM6 ? x->blocks * MM6_BLOCK / MM6_SUPER
+                  : p->kind == MM8 ? x->blocks / 2 : x->blocks * MM4_BLOCK / MM4K_SUPER;
+    int64_t unit_bytes = p->kind == MM4 ? 256 : p->kind == MM6 ? MM_GROUP * MM6_BYTES
+                       : p->kind == MM8 ? MM_GROUP * MM8_UNIT : 512;
 #if MM_VECTOR
     /* rows a band: as many as the second-level cache holds beside the codes (every group reads
      * all of a band's quantized rows: past that cache, each group read them from the third) */
@@ -397,6 +460,7 @@ static void *mm_run(void *arg) {
         const float *b6 = (const float *)p->base + g * units * MM_GROUP;
         const uint8_t *m4k = (const uint8_t *)p->scales + g * units * 64;
         const uint16_t *b4k = (const uint16_t *)p->base + g * units * 8;
+        const float *s8 = (const float *)p->scales + g * units * 2 * MM_GROUP;
         float *y = p->y + g * MM_GROUP;
         /* rows in tiles of 1-4, as even as they go (a lone row costs nearly what four do: the
          * group's codes are unpacked once a tile) */
@@ -405,6 +469,7 @@ static void *mm_run(void *arg) {
 #define MM_TILE(R)                                                                                  \
     (p->kind == MM4   ? group4_vector(x, c, s4, r, R, y, p->n, units)                               \
      : p->kind == MM6 ? group6_vector(x, c, m6, b6, r, R, y, p->n, units)                           \
+     : p->kind == MM8 ? group8_vector(x, c, s8, r, R, y, p->n, units)                               \
                       : group4k_vector(x, c, m4k, b4k, r, R, y, p->n, units))
             switch (size) {
             case 4: MM_TILE(4); break;
@@ -423,6 +488,8 @@ static void *mm_run(void *arg) {
         const uint8_t *c = p->codes + g * units * unit_bytes;
         for (int64_t r = 0; r < p->rows; r++) {
             if (p->kind == MM4) group4_plain(x, c, (const float *)p->scales + g * units * 16, r, p->y + g * MM_GROUP, p->n);
+            else if (p->kind == MM8)
+                group8_plain(x, c, (const float *)p->scales + g * units * 2 * MM_GROUP, r, p->y + g * MM_GROUP, p->n);
             else if (p->kind == MM4K)
                 group4k_plain(x, c, (const uint8_t *)p->scales + g * units * 64,
                               (const uint16_t *)p->base + g * units * 8, r, p->y + g * MM_GROUP, p->n);
@@ -447,6 +514,10 @@ static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_
                (blocks - MM4_STEP) * MM4_BLOCK < k && d[2][0] == groups && d[2][1] == d[1][1] &&
                d[2][2] == MM_GROUP && d[2][3] == MM4_STEP;
     }
+    if (st->kind == MM8)
+        return k % MM8_UNIT == 0 && rank[1] == 4 && rank[2] == 4 && d[1][1] == k / MM8_UNIT && d[1][3] == MM8_UNIT &&
+               d[2][0] == groups && d[2][1] == k / MM8_UNIT && d[2][2] == MM_GROUP && d[2][3] == 2 && st->zero >= 0 &&
+               st->zero <= 255;
     if (st->kind == MM4K) {
         int64_t supers = k / MM4K_SUPER;
         return k % MM4K_SUPER == 0 && rank[1] == 4 && rank[2] == 5 && rank[3] == 3 && d[1][1] == 2 * supers &&
@@ -462,7 +533,7 @@ static int fits(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], const size_
 static void mm_compute(void *state, void *ctx) {
     const mm_state *st = (const mm_state *)state;
     api_t api = st->api;
-    size_t count = st->kind == MM4 ? 3 : 4, rank[4] = {0};
+    size_t count = st->kind == MM4 || st->kind == MM8 ? 3 : 4, rank[4] = {0};
     const void *in[4] = {NULL};
     int64_t d[4][MM_MAX_RANK];
     void *data[4] = {NULL};
@@ -479,8 +550,9 @@ static void mm_compute(void *state, void *ctx) {
         return;
     memset(y, 0, (size_t)(rows * n) * sizeof(float));
     if (rows < 1 || d[0][rank[0] - 1] != k || !fits(st, (const int64_t(*)[MM_MAX_RANK])d, rank)) return; /* zeros */
-    int split = st->kind != MM6, summed = st->kind == MM4K;
-    int64_t block = split ? MM4_BLOCK : MM6_BLOCK, blocks = split ? d[1][1] * MM4_STEP : k / MM6_BLOCK;
+    int split = st->kind == MM4 || st->kind == MM4K, summed = st->kind == MM4K;
+    int64_t block = split ? MM4_BLOCK : st->kind == MM8 ? MM8_BLOCK : MM6_BLOCK;
+    int64_t blocks = split ? d[1][1] * MM4_STEP : k / block;
     /* each row's codes and steps padded by a cache line: rows a power of two apart would share
      * the first-level cache's sets (K = 8,192: a tile's rows thrashed it) */
     int64_t width = (split ? blocks * MM4_BLOCK / 2 : k) + MM_PAD, lanes = blocks + MM_PAD / 4;
@@ -536,10 +608,10 @@ static const char *mm_provider(const struct custom_op *op) { (void)op; return "C
 static int mm_input_type(const struct custom_op *op, size_t i) {
     int kind = mm_kind(op);
     return i == 1 ? ELEM_UINT8
-         : i == 2 ? (kind == MM4 ? ELEM_FLOAT : kind == MM6 ? ELEM_INT8 : ELEM_UINT8)
+         : i == 2 ? (kind == MM4 || kind == MM8 ? ELEM_FLOAT : kind == MM6 ? ELEM_INT8 : ELEM_UINT8)
          : i == 3 && kind == MM4K ? ELEM_FLOAT16 : ELEM_FLOAT;
 }
-static size_t mm_input_count(const struct custom_op *op) { return mm_kind(op) == MM4 ? 3 : 4; }
+static size_t mm_input_count(const struct custom_op *op) { return mm_kind(op) == MM4 || mm_kind(op) == MM8 ? 3 : 4; }
 static int mm_output_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static size_t mm_output_count(const struct custom_op *op) { (void)op; return 1; }
 static int mm_required(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
@@ -549,7 +621,8 @@ static int mm_required(const struct custom_op *op, size_t i) { (void)op; (void)i
       mm_compute, mm_destroy, mm_required, mm_required},                                                         \
      label, kind}
 
-static const mm_op matmul_ops[3] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6), MM_OP("MatMul4K", MM4K)};
+static const mm_op matmul_ops[4] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6), MM_OP("MatMul4K", MM4K),
+                                    MM_OP("MatMul8", MM8)};
 
-/* the operators for RegisterCustomOps (engine/attend.c): i < 3, else NULL */
-const struct custom_op *matmul_op(int i) { return i >= 0 && i < 3 ? &matmul_ops[i].op : NULL; }
+/* the operators for RegisterCustomOps (engine/attend.c): i < 4, else NULL */
+const struct custom_op *matmul_op(int i) { return i >= 0 && i < 4 ? &matmul_ops[i].op : NULL; }
