@@ -181,12 +181,33 @@ MM_INLINE void mm_finish(__m512 (*f)[MM_ROWS], int64_t r0, int R, float *y, int6
         for (int m = 0; m < R; m++) y[(r0 + m) * n + r] = _mm512_reduce_add_ps(f[r][m]);
 }
 
+/* MatMul4 and MatMul4K: one column r's 64 bytes of codes (4 blocks) at `codes` against rows
+ * r0..r0+R-1's `unit`-th 4 blocks, each block's integer sum (from its correction) times SC (the
+ * column's scales, a block's in its 4 lanes) and the row's step, added to the row's lanes
+ * f[r][m] (a macro: as a function taking f, the compiler kept the sums in memory) */
+#define MM4_COLUMN(codes, SC, unit, r)                                                                        \
+    do {                                                                                                      \
+        __m512i code_ = _mm512_loadu_si512(codes);                                                            \
+        __m512i lo_ = _mm512_and_si512(code_, nib), hi_ = _mm512_and_si512(_mm512_srli_epi16(code_, 4), nib); \
+        __m512 sc_ = (SC);                                                                                    \
+        for (int m = 0; m < R; m++) {                                                                         \
+            int64_t row = r0 + m;                                                                             \
+            const int8_t *e_ = x->lo + row * x->width + 64 * (unit), *o_ = x->hi + row * x->width + 64 * (unit); \
+            __m512i acc = _mm512_maskz_permutexvar_epi32( /* (from the correction) */                         \
+                0x1111, spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + 4 * (unit))))); \
+            acc = _mm512_dpbusd_epi32(acc, lo_, _mm512_loadu_si512(e_));                                       \
+            acc = _mm512_dpbusd_epi32(acc, hi_, _mm512_loadu_si512(o_));                                       \
+            __m512 step = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + 4 * (unit)))); \
+            f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc_, step), f[r][m]);             \
+        }                                                                                                     \
+    } while (0)
+
 /* MatMul4: one group of 4 columns for rows r0..r0+R-1 (R a constant, 1..MM_ROWS; each row the
  * same operations whatever R) */
 MM_INLINE void group4_vector(const qrows *x, const uint8_t *c, const float *s, int64_t r0, int R, float *y,
                              int64_t n, int64_t units) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* block -> its lanes */
     __m512 f[MM_GROUP][MM_ROWS];
     for (int r = 0; r < MM_GROUP; r++)
         for (int m = 0; m < R; m++)
@@ -195,22 +216,8 @@ MM_INLINE void group4_vector(const qrows *x, const uint8_t *c, const float *s, i
         for (int l = 0; l < 4; l++) MM_PREFETCH(c + MM4_AHEAD * 256 + 64 * l);
         MM_PREFETCH(s + MM4_AHEAD * 16);
         __m512 sc4 = _mm512_loadu_ps(s);
-        for (int r = 0; r < MM_GROUP; r++) {
-            __m512i code = _mm512_loadu_si512(c + 64 * r);
-            __m512i lo = _mm512_and_si512(code, nib);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(code, 4), nib);
-            __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(base, _mm512_set1_epi32(4 * r)), sc4);
-            for (int m = 0; m < R; m++) {
-                int64_t row = r0 + m;
-                const int8_t *e = x->lo + row * x->width + 64 * b, *o = x->hi + row * x->width + 64 * b;
-                __m512i acc = _mm512_maskz_permutexvar_epi32( /* (from the correction) */
-                    0x1111, base, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + 4 * b))));
-                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(e));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(o));
-                __m512 step = _mm512_permutexvar_ps(base, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + 4 * b)));
-                f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
-            }
-        }
+        for (int r = 0; r < MM_GROUP; r++)
+            MM4_COLUMN(c + 64 * r, _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * r)), sc4), b, r);
     }
     mm_finish(f, r0, R, y, n);
 }
@@ -329,24 +336,10 @@ MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *m
             low[h] = _mm512_fmadd_ps(scale[h], _mm512_set1_ps(MM4K_SHIFT), _mm512_mul_ps(mm, e));
         }
         for (int s = 0; s < 2; s++) { /* MatMul4's steps of 4 blocks */
-            int64_t unit = 2 * sb + s;
-            for (int r = 0; r < MM_GROUP; r++) {
-                __m512i code = _mm512_loadu_si512(c + 256 * s + 64 * r);
-                __m512i lo = _mm512_and_si512(code, nib);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(code, 4), nib);
-                __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(8 * (r % 2) + 4 * s)),
-                                                  scale[r / 2]);
-                for (int m = 0; m < R; m++) {
-                    int64_t row = r0 + m;
-                    const int8_t *ev = x->lo + row * x->width + 64 * unit, *od = x->hi + row * x->width + 64 * unit;
-                    __m512i acc = _mm512_maskz_permutexvar_epi32( /* (from the correction) */
-                        0x1111, spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(x->bias + row * x->lanes + 4 * unit))));
-                    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(ev));
-                    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(od));
-                    __m512 step = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x->steps + row * x->lanes + 4 * unit)));
-                    f[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc, step), f[r][m]);
-                }
-            }
+            for (int r = 0; r < MM_GROUP; r++)
+                MM4_COLUMN(c + 256 * s + 64 * r,
+                           _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(8 * (r % 2) + 4 * s)), scale[r / 2]),
+                           2 * sb + s, r);
         }
         for (int m = 0; m < R; m++) {
             const float *sums = x->sums + (r0 + m) * x->sum_width + MM4K_SUMS * sb;
