@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -283,7 +284,8 @@ async def node_memory(model: Path, dtype: str) -> dict:
     from edgelite.planner.solve import split_plan
 
     m = mf.load(model)
-    node = start_node(Path(tempfile.mkdtemp()) / "n", threads=1, kv_budget_mb=1024,
+    home = Path(tempfile.mkdtemp())
+    node = start_node(home / "n", threads=1, kv_budget_mb=1024,
                       extra=("--kv-dtype", dtype))
     try:
         plan = split_plan([(0, m.num_layers - 1)], [NodeAddr("127.0.0.1", node.port)], m.num_layers)
@@ -299,6 +301,7 @@ async def node_memory(model: Path, dtype: str) -> dict:
         await be.close()
     finally:
         node.kill()
+        shutil.rmtree(home, ignore_errors=True)
     capacity = m.kv_bytes(0, m.num_layers - 1, 2048, dtype) / 2**20
     return {"rss_loaded_mib": round(loaded, 1), "rss_after_2000_mib": round(after, 1),
             "rss_after_end_mib": round(ended, 1), "kv_capacity_mib": round(capacity, 1),

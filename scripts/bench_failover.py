@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ def main() -> None:
             for n in nodes:
                 n.cont()
                 n.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
     ref, ref_long = results.pop("reference")["ids"], results.pop("reference_long")["ids"]
     for case, r in results.items():
         want = ref_long if case == "kill_in_prompt" else ref

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shutil
 import socket
 import statistics
 import sys
@@ -173,8 +174,9 @@ def main() -> None:
                          "At 50 Mbit/s, a phone's Wi-Fi, one takes 160 ms to send")
     args = ap.parse_args()
     n = mf.load(args.model).num_layers
-    nodes = [start_node(Path(tempfile.mkdtemp()), threads=1) for _ in range(2)]
-    log = open(Path(tempfile.mkdtemp()) / "serve.log", "w")
+    tmp = Path(tempfile.mkdtemp())  # (the nodes' folders and the log: removed at the end)
+    nodes = [start_node(tmp / f"n{i}", threads=1) for i in range(2)]
+    log = open(tmp / "serve.log", "w")
     proc, found = start_serve(["--model", str(args.model), "--nodes", ",".join(x.addr for x in nodes),
                                "--split", f"0-{n // 2 - 1},{n // 2}-{n - 1}", "--token", TOKEN,
                                "--http", "127.0.0.1:0", "--no-native", "--threads", "1"], log,
@@ -216,6 +218,8 @@ def main() -> None:
         proc.wait(10)
         for x in nodes:
             x.kill()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(out, indent=1))
 
 

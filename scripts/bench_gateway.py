@@ -22,6 +22,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -208,6 +209,7 @@ def main() -> None:
         gw.wait(10)
         for n in nodes:
             n.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": 2, "users": args.users,
                       "gateway_settings": args.set,
                       "requests_each": args.requests, "rounds": args.rounds, "results": out},
