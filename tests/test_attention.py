@@ -181,7 +181,9 @@ def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(tmp_path: 
     heads, kv, d, cap, total = 9, 3, 64, 96, 80
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, total, heads * d)).astype(np.float32)
-    k, v = (kernel.random_kv(rng, (1, kv, cap, d), np.int8) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((1, total, kv * d)).astype(np.float32) for _ in range(2))
+    angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(d // 2) / (d // 2))).astype(np.float32)
+    tables = {"cos": np.cos(angles), "sin": np.sin(angles)}
     got = {}
     for name, library in builds.items():
         opts = options(RuntimeConfig(threads=1), Path("."))
@@ -189,10 +191,17 @@ def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(tmp_path: 
         run = ort.InferenceSession(kernel._model("Attend8", heads, kv, d, cap, 40), opts,
                                    providers=["CPUExecutionProvider"]).run
         for cut in (total, 1, 7, 33):  # the rows in steps of `cut` positions
-            rows = [run(None, {"q": q[:, s:s + cut], "k": k, "v": v,
-                               "total": np.array([min(s + cut, total)])})[0] for s in range(0, total, cut)]
-            got[name, cut] = np.concatenate(rows, axis=1)
-    first = got["vector", total]
-    assert all(np.array_equal(first, x) for x in got.values())
-    want = kernel._reference(q, kernel._values(k), kernel._values(v), total, heads, 40)
+            k, v = (np.zeros((1, kv, cap, d + 2), np.int8) for _ in range(2))
+            rows = []
+            for s in range(0, total, cut):
+                e = min(s + cut, total)
+                out, k, v = run(None, {"q": q[:, s:e], "k_new": k_new[:, s:e], "v_new": v_new[:, s:e], "k": k,
+                                       "v": v, "total": np.array([e]), **tables})
+                rows.append(out)
+            got[name, cut] = np.concatenate(rows, axis=1), k, v
+    first, k, v = got["vector", total]
+    assert all(np.array_equal(first, x[0]) and np.array_equal(k, x[1]) for x in got.values())
+    turned = kernel._turned(q.reshape(total, heads, d), tables["cos"][:total], tables["sin"][:total])
+    turned = turned.reshape(1, total, -1)
+    want = kernel._reference(turned, kernel._values(k), kernel._values(v), total, heads, 40)
     assert np.abs(first - want).max() <= kernel.INT8_TOLERANCE * np.abs(kernel._values(v)).max()

@@ -3,16 +3,21 @@
  *
  * Operators (domain "edgelite"): Attend (float32 KV), Attend16 (float16 KV) and Attend8 (int8
  * KV: a row of d codes, then its step as an exponent byte e and a mantissa byte b, the values
- * code * 2^e * (1 + (b + 128) / 256): exact in float32), and Quantize8, which writes such rows
- * from float32 ones (below, before compute()). RegisterCustomOps, at the end, registers
- * engine/matmul.c's MatMul4 and MatMul6 in the same domain (one library: engine/kernel.py
- * builds both files).
- *   inputs:  q      float32 (1, n, heads * d), rotated
- *            key    (1, kv_heads, capacity, d) (int8: d + 2), this step's rows already written
- *            value  (1, kv_heads, capacity, d) (int8: d + 2)
- *            total  int64 (1): the positions valid after this step (the step's rows are the
- *                   last n of them)
- *   output:  float32 (1, n, heads * d)
+ * code * 2^e * (1 + (b + 128) / 256): exact in float32). Each does a layer's whole attention
+ * step, what GroupQueryAttention does: it turns the step's queries and keys by the rotary
+ * tables, writes the keys and values into the KV at the step's positions (below, before
+ * compute()), and attends. RegisterCustomOps, at the end, registers engine/matmul.c's products
+ * in the same domain (one library: engine/kernel.py builds both files).
+ *   inputs:  q       float32 (1, n, heads * d), not yet turned
+ *            k, v    float32 (1, n, kv_heads * d): the step's keys (not yet turned) and values
+ *            key     (1, kv_heads, capacity, d) (int8: d + 2): the KV, bound in place
+ *            value   (1, kv_heads, capacity, d) (int8: d + 2)
+ *            total   int64 (1): the positions valid after this step (the step's rows are the
+ *                    last n of them)
+ *            cos, sin  float32 (positions, rot / 2), optional: the rotary tables (none: no turn)
+ *   outputs: float32 (1, n, heads * d); key and value with the step's rows written (where
+ *            they are bound to the inputs' buffers, as engine/kv.py binds them, nothing else
+ *            is copied)
  *   attributes: num_heads, kv_num_heads, local_window_size (-1: none), scale (0: d^-1/2)
  *
  * Each row attends to its own causal window only and is computed by the same sequence of
@@ -43,7 +48,7 @@
 
 #include "ortop.h"
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, QUANTIZE = 3 }; /* what a KV row holds (QUANTIZE: Quantize8) */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 }; /* what a KV row holds */
 int has_pool; /* the loading onnxruntime has KernelContext_ParallelFor */
 
 typedef struct {
@@ -1015,11 +1020,12 @@ static void *run_part(void *arg) {
     return NULL;
 }
 
-/* ---- Quantize8: float32 rows as int8 KV rows -------------------------------------------
- * input float32 (..., d) -> output int8 (..., d + 2): each row's d codes round(x / step) (to
- * even) in -127..127, then its step as an exponent byte e and a mantissa byte b, step =
- * 2^e (1 + (b + 128) / 256): the least such at or above the row's largest magnitude / 127
- * (rows of zeros: of QUANT_SMALLEST), found exactly from the float's own exponent and mantissa */
+/* ---- the step's rows into the KV ----------------------------------------------------------
+ * An int8 row: its d codes round(x / step) (to even) in -127..127, then its step as an exponent
+ * byte e and a mantissa byte b, step = 2^e (1 + (b + 128) / 256): the least such at or above
+ * the row's largest magnitude / 127 (rows of zeros: of QUANT_SMALLEST), found exactly from the
+ * float's own exponent and mantissa. A float16 row: each value rounded to the nearest (to even),
+ * as onnxruntime's Cast and numpy round it. */
 #define QUANT_SMALLEST 1e-30f
 
 static void quantize_row(const float *x, int64_t d, int8_t *out) {
@@ -1037,56 +1043,108 @@ static void quantize_row(const float *x, int64_t d, int8_t *out) {
     out[d] = (int8_t)e, out[d + 1] = (int8_t)(m - 128);
 }
 
-#define MAX_RANK 8
-static void quantize(api_t api, void *ctx) {
-    const void *in = NULL;
-    void *out_value = NULL, *data = NULL, *in_data = NULL;
-    int64_t dims[MAX_RANK];
-    size_t rank = 0;
-    if (!ok(api, CALL(api, INPUT, input_fn)(ctx, 0, &in)) || !in || !(rank = dims_of(api, in, dims, MAX_RANK)))
-        return;
-    int64_t d = dims[rank - 1], rows = 1;
-    for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-    dims[rank - 1] = d + 2;
-    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, dims, rank, &out_value)) || !out_value ||
-        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(out_value, &data)) ||
-        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in, &in_data)))
-        return;
-    for (int64_t r = 0; r < rows; r++) quantize_row((const float *)in_data + r * d, d, (int8_t *)data + r * (d + 2));
+/* a float as float16, rounded to the nearest (ties to even) */
+static uint16_t narrow(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) return (uint16_t)(sign | 0x7e00);          /* NaN */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);         /* 65520 and up: infinity */
+    if (ax < 0x38800000)                                            /* below 2^-14: subnormal (exact scaling) */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(fabsf(f) * 16777216.0f));
+    return (uint16_t)(sign | ((ax + 0xfff + ((ax >> 13) & 1) - (112u << 23)) >> 13));
 }
+
+static void narrow_n(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = narrow(x[i]);
+}
+
+/* x (d values) at position pos turned by the rotary tables (rows of half = rot / 2 values): the
+ * first rot values in two halves, a = x[i], b = x[i + half]: a cos - b sin, b cos + a sin
+ * (onnxruntime's RotaryEmbedding, not interleaved); the rest as they are */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t half, int64_t pos, int64_t d,
+                   float *out) {
+    const float *c = cos + pos * half, *s = sin + pos * half;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        out[i] = a * c[i] - b * s[i];
+        out[i + half] = b * c[i] + a * s[i];
+    }
+    for (int64_t i = 2 * half; i < d; i++) out[i] = x[i];
+}
+
+/* one KV row (d float32 values) stored as the KV holds it */
+static void store_row(const float *x, int64_t d, int kind, void *row) {
+    if (kind == KV_I8) quantize_row(x, d, (int8_t *)row);
+    else if (kind == KV_F16) narrow_n(x, (uint16_t *)row, d);
+    else memcpy(row, x, (size_t)d * sizeof(float));
+}
+
+enum { IN_Q, IN_K, IN_V, IN_PAST_K, IN_PAST_V, IN_TOTAL, IN_COS, IN_SIN, INPUTS };
 
 static void compute(void *state, void *ctx) {
     kernel *k = (kernel *)state;
     api_t api = k->api;
-    if (k->kind == QUANTIZE) {
-        quantize(api, ctx);
+    const void *in[INPUTS] = {0};
+    for (size_t i = 0; i < INPUTS; i++)
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || (!in[i] && i < IN_COS)) return;
+    int64_t qd[3], nd[3], vnd[3], kd[4], vd[4], td[1], cd[2] = {0, 0}, sd[2] = {0, 0};
+    int rotary = in[IN_COS] && in[IN_SIN];
+    if (!shape(api, in[IN_Q], qd, 3) || !shape(api, in[IN_K], nd, 3) || !shape(api, in[IN_V], vnd, 3) ||
+        !shape(api, in[IN_PAST_K], kd, 4) || !shape(api, in[IN_PAST_V], vd, 4) || !shape(api, in[IN_TOTAL], td, 1) ||
+        (rotary && (!shape(api, in[IN_COS], cd, 2) || !shape(api, in[IN_SIN], sd, 2))))
         return;
-    }
-    const void *in[4];
-    for (size_t i = 0; i < 4; i++)
-        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i]) return;
-    int64_t qd[3], kd[4], vd[4], td[1];
-    if (!shape(api, in[0], qd, 3) || !shape(api, in[1], kd, 4) || !shape(api, in[2], vd, 4) ||
-        !shape(api, in[3], td, 1))
+    void *outs[3] = {NULL, NULL, NULL};
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, qd, 3, &outs[0])) || !outs[0] ||
+        !ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, kd, 4, &outs[1])) || !outs[1] ||
+        !ok(api, CALL(api, OUTPUT, output_fn)(ctx, 2, vd, 4, &outs[2])) || !outs[2])
         return;
-    void *out_value = NULL;
-    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, qd, 3, &out_value)) || !out_value) return;
-    void *data[5];
-    const void *values[5] = {in[0], in[1], in[2], in[3], out_value};
-    for (int i = 0; i < 5; i++)
-        if (!ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(values[i], &data[i]))) return;
-    void *q_data = data[0], *k_data = data[1], *v_data = data[2], *t_data = data[3], *o_data = data[4];
+    void *data[INPUTS] = {0}, *o_data[3];
+    for (int i = 0; i < INPUTS; i++)
+        if (in[i] && !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]))) return;
+    for (int i = 0; i < 3; i++)
+        if (!ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[i], &o_data[i]))) return;
+    size_t item = k->kind == KV_F32 ? 4 : k->kind == KV_F16 ? 2 : 1;
+    /* the KV is bound in place (engine/kv.py): present is past's own buffer; else past is copied */
+    if (o_data[1] != data[IN_PAST_K]) memcpy(o_data[1], data[IN_PAST_K], (size_t)(kd[0] * kd[1] * kd[2] * kd[3]) * item);
+    if (o_data[2] != data[IN_PAST_V]) memcpy(o_data[2], data[IN_PAST_V], (size_t)(vd[0] * vd[1] * vd[2] * vd[3]) * item);
     int64_t n = qd[1], heads = k->heads, kv = k->kv_heads, d = kd[3] - 2 * (k->kind == KV_I8), cap = kd[2];
-    int64_t total = td[0] == 1 ? ((const int64_t *)t_data)[0] : -1;
-    float *o = (float *)o_data;
+    int64_t total = ((const int64_t *)data[IN_TOTAL])[0], half = cd[1];
+    float *o = (float *)o_data[0];
     memset(o, 0, (size_t)(qd[0] * qd[1] * qd[2]) * sizeof(float));
     /* a step that does not fit the KV it is given (the graph is ours: never expected) leaves
-     * zeros rather than reading outside the buffers */
+     * zeros and the KV as it was rather than reading or writing outside the buffers */
     if (qd[0] != 1 || kd[0] != 1 || kd[1] != kv || memcmp(kd, vd, sizeof(kd)) || qd[2] != heads * d ||
-        heads % kv || total < n || total > cap || d < 1 || d % LANES || d > MAX_D)
+        nd[0] != 1 || nd[1] != n || nd[2] != kv * d || memcmp(nd, vnd, sizeof(nd)) || heads % kv || td[0] != 1 ||
+        total < n || total > cap || d < 1 || d % LANES || d > MAX_D ||
+        (rotary && (memcmp(cd, sd, sizeof(cd)) || cd[0] < total || half < 1 || 2 * half > d)))
         return;
-    work w = {k, (const float *)q_data, k_data, v_data, o, n, heads, kv, heads / kv, d, total - n,
-              k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d), (size_t)cap * (k->kind == KV_I8 ? (size_t)d + 2 : (size_t)d * (k->kind == KV_F16 ? 2 : 4)), 0, 0};
+    size_t row_bytes = (size_t)kd[3] * item, plane = (size_t)cap * row_bytes;
+    float *qr = (float *)malloc((size_t)(n * heads * d + d) * sizeof(float)), *tmp = qr + n * heads * d;
+    if (!qr) return;
+    const float *q = (const float *)data[IN_Q], *kn = (const float *)data[IN_K], *vn = (const float *)data[IN_V];
+    const float *cos = (const float *)data[IN_COS], *sin = (const float *)data[IN_SIN];
+    for (int64_t r = 0; r < n; r++) {
+        int64_t pos = total - n + r;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = q + (r * heads + h) * d;
+            if (rotary) rotate(x, cos, sin, half, pos, d, qr + (r * heads + h) * d);
+            else memcpy(qr + (r * heads + h) * d, x, (size_t)d * sizeof(float));
+        }
+        for (int64_t h = 0; h < kv; h++) {
+            const float *x = kn + (r * kv + h) * d;
+            if (rotary) rotate(x, cos, sin, half, pos, d, tmp), x = tmp;
+            store_row(x, d, k->kind, (char *)o_data[1] + h * plane + (size_t)pos * row_bytes);
+            store_row(vn + (r * kv + h) * d, d, k->kind, (char *)o_data[2] + h * plane + (size_t)pos * row_bytes);
+        }
+    }
+    work w = {k, qr, o_data[1], o_data[2], o, n, heads, kv, heads / kv, d, total - n,
+              k->scale > 0.0f ? k->scale : 1.0f / sqrtf((float)d), plane, 0, 0};
     /* rows a tile: as many as keep its scores within TILE_BYTES (any count gives the same) */
     w.rows = (int64_t)(TILE_BYTES / sizeof(float)) / (w.g * total);
     w.rows = w.rows < 1 ? 1 : w.rows > TILE_ROWS ? TILE_ROWS : w.rows;
@@ -1099,6 +1157,7 @@ static void compute(void *state, void *ctx) {
     part parts[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
     run_parts(api, ctx, run_part, run_indexed, parts, sizeof(part), threads);
+    free(qr);
 }
 
 static void *create(const struct custom_op *op, api_t api, const void *info) {
@@ -1124,31 +1183,31 @@ static void destroy(void *state) { free(state); }
 static const char *op_name(const struct custom_op *op) { return ((const attend_op *)op)->op_name; }
 static const char *provider(const struct custom_op *op) { (void)op; return "CPUExecutionProvider"; }
 static int kind_of(const struct custom_op *op) { return ((const attend_op *)op)->kind; }
-static size_t input_count(const struct custom_op *op) { return kind_of(op) == QUANTIZE ? 1 : 4; }
-static size_t output_count(const struct custom_op *op) { (void)op; return 1; }
-static int output_type(const struct custom_op *op, size_t i) {
-    (void)i;
-    return kind_of(op) == QUANTIZE ? ELEM_INT8 : ELEM_FLOAT;
-}
-static int required(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
-
-static int input_type(const struct custom_op *op, size_t i) {
-    if (i == 0) return ELEM_FLOAT;
-    if (i == 3) return ELEM_INT64;
+static size_t input_count(const struct custom_op *op) { (void)op; return INPUTS; }
+static size_t output_count(const struct custom_op *op) { (void)op; return 3; }
+static int kv_type(const struct custom_op *op) {
     int kind = kind_of(op);
     return kind == KV_I8 ? ELEM_INT8 : kind == KV_F16 ? ELEM_FLOAT16 : ELEM_FLOAT;
+}
+static int output_type(const struct custom_op *op, size_t i) { return i ? kv_type(op) : ELEM_FLOAT; }
+enum { REQUIRED = 0, OPTIONAL = 1 }; /* onnxruntime's OrtCustomOpInputOutputCharacteristic */
+static int input_kind(const struct custom_op *op, size_t i) { (void)op; return i >= IN_COS ? OPTIONAL : REQUIRED; }
+static int output_kind(const struct custom_op *op, size_t i) { (void)op; (void)i; return REQUIRED; }
+
+static int input_type(const struct custom_op *op, size_t i) {
+    if (i == IN_TOTAL) return ELEM_INT64;
+    return i == IN_PAST_K || i == IN_PAST_V ? kv_type(op) : ELEM_FLOAT;
 }
 
 #define ATTEND_OP(label, kind)                                                                    \
     {{OP_VERSION, create, op_name, provider, input_type, input_count, output_type, output_count, compute, \
-      destroy, required, required},                                                                 \
+      destroy, input_kind, output_kind},                                                                 \
      label, kind}
 
 const struct custom_op *matmul_op(int i); /* engine/matmul.c's operators (NULL past the last) */
 
-#define OPS 4
-static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8),
-                             ATTEND_OP("Quantize8", QUANTIZE)};
+#define OPS 3
+static attend_op ops[OPS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16), ATTEND_OP("Attend8", KV_I8)};
 
 status_t RegisterCustomOps(void *options, const api_base_t *base) {
     api_t api = base->get_api(API_VERSION);

@@ -3,18 +3,20 @@ or plain onnxruntime operators.
 
 A joined range's GroupQueryAttention nodes are rewritten as a session loads (no re-export):
 
-- the step's new keys and values are rotated (the `RotaryEmbedding` contrib op, as
-  GroupQueryAttention rotates them), cast to the KV dtype and written into the session's KV
-  slot by a ScatterND whose output is bound to the same buffer as its input (onnxruntime writes
-  the rows in place and copies nothing else);
 - with the kernel (`use_kernel`: the session registers engine/kernel.py's library), one
-  `edgelite` Attend (float32 KV) or Attend16 (float16) node takes the rotated queries, the
-  slot's K and V and the step's total, and gives the attention output (see attend.c);
-- without it, attention reads only the slot's valid positions (a Slice up to the step's
-  total, from the window's first position on windowed layers), widened to float32 where the
-  KV is float16; the query rows of each KV head's group are one matrix product against that
-  head's keys (`G x n` rows), a causal (and window) mask is added, Softmax, and one product
-  with the values.
+  `edgelite` Attend (float32 KV), Attend16 (float16) or Attend8 (int8) node a layer does it all
+  (see attend.c): it takes the step's queries, keys and values, the slot's K and V (bound in
+  place), the step's total and the rotary tables, turns the queries and keys, writes the
+  step's rows into the slot and gives the attention output. One operator a layer, where the
+  steps below take nine: onnxruntime's time between operators is a share of a decode step;
+- without it, the step's new keys and values are rotated (the `RotaryEmbedding` contrib op,
+  as GroupQueryAttention rotates them), cast to the KV dtype and written into the session's
+  KV slot by a ScatterND whose output is bound to the same buffer as its input (onnxruntime
+  writes the rows in place and copies nothing else); attention then reads only the slot's
+  valid positions (a Slice up to the step's total, from the window's first position on
+  windowed layers), widened to float32 where the KV is float16; the query rows of each KV
+  head's group are one matrix product against that head's keys (`G x n` rows), a causal (and
+  window) mask is added, Softmax, and one product with the values.
 
 The plain operators serve a 16-bit KV where there is no kernel (onnxruntime's CPU
 GroupQueryAttention reads one only with 16-bit queries). Every position comes out the same
@@ -171,13 +173,15 @@ class _Rewrite:
         return out
 
     def _positions(self, hidden: str, total_seq: str) -> None:
-        """Shared: the step's rows n, its positions pos (n) and total T; the ScatterND
-        indices are made per KV head count (_indices)."""
+        """Shared: the total T after the step; without the kernel also the step's rows n and
+        its positions pos (n) (the ScatterND indices are made per KV head count: _indices)."""
         a = self._add
         shape = a("Shape", [hidden], f"{P}/shape")
         self.n = a("Slice", [shape, self.ints(1), self.ints(2)], f"{P}/n")  # (1,)
         total = a("Cast", [a("Reshape", [total_seq, self.ints(1)], f"{P}/total32")], f"{P}/total", to=INT64)
         self.total = total
+        if self.kernel:  # (the operator finds the step's positions itself)
+            return
         start = a("Sub", [total, self.n], f"{P}/start")
         self.start = start
         self.total_s = a("Squeeze", [total, self.ints(0)], f"{P}/total_s")
@@ -272,6 +276,13 @@ class _Rewrite:
             q, k, v = (f"{t}/{x}" for x in ("q", "k", "v"))
             nodes.append(_node("Split", [inputs[0], self.ints(heads * d, kv_heads * d, kv_heads * d)],
                                [q, k, v], f"{t}/split", axis=-1))
+        if self.kernel:
+            tables = [inputs[7], inputs[8]] if int(attrs.get("do_rotary", 0)) else []
+            nodes.append(_node(KERNEL_OPS[self.kv_dtype], [q, k, v, past_k, past_v, self.total, *tables],
+                               [outputs[0], present_k, present_v], f"{t}/attend", kernel.DOMAIN,
+                               num_heads=heads, kv_num_heads=kv_heads, local_window_size=window, scale=scale,
+                               threads=self.threads))
+            return nodes
         if int(attrs.get("do_rotary", 0)):
             cos, sin = inputs[7], inputs[8]
             q = a("RotaryEmbedding", [q, self.pos_ids, cos, sin], "q_rot", MS, num_heads=heads,
@@ -282,17 +293,10 @@ class _Rewrite:
         present = {}
         for kind, new, past, out in (("k", k, past_k, present_k), ("v", v, past_v, present_v)):
             new = a("Reshape", [new, self.ints(-1, kv_heads, d)], f"{kind}_rows")  # (n, kv, d)
-            if self.kv_dtype == "int8":
-                new = a("Quantize8", [new], f"{kind}_int8", kernel.DOMAIN)  # (n, kv, d + 2)
-            elif self.kv_dtype != "float32":
+            if self.kv_dtype != "float32":
                 new = a("Cast", [new], f"{kind}_stored", to=ELEM[self.kv_dtype])
             nodes.append(_node("ScatterND", [past, index, new], [out], f"{t}/{kind}_write"))
             present[kind] = out
-        if self.kernel:
-            nodes.append(_node(KERNEL_OPS[self.kv_dtype], [q, present_k, present_v, self.total], [outputs[0]],
-                               f"{t}/attend", kernel.DOMAIN, num_heads=heads, kv_num_heads=kv_heads,
-                               local_window_size=window, scale=scale, threads=self.threads))
-            return nodes
         if self.kv_dtype == "int8":
             raise ValueError("an int8 KV needs the attention kernel")
         rows = max(g, 2)  # (a group of one query head runs twice: two rows a product)

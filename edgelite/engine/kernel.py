@@ -62,7 +62,11 @@ NATIVE = ("-march=native", "-mcpu=native")  # the first the compiler takes, if a
 INT8_TOLERANCE = 5e-2
 ZERO6 = 32  # the zero point of a Q6_K's codes (0..63), MatMul6's default
 ZERO8 = 128  # MatMulNBits' zero point of 8-bit codes without zero points (MatMul8's attribute)
-QUANT_SMALLEST = 1e-30  # attend.c's Quantize8: a row of zeros still gets a step (its codes are 0)
+QUANT_SMALLEST = 1e-30  # attend.c's int8 KV rows: a row of zeros still gets a step (its codes are 0)
+# (1 + 2^-11 and 1 + 3 2^-11: ties, to even down and up; 2^-25 and 3 2^-25: subnormal ties;
+# 65519 and 65520: the largest float16, infinity)
+NARROW_CASES = np.array([1 + 2**-11, 1 + 3 * 2**-11, -(2**-25), 3 * 2**-25, 1e-6, 65519.0, 65520.0, -7e4,
+                         -0.0, 2**-14 - 2**-25], np.float32)
 _lock = threading.Lock()
 _built: list[Path | None] = []  # once looked for: the library, or None when none could be built
 
@@ -126,17 +130,9 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
         # (int8 twice: head sizes in multiples of 64 take its vector path where it has one)
         for dtype, op, d in ((np.float32, "Attend", 16), (np.float16, "Attend16", 16),
                              (np.int8, "Attend8", 16), (np.int8, "Attend8", 64)):
-            run = ort.InferenceSession(_model(op, heads, kv, d, cap, 5), opts,
-                                       providers=["CPUExecutionProvider"]).run
-            q = rng.standard_normal((1, 3, heads * d)).astype(np.float32)
-            k, v = (random_kv(rng, (1, kv, cap, d), dtype) for _ in range(2))
-            total = np.array([13], np.int64)
-            got = run(None, {"q": q, "k": k, "v": v, "total": total})[0]
-            want = _reference(q, _values(k), _values(v), 13, heads, 5)
-            # (int8: queries and softmax weights as 8-bit codes; a broken build is off by it all)
-            tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v)).max())
-            if got.shape != want.shape or not np.allclose(got, want, atol=tolerance):
-                return f"its {op} differs from numpy's attention (at most {np.abs(got - want).max():.2g})"
+            error = _check_attend(ort, opts, rng, dtype, op, heads, kv, d, cap)
+            if error:
+                return error
         # MatMul4: 3 blocks (padded to 4) and 8; MatMul6, MatMul4K: 1 and 2 super-blocks; MatMul8:
         # 1 and 3 units of 64; rows in a tile of 4 and one more
         for op, k, n in (("MatMul4", 96, 8), ("MatMul4", 256, 12), ("MatMul6", 256, 8), ("MatMul6", 512, 4),
@@ -173,21 +169,67 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 * float(np.abs(want).max())
             if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=tolerance):
                 return f"its {op} differs from numpy's product (at most {np.abs(got - want).max():.2g})"
-        run = ort.InferenceSession(_quantize_model(64), opts, providers=["CPUExecutionProvider"]).run
-        scales = np.exp(rng.uniform(-30, 30, (5, kv, 1)))  # (rows from 1e-13 to 1e13)
-        rows = (rng.standard_normal((5, kv, 64)) * scales).astype(np.float32)
-        rows[0, 0] = 0.0  # (a row of zeros)
-        got = run(None, {"x": rows})[0]
-        if not np.array_equal(got, quantized(rows)):
-            return "its Quantize8 writes other int8 rows than numpy's"
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         return f"onnxruntime {ort.__version__} cannot run it: {first}"
     return None
 
 
+def _check_attend(ort, opts, rng: np.random.Generator, dtype: type, op: str, heads: int, kv: int, d: int,
+                  cap: int) -> str | None:
+    """None when attend.c's `op` gives numpy's attention over a step of 3 rows (a window of 5)
+    and writes the step's rows into the KV as numpy rounds them; else what differs."""
+    n, total, half = 3, 13, d // 4  # (the rotary tables turn half of each head: rot = d / 2)
+    run = ort.InferenceSession(_model(op, heads, kv, d, cap, 5), opts, providers=["CPUExecutionProvider"]).run
+    q = rng.standard_normal((1, n, heads * d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((1, n, kv * d)).astype(np.float32) for _ in range(2))
+    k, v = (random_kv(rng, (1, kv, cap, d), dtype) for _ in range(2))
+    angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(half) / half)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    pos = np.arange(total - n, total)
+    others = np.ones(cap, bool)
+    others[pos] = False
+    # values float16 rounds with care (ties to even, up and down; subnormals; beyond its range),
+    # a row of zeros and rows of 1e-13 and 1e13 (int8's steps) in a step of their own
+    hard = v_new.copy()
+    hard[0, 0, :len(NARROW_CASES)] = NARROW_CASES
+    hard[0, 1, :d] = 0.0
+    hard[0, 2, :d] *= 1e-13
+    hard[0, 2, d:2 * d] *= 1e13
+    for new in (hard, v_new):
+        feeds = {"q": q, "k_new": k_new, "v_new": new, "k": k, "v": v, "total": np.array([total], np.int64),
+                 "cos": cos, "sin": sin}
+        out, k_got, v_got = run(None, feeds)
+        want_v = v.copy()
+        rows = new.reshape(n, kv, d)
+        with np.errstate(over="ignore"):  # (65520 and beyond: float16's infinity)
+            want_v[0, :, pos] = {"float32": rows, "float16": rows.astype(np.float16)}.get(
+                np.dtype(dtype).name, quantized(rows))
+        if not np.array_equal(v_got, want_v) or not np.array_equal(k_got[0, :, others], k[0, :, others]):
+            return f"its {op} writes other KV rows than numpy's"
+    turned_k = _turned(k_new.reshape(n, kv, d), cos[pos], sin[pos])
+    step = np.abs(turned_k).max() / 100 if dtype == np.int8 else 1e-2 if dtype == np.float16 else 1e-5
+    if not np.allclose(_values(k_got)[0, :, pos], turned_k, atol=step):
+        return f"its {op} turns the step's keys otherwise than numpy"
+    turned_q = _turned(q.reshape(n, heads, d), cos[pos], sin[pos]).reshape(1, n, heads * d)
+    want = _reference(turned_q, _values(k_got), _values(v_got), total, heads, 5)
+    # (int8: queries and softmax weights as 8-bit codes; a broken build is off by it all)
+    tolerance = 1e-4 if dtype != np.int8 else INT8_TOLERANCE * float(np.abs(_values(v_got)).max())
+    if out.shape != want.shape or not np.allclose(out, want, atol=tolerance):
+        return f"its {op} differs from numpy's attention (at most {np.abs(out - want).max():.2g})"
+    return None
+
+
+def _turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rows x (n, heads, d) turned by rotary tables (n, half), not interleaved, as float32."""
+    half = cos.shape[1]
+    a, b = x[..., :half], x[..., half:2 * half]
+    c, s = cos[:, None], sin[:, None]
+    return np.concatenate([a * c - b * s, b * c + a * s, x[..., 2 * half:]], axis=-1).astype(np.float32)
+
+
 def quantized(rows: np.ndarray) -> np.ndarray:
-    """float32 rows (..., d) as attend.c's Quantize8 writes them, (..., d + 2) int8: the codes
+    """float32 rows (..., d) as attend.c writes them into an int8 KV, (..., d + 2) int8: the codes
     round(x / step) in -127..127, then the step's exponent e and mantissa byte b, step =
     2^e (1 + (b + 128) / 256), the least such at or above the row's largest magnitude / 127."""
     top = np.maximum(np.abs(rows).max(-1, keepdims=True), np.float32(QUANT_SMALLEST))
@@ -352,14 +394,21 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, total: int, heads: i
 def _model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes:
     """A model of one attend.c operator (protobuf by hand: phones have no `onnx` package)."""
     kv_elem, row = {"Attend": (FLOAT, d), "Attend16": (FLOAT16, d), "Attend8": (INT8, d + 2)}[op]
-    node = make_node(op, ["q", "k", "v", "total"], ["out"], "attend", DOMAIN, num_heads=heads,
-                     kv_num_heads=kv, local_window_size=window, scale=d ** -0.5)
+    node = make_node(op, ["q", "k_new", "v_new", "k", "v", "total", "cos", "sin"], ["out", "k_out", "v_out"],
+                     "attend", DOMAIN, num_heads=heads, kv_num_heads=kv, local_window_size=window,
+                     scale=d ** -0.5)
     graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
                     (GRAPH_INPUT, 2, make_value_info("q", FLOAT, [1, "n", heads * d])),
+                    (GRAPH_INPUT, 2, make_value_info("k_new", FLOAT, [1, "n", kv * d])),
+                    (GRAPH_INPUT, 2, make_value_info("v_new", FLOAT, [1, "n", kv * d])),
                     (GRAPH_INPUT, 2, make_value_info("k", kv_elem, [1, kv, cap, row])),
                     (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, row])),
                     (GRAPH_INPUT, 2, make_value_info("total", INT64, [1])),
-                    (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d]))])
+                    (GRAPH_INPUT, 2, make_value_info("cos", FLOAT, [cap, "half"])),
+                    (GRAPH_INPUT, 2, make_value_info("sin", FLOAT, [cap, "half"])),
+                    (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d])),
+                    (GRAPH_OUTPUT, 2, make_value_info("k_out", kv_elem, [1, kv, cap, row])),
+                    (GRAPH_OUTPUT, 2, make_value_info("v_out", kv_elem, [1, kv, cap, row]))])
     model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
@@ -394,16 +443,6 @@ def _matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
                     (GRAPH_INPUT, 2, make_value_info("a", FLOAT, ["m", k])),
                     *((GRAPH_INPUT, 2, w) for w in weights),
                     (GRAPH_OUTPUT, 2, make_value_info("y", FLOAT, ["m", n]))])
-    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
-    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
-
-
-def _quantize_model(d: int) -> bytes:
-    """A model of attend.c's Quantize8 over rows of d values."""
-    node = make_node("Quantize8", ["x"], ["y"], "quantize", DOMAIN)
-    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
-                    (GRAPH_INPUT, 2, make_value_info("x", FLOAT, ["n", "kv", d])),
-                    (GRAPH_OUTPUT, 2, make_value_info("y", INT8, ["n", "kv", d + 2]))])
     model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
 
