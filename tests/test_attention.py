@@ -155,25 +155,29 @@ def test_the_kernel_is_rebuilt_over_a_broken_library_and_missing_compilers_get_o
     assert "cc: internal error" in record.getMessage() and "\n" not in record.getMessage()
 
 
-def _vnni(cc: str) -> bool:
-    """Whether `cc -march=native` targets AVX-512 VNNI here (attend.c's int8 vector path)."""
+def _vector_path(cc: str) -> list[str] | None:
+    """The flags that take attend.c's int8 vector path away where `cc -march=native` targets
+    one (AVX-512 VNNI, else AVX2); None where it targets neither."""
     import subprocess
 
     done = subprocess.run([cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
                           timeout=60, check=False)
-    return "__AVX512VNNI__" in done.stdout
+    if "__AVX512VNNI__" in done.stdout:
+        return ["-mno-avx512vnni"]
+    return ["-mno-avx2"] if "__AVX2__" in done.stdout else None
 
 
 def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(tmp_path: Path) -> None:
-    """Attend8's integer sums: the AVX-512 VNNI build and the plain C one give the same bits
-    (every cut of the steps, a window), and both are near numpy's attention."""
+    """Attend8's integer sums: the vector build (AVX-512 VNNI, or AVX2) and the plain C one give
+    the same bits (every cut of the steps, a window), and both are near numpy's attention."""
     import subprocess
 
     compilers = kernel._compilers()
-    if not compilers or not _vnni(compilers[0]):
-        pytest.skip("no compiler targeting AVX-512 VNNI here")
+    plain = _vector_path(compilers[0]) if compilers else None
+    if plain is None:
+        pytest.skip("no compiler targeting AVX-512 VNNI or AVX2 here")
     builds = {}
-    for name, extra in (("vector", []), ("plain", ["-mno-avx512vnni"])):
+    for name, extra in (("vector", []), ("plain", plain)):
         target = tmp_path / f"{name}.so"
         subprocess.run(kernel.command(compilers[0], ["-march=native", *extra], str(target)), check=True,
                        capture_output=True, timeout=300)
