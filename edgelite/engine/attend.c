@@ -860,15 +860,18 @@ static inline __m256i hsum8(const __m256i *a) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-/* qk_plain over a whole block for every head of the group: i16, g x d query codes; qstep, their
- * steps; sh: head h's scores at sh + h * span (position b) */
-INLINE void qk_avx2_row(const int16_t *i16, const float *qstep, int64_t g, const void *keys, int64_t b, int64_t d,
-                        const float *kstep, float *sh, int64_t span) {
-    int16_t kw[BLOCK * MAX_D] __attribute__((aligned(32)));
+/* a whole block's key codes widened to int16 (kw: BLOCK x d) */
+static void keys_avx2(const void *keys, int64_t b, int64_t d, int16_t *kw) {
     for (int64_t j = 0; j < BLOCK; j++)
         for (int64_t c = 0; c < d; c += 16)
             _mm256_store_si256((__m256i *)(kw + j * d + c),
                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)keys + (b + j) * (d + 2) + c))));
+}
+
+/* qk_plain over a whole block (kw: keys_avx2's) for every head of a row's group: i16, g x d
+ * query codes; qstep, their steps; sh: head h's scores at sh + h * span (position b) */
+INLINE void qk_avx2(const int16_t *i16, const float *qstep, int64_t g, const int16_t *kw, int64_t d,
+                    const float *kstep, float *sh, int64_t span) {
     for (int64_t h = 0; h < g; h++) {
         const int16_t *qh = i16 + h * d;
         for (int64_t j0 = 0; j0 < BLOCK; j0 += 8) {
@@ -986,6 +989,10 @@ INLINE void attend_i8(const float *q, const void *keys, const void *values, int6
     int64_t last = pos0 + rows - 1, span = last - lo0 + 1;
     float kstep[BLOCK];
     int16_t wq[BLOCK] __attribute__((aligned(64)));
+#if AVX2_I8
+    int16_t kw[BLOCK * MAX_D] __attribute__((aligned(32))); /* a block's keys as int16 */
+    __m256i vp[BLOCK / 2 * MAX_D / 8];                       /* a block's values as int16 pairs */
+#endif
 #define LO(r) (window > 0 && pos0 + (r) - window + 1 > 0 ? pos0 + (r) - window + 1 : 0)
 #define WHOLE(r) (LO(r) <= b && pos0 + (r) >= b + BLOCK - 1) /* row r takes every position of block b */
     prefetch_rows(keys, lo0, lo0 - lo0 % BLOCK + AHEAD * BLOCK - 1, last, d + 2);
@@ -1017,13 +1024,17 @@ INLINE void attend_i8(const float *q, const void *keys, const void *values, int6
             continue;
         }
 #elif AVX2_I8
-        if (d % 16 == 0 && rows == 1 && WHOLE(0)) {
-            qk_avx2_row(i16, steps, g, keys, b, d, kstep, scores + (b - lo0), span);
-            continue;
-        }
+        int wide = d % 16 == 0 && whole;
+        if (wide) keys_avx2(keys, b, d, kw);
 #endif
         for (int64_t r = 0; r < rows; r++) {
             int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
+#if AVX2_I8
+            if (wide && WHOLE(r)) { /* (a whole block lies within the row's scores) */
+                qk_avx2(i16 + r * g * d, steps + r * g, g, kw, d, kstep, scores + r * g * span + (b - lo0), span);
+                continue;
+            }
+#endif
             for (int64_t h = 0; h < g && lo <= hi; h++) {
                 float *sh = scores + (r * g + h) * span + (b - lo0); /* (position b; written lo..hi) */
 #if VNNI
@@ -1062,15 +1073,8 @@ INLINE void attend_i8(const float *q, const void *keys, const void *values, int6
         }
         if (vec && whole) pv_prepare(values, b, d, kt);
 #elif AVX2_I8
-        if (d % 16 == 0 && rows == 1 && WHOLE(0)) {
-            __m256i vp[BLOCK / 2 * MAX_D / 8];
-            pv_prepare_avx2(values, b, d, vp);
-            for (int64_t h = 0; h < g; h++) {
-                float wstep = weights_avx2(scores + h * span + (b - lo0), kstep, wq);
-                if (wstep != 0.0f) pv_avx2(wq, wstep, vp, d, out + h * d);
-            }
-            continue;
-        }
+        int wide = d % 16 == 0 && whole;
+        if (wide) pv_prepare_avx2(values, b, d, vp);
 #endif
         for (int64_t r = 0; r < rows; r++) {
             int64_t lo = LO(r) > first ? LO(r) : first, hi = end < pos0 + r ? end : pos0 + r;
@@ -1078,6 +1082,13 @@ INLINE void attend_i8(const float *q, const void *keys, const void *values, int6
                 /* (a row's scores from position LO(r); b - lo0 may point before them: read lo..hi only) */
                 const float *p = scores + (r * g + h) * span + (b - lo0);
                 float *o = out + (r * g + h) * d;
+#if AVX2_I8
+                if (wide && WHOLE(r)) {
+                    float wstep = weights_avx2(p, kstep, wq);
+                    if (wstep != 0.0f) pv_avx2(wq, wstep, vp, d, o);
+                    continue;
+                }
+#endif
 #if VNNI
                 if (vec && WHOLE(r)) {
                     uint8_t w8[BLOCK];
