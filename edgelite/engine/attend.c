@@ -1162,20 +1162,36 @@ static void (*const attend_i8_d64[9])(const float *, const void *, const void *,
         default: break;                                                                              \
     }
 
+/* a decode row without a window (the common step): attend_tile_g with rows and window
+ * constants, in a function of its own (the same sums; on AVX2, with them read at run time, the
+ * key loop kept some of the group's sums on the stack) */
+#define ROW_FN(NAME, KIND)                                                                          \
+    static __attribute__((noinline)) void NAME(const float *q, const void *keys, const void *values, \
+                                               int64_t pos0, int64_t g, int64_t d, float *scores, float *out) { \
+        const int64_t rows = 1, window = -1;                                                         \
+        GROUPS(KIND)                                                                                 \
+    }
+ROW_FN(attend_f32_row, KV_F32)
+ROW_FN(attend_f16_row, KV_F16)
+
 /* attend_tile_g for this model's group size and head size where it takes them, else
  * attend_tile: one function a KV dtype, each compiled on its own (how one
  * instance is laid out then does not move another's: measured, 40 % on a float16 decode) */
-#define HEAD_FN(NAME, KIND)                                                                          \
+#define HEAD_FN(NAME, ROW, KIND)                                                                     \
     static __attribute__((noinline)) void NAME(const float *q, const void *keys, const void *values, \
                                                int64_t pos0, int64_t rows, int64_t window, int64_t g, \
                                                int64_t d, float *scores, float *buf, float *out) {   \
         if (d % (VSLICE * LANES) == 0) {                                                             \
+            if (rows == 1 && window < 0 && g >= 1 && g <= 8) {                                       \
+                ROW(q, keys, values, pos0, g, d, scores, out);                                       \
+                return;                                                                              \
+            }                                                                                        \
             GROUPS(KIND)                                                                             \
         }                                                                                            \
         HEAD(KIND);                                                                                  \
     }
-HEAD_FN(attend_f32, KV_F32)
-HEAD_FN(attend_f16, KV_F16)
+HEAD_FN(attend_f32, attend_f32_row, KV_F32)
+HEAD_FN(attend_f16, attend_f16_row, KV_F16)
 
 static void attend_head(const float *q, const void *keys, const void *values, int64_t pos0, int64_t rows,
                         int64_t window, int64_t g, int64_t d, int kind, float *scores, float *buf, float *out,
