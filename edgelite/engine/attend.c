@@ -425,10 +425,10 @@ INLINE void attend_tile(const float *q, const void *keys, const void *values, in
 #define QGROUP 4
 #define VSLICE 4
 /* attend_tile_g's value sums for HN heads (weights pr, head h's at pr + h * span from position
- * lo0) over positions lo..hi, columns c..c + VSLICE * LANES - 1 of o (head h's row at o + h * d):
- * the same sums. Without AVX-512 the 16 vector registers hold HN = 2 heads' sums, the rows and a
- * weight; all G heads' would not (measured on AVX2 at G = 3: one sum kept in memory made each
- * position wait on a store) */
+ * lo0) over positions lo..hi, columns c..c + VSLICE * LANES - 1 of o (head h's row at o + h * d),
+ * each column's sum position by position. With AVX-512 a group's heads all at once; without it
+ * two at a time: the 16 vector registers hold 2 heads' sums, the rows and a weight, not more
+ * (measured on AVX2 at G = 3: one sum kept in memory made each position wait on a store) */
 INLINE void pv_heads(const int HN, const float *pr, int64_t span, int64_t lo0, const void *values, int64_t row,
                      int64_t lo, int64_t hi, int64_t c, int kind, float *o, int64_t d) {
     vf acc[HN][VSLICE];
@@ -508,31 +508,15 @@ INLINE void attend_tile_g(const float *q, const void *keys, const void *values, 
                 continue;
             }
 #endif
-#if !defined(__AVX512F__)
-            if (G > 2) { /* (see pv_heads) */
-                for (int64_t c = 0; c < d && lo <= hi; c += VSLICE * LANES) {
-                    int h0 = 0;
-                    for (; h0 + 2 <= G; h0 += 2)
-                        pv_heads(2, pr + h0 * span, span, lo0, values, row, lo, hi, c, kind, out + (r * G + h0) * d, d);
-                    if (h0 < G) pv_heads(1, pr + h0 * span, span, lo0, values, row, lo, hi, c, kind, out + (r * G + h0) * d, d);
-                }
-                continue;
-            }
-#endif
             for (int64_t c = 0; c < d && lo <= hi; c += VSLICE * LANES) {
-                vf acc[G][VSLICE];
-                for (int h = 0; h < G; h++)
-                    for (int v = 0; v < VSLICE; v++) acc[h][v] = load(out + (r * G + h) * d + c + v * LANES);
-                for (int64_t j = lo; j <= hi; j++) {
-                    vf x[VSLICE];
-                    for (int v = 0; v < VSLICE; v++) x[v] = load_kv(values, j * row + c + v * LANES, kind);
-                    for (int h = 0; h < G; h++) {
-                        vf p = splat(pr[h * span + j - lo0]);
-                        for (int v = 0; v < VSLICE; v++) acc[h][v] += p * x[v];
-                    }
-                }
-                for (int h = 0; h < G; h++)
-                    for (int v = 0; v < VSLICE; v++) store(out + (r * G + h) * d + c + v * LANES, acc[h][v]);
+#if defined(__AVX512F__)
+                pv_heads(G, pr, span, lo0, values, row, lo, hi, c, kind, out + r * G * d, d);
+#else
+                int h0 = 0;
+                for (; h0 + 2 <= G; h0 += 2)
+                    pv_heads(2, pr + h0 * span, span, lo0, values, row, lo, hi, c, kind, out + (r * G + h0) * d, d);
+                if (h0 < G) pv_heads(1, pr + h0 * span, span, lo0, values, row, lo, hi, c, kind, out + (r * G + h0) * d, d);
+#endif
             }
         }
     }

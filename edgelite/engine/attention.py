@@ -176,12 +176,12 @@ class _Rewrite:
         """Shared: the total T after the step; without the kernel also the step's rows n and
         its positions pos (n) (the ScatterND indices are made per KV head count: _indices)."""
         a = self._add
-        shape = a("Shape", [hidden], f"{P}/shape")
-        self.n = a("Slice", [shape, self.ints(1), self.ints(2)], f"{P}/n")  # (1,)
         total = a("Cast", [a("Reshape", [total_seq, self.ints(1)], f"{P}/total32")], f"{P}/total", to=INT64)
         self.total = total
         if self.kernel:  # (the operator finds the step's positions itself)
             return
+        shape = a("Shape", [hidden], f"{P}/shape")
+        self.n = a("Slice", [shape, self.ints(1), self.ints(2)], f"{P}/n")  # (1,)
         start = a("Sub", [total, self.n], f"{P}/start")
         self.start = start
         self.total_s = a("Squeeze", [total, self.ints(0)], f"{P}/total_s")
