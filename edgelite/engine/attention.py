@@ -7,8 +7,9 @@ A joined range's GroupQueryAttention nodes are rewritten as a session loads (no 
   `edgelite` Attend (float32 KV), Attend16 (float16) or Attend8 (int8) node a layer does it all
   (see attend.c): it takes the step's queries, keys and values, the slot's K and V (bound in
   place), the step's total and the rotary tables, turns the queries and keys, writes the
-  step's rows into the slot and gives the attention output. One operator a layer, where the
-  steps below take nine: onnxruntime's time between operators is a share of a decode step;
+  step's rows into the slot and gives the attention output. One operator a layer: the
+  rotations, casts and writes below take eight more, and onnxruntime's time between operators
+  is a share of a decode step;
 - without it, the step's new keys and values are rotated (the `RotaryEmbedding` contrib op,
   as GroupQueryAttention rotates them), cast to the KV dtype and written into the session's
   KV slot by a ScatterND whose output is bound to the same buffer as its input (onnxruntime
