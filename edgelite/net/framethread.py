@@ -122,6 +122,9 @@ class FrameThread:
         self._rview = memoryview(self._rbuf)
         self._lone = False  # the current wait brought input on one connection only
         self.acks_due: list[socket.socket] = []  # read this round (see delay_acks)
+        # submitted work not finished yet: failed when the thread ends (it would never run)
+        self._waiting: set[concurrent.futures.Future] = set()
+        self._ended = False  # set as the thread ends, before it fails what is waiting
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- for subclasses ------------------------------------------------------------------
@@ -183,8 +186,20 @@ class FrameThread:
                 except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
                     fut.set_exception(exc)
 
+        self._waiting.add(fut)
+        fut.add_done_callback(self._waiting.discard)
         self.call(run)
+        if self._ended:  # (it ended as the work was queued: nothing will run it)
+            self._fail_waiting()
         return await asyncio.wait_for(asyncio.wrap_future(fut), self.queued_call_timeout_s)
+
+    def _fail_waiting(self) -> None:
+        """Submitted work the thread will not run (it ended) fails at once, naming why."""
+        for fut in list(self._waiting):
+            try:
+                fut.set_exception(EdgeliteError(f"the {self.thread.name} thread ended"))
+            except concurrent.futures.InvalidStateError:
+                pass  # (finished meanwhile)
 
     async def stop(self) -> None:
         if not self.thread.is_alive():
@@ -295,6 +310,8 @@ class FrameThread:
             self.cleanup()
             self._wake_r.close()
             self._wake_w.close()
+            self._ended = True
+            self._fail_waiting()
 
     @property
     def stopping(self) -> bool:

@@ -282,8 +282,11 @@ class Node:
             await asyncio.sleep(self.cfg.supervise_s)
             await self._supervise()
             await self._release_orphans()
-            if n := await self.data.submit(lambda: self.store.expire(self.cfg.session_ttl_s)):
-                log.info("expired %d idle sessions", n)
+            try:
+                if n := await self.data.submit(lambda: self.store.expire(self.cfg.session_ttl_s)):
+                    log.info("expired %d idle sessions", n)
+            except EdgeliteError as exc:  # (the thread ended just now: the next round restarts it)
+                log.warning("housekeeping: %s", exc)
             if time.monotonic() - swept >= min(PART_SWEEP_S, self.cfg.part_ttl_s):
                 swept = time.monotonic()
                 await asyncio.to_thread(self.store.blobs.clean_parts)
