@@ -93,6 +93,15 @@ class Outbox:
         self.deadline.pop(sock, None)
 
 
+def _fail(waiting: set[concurrent.futures.Future], name: str) -> None:
+    """Submitted work a thread will not run (it ended) fails at once, naming why."""
+    for fut in list(waiting):
+        try:
+            fut.set_exception(EdgeliteError(f"the {name} thread ended"))
+        except concurrent.futures.InvalidStateError:
+            pass  # (finished meanwhile)
+
+
 class FrameThread:
     RECV_BYTES = 64 * 1024  # per read; below malloc's mmap threshold
     LONE_STEPS = False  # whether on_lone_step may take steps (subclasses that handle them)
@@ -190,16 +199,8 @@ class FrameThread:
         fut.add_done_callback(self._waiting.discard)
         self.call(run)
         if self._ended:  # (it ended as the work was queued: nothing will run it)
-            self._fail_waiting()
+            _fail(self._waiting, self.thread.name)
         return await asyncio.wait_for(asyncio.wrap_future(fut), self.queued_call_timeout_s)
-
-    def _fail_waiting(self) -> None:
-        """Submitted work the thread will not run (it ended) fails at once, naming why."""
-        for fut in list(self._waiting):
-            try:
-                fut.set_exception(EdgeliteError(f"the {self.thread.name} thread ended"))
-            except concurrent.futures.InvalidStateError:
-                pass  # (finished meanwhile)
 
     async def stop(self) -> None:
         if not self.thread.is_alive():
@@ -311,7 +312,7 @@ class FrameThread:
             self._wake_r.close()
             self._wake_w.close()
             self._ended = True
-            self._fail_waiting()
+            _fail(self._waiting, self.thread.name)
 
     @property
     def stopping(self) -> bool:
