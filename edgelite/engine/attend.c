@@ -1332,7 +1332,7 @@ static void compute(void *state, void *ctx) {
     if (o_data[1] != data[IN_PAST_K]) memcpy(o_data[1], data[IN_PAST_K], (size_t)(kd[0] * kd[1] * kd[2] * kd[3]) * item);
     if (o_data[2] != data[IN_PAST_V]) memcpy(o_data[2], data[IN_PAST_V], (size_t)(vd[0] * vd[1] * vd[2] * vd[3]) * item);
     int64_t n = qd[1], heads = k->heads, kv = k->kv_heads, d = kd[3] - 2 * (k->kind == KV_I8), cap = kd[2];
-    int64_t total = ((const int64_t *)data[IN_TOTAL])[0], half = cd[1];
+    int64_t total = td[0] == 1 ? ((const int64_t *)data[IN_TOTAL])[0] : -1, half = cd[1]; /* (-1: refused below) */
     float *o = (float *)o_data[0];
     memset(o, 0, (size_t)(qd[0] * qd[1] * qd[2]) * sizeof(float));
     /* a step that does not fit the KV it is given (the graph is ours: never expected) leaves
