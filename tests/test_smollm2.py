@@ -201,3 +201,27 @@ def test_smollm2_generate_calls_a_tool(smollm2_int4, tmp_path: Path) -> None:
                          (["--tools", str(tools), "--raw"], "leave --raw out")):
         bad = run_cli("generate", "--model", model, *extra, "hi")
         assert bad.returncode == 1 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_smollm2_prompt_lookup_keeps_the_greedy_ids(smollm2_int4) -> None:
+    """A verification step's rows are computed as decode steps' are (engine/onerow.py): with
+    prompt lookup the replies are the plain ones. (On a CPU whose MatMulNBits computes one row
+    otherwise than several, each of these left its plain ids within 50 tokens before.)"""
+    import edgelite
+    from edgelite.config import RuntimeConfig
+
+    prompts = ["Why is the sky blue?", "What is the capital of France, and why is it famous?",
+               "Explain what a hash table is in two sentences."]
+
+    async def main() -> None:
+        async with edgelite.connect(smollm2_int4, runtime=RuntimeConfig(threads=1)) as llm:
+            for p in prompts:
+                ids = {}
+                for mode in ("off", "lookup"):
+                    r = llm.chat([{"role": "user", "content": p}], max_tokens=64, temperature=0.0,
+                                 speculate=mode, reuse=False)
+                    await r.collect()
+                    ids[mode] = r.stats.token_ids
+                assert ids["lookup"] == ids["off"], p
+
+    asyncio.run(main())

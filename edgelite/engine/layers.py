@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, kernel, linear, onnxgraph, rope
+from edgelite.engine import attention, invariant, kernel, linear, onerow, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -142,6 +142,8 @@ class LayerRange:
             model = invariant.pad_attention(model)
         if self.matmul is not None:
             model = linear.products(model, self.cfg.threads)
+        if self.cfg.invariant:  # (the products onnxruntime still computes)
+            model = onerow.pad_products(model, self.cfg)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",
                           self.library or self.matmul, linear.RESIDENT if self.matmul else ())
 

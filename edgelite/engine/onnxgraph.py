@@ -189,8 +189,8 @@ def make_node(op: str, inputs: list[str], outputs: list[str], name: str, domain:
 
 
 def make_tensor(name: str, kind: int, values: list[float], dims: list[int]) -> bytes:
-    """A TensorProto of FLOAT, INT32 or INT64 values."""
-    raw = struct.pack(f"<{len(values)}{ {FLOAT: 'f', INT32: 'i', INT64: 'q'}[kind] }", *values)
+    """A TensorProto of FLOAT, INT32, INT64 or UINT8 values."""
+    raw = struct.pack(f"<{len(values)}{ {FLOAT: 'f', INT32: 'i', INT64: 'q', UINT8: 'B'}[kind] }", *values)
     return encode([*((TENSOR_DIMS, 0, d) for d in dims), (TENSOR_TYPE, 0, kind),
                    (TENSOR_NAME, 2, name.encode()), (TENSOR_RAW, 2, raw)])
 
