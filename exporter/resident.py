@@ -107,7 +107,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
 
     # (each figure twice where this machine runs engine/matmul.c's products: with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
-    narrow = linear.library(RuntimeConfig(threads=1)) is not None
+    narrow = linear.narrow(RuntimeConfig(threads=1))
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
 
     def run(piece: str) -> tuple[int, int, int, int]:

@@ -203,10 +203,12 @@ def test_smollm2_generate_calls_a_tool(smollm2_int4, tmp_path: Path) -> None:
         assert bad.returncode == 1 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
-def test_smollm2_prompt_lookup_keeps_the_greedy_ids(smollm2_int4) -> None:
-    """A verification step's rows are computed as decode steps' are (engine/onerow.py): with
-    prompt lookup the replies are the plain ones. (On a CPU whose MatMulNBits computes one row
-    otherwise than several, each of these left its plain ids within 50 tokens before.)"""
+@pytest.mark.parametrize("matmul_kernel", [True, False])
+def test_smollm2_prompt_lookup_keeps_the_greedy_ids(smollm2_int4, matmul_kernel: bool) -> None:
+    """A verification step's rows are computed as decode steps' are (engine/matmul.c's products,
+    or without them onnxruntime's, padded by engine/onerow.py where they differ): with prompt
+    lookup the replies are the plain ones. (On a CPU whose MatMulNBits computes one row otherwise
+    than several, each of these left its plain ids within 50 tokens before.)"""
     import edgelite
     from edgelite.config import RuntimeConfig
 
@@ -214,7 +216,8 @@ def test_smollm2_prompt_lookup_keeps_the_greedy_ids(smollm2_int4) -> None:
                "Explain what a hash table is in two sentences."]
 
     async def main() -> None:
-        async with edgelite.connect(smollm2_int4, runtime=RuntimeConfig(threads=1)) as llm:
+        async with edgelite.connect(smollm2_int4, runtime=RuntimeConfig(threads=1,
+                                                                        matmul_kernel=matmul_kernel)) as llm:
             for p in prompts:
                 ids = {}
                 for mode in ("off", "lookup"):

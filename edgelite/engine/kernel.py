@@ -242,14 +242,24 @@ def quantized(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([codes, e, m - 128], axis=-1).astype(np.int8)
 
 
-def fast_matmul(library: Path) -> bool:
-    """Whether the library's MatMul4 and MatMul6 have their vector path (AVX-512 VNNI and
-    VBMI): elsewhere onnxruntime's MatMulNBits is the faster product (engine/linear.py leaves
-    it)."""
+MATMUL_OPS = ("MatMul4", "MatMul6", "MatMul4K", "MatMul8")  # (bit i of edgelite_matmul_fast: op i)
+
+
+def matmul_kinds(library: Path) -> frozenset[str]:
+    """The library's products that have their vector path: all four with AVX-512 VNNI and VBMI,
+    MatMul4 and MatMul8 with AVX2; elsewhere onnxruntime's MatMulNBits is the faster product
+    (engine/linear.py leaves it)."""
     try:
-        return bool(ctypes.CDLL(str(library)).edgelite_matmul_fast())
+        mask = int(ctypes.CDLL(str(library)).edgelite_matmul_fast())
     except (OSError, AttributeError):
-        return False
+        return frozenset()
+    return frozenset(op for i, op in enumerate(MATMUL_OPS) if mask >> i & 1)
+
+
+def fast_matmul(library: Path) -> bool:
+    """Whether every product of the library has its vector path (AVX-512 VNNI and VBMI): a
+    range's weights are then held as the export stores them, whatever their kind."""
+    return matmul_kinds(library) == frozenset(MATMUL_OPS)
 
 
 def matmul4(a: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

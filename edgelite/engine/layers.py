@@ -141,7 +141,7 @@ class LayerRange:
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
         if self.matmul is not None:
-            model = linear.products(model, self.cfg.threads)
+            model = linear.products(model, self.cfg.threads, kernel.matmul_kinds(self.matmul))
         if self.cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, self.cfg)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",

@@ -88,18 +88,27 @@ RESIDENT = (f"{P}/",)  # its folded weights, read in place at every step (sessio
 
 def library(cfg: RuntimeConfig) -> Path | None:
     """The kernel library whose products a session should use: where `matmul_kernel` is on
-    and the build has their vector path; else None (MatMulNBits stays)."""
+    and the build has a vector path for some of them; else None (MatMulNBits stays)."""
     if not cfg.matmul_kernel:
         return None
     found = kernel.library(cfg)
-    return found if found is not None and kernel.fast_matmul(found) else None
+    return found if found is not None and kernel.matmul_kinds(found) else None
 
 
-def products(model: bytes, threads: int = 1) -> bytes:
-    """The graph with each eligible MatMulNBits (see the module's text) a MatMul4 or MatMul6
-    node (the session must register engine/kernel.py's library); unchanged when it has none."""
+def narrow(cfg: RuntimeConfig) -> bool:
+    """Whether this device runs every kind of product in the library (a range then holds its
+    weights as the export stores them: the planner's `narrow`); with some kinds only (AVX2),
+    the others stay MatMulNBits and it is counted as if all did."""
+    found = library(cfg)
+    return found is not None and kernel.fast_matmul(found)
+
+
+def products(model: bytes, threads: int = 1, kinds: frozenset[str] = frozenset(kernel.MATMUL_OPS)) -> bytes:
+    """The graph with each eligible MatMulNBits (see the module's text) a MatMul4, MatMul4K,
+    MatMul6 or MatMul8 node, of `kinds` (the library's vector paths: kernel.matmul_kinds; the
+    session must register engine/kernel.py's library); unchanged when it has none."""
     try:
-        rewrite = _Rewrite(threads)
+        rewrite = _Rewrite(threads, kinds)
         out = with_graph(model, rewrite.graph)
         return with_opset(out, kernel.DOMAIN, 1) if rewrite.count else model
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
@@ -116,8 +125,8 @@ def _shape(attrs: dict[str, int | float], inputs: list[str], bits: int, block: i
 
 
 class _Rewrite:
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
+    def __init__(self, threads: int, kinds: frozenset[str]) -> None:
+        self.threads, self.kinds = threads, kinds
         self.count = 0
         self.consts: dict[str, Field] = {}
 
@@ -144,10 +153,12 @@ class _Rewrite:
             new = None
             if _shape(attrs, inputs, 4, BLOCK, BLOCK):  # (a Q4_K's whole, else the codes and scales)
                 new = (self._four_k(self.count + 1, inputs, outputs[0], k, n, inits, nodes, replaced)
-                       if k % SUPER == 0 else None) or self._four(self.count + 1, inputs, outputs[0], k, n)
-            elif _shape(attrs, inputs, 8, BLOCK6, SUPER):
+                       if k % SUPER == 0 and "MatMul4K" in self.kinds else None)
+                if new is None and "MatMul4" in self.kinds:
+                    new = self._four(self.count + 1, inputs, outputs[0], k, n)
+            elif _shape(attrs, inputs, 8, BLOCK6, SUPER) and "MatMul6" in self.kinds:
                 new = self._six(self.count + 1, inputs, outputs[0], k, n, inits)
-            elif _shape(attrs, inputs, 8, BLOCK, UNIT8) and k * n >= EIGHT_FROM:
+            elif _shape(attrs, inputs, 8, BLOCK, UNIT8) and k * n >= EIGHT_FROM and "MatMul8" in self.kinds:
                 new = self._eight(self.count + 1, inputs, outputs[0], k, n)
             if new is None:
                 items.append(field)

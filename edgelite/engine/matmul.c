@@ -58,8 +58,10 @@
  * against the odd ones; MatMul6: codes unpacked by `vpmultishiftqb`), four columns and up to
  * four rows at a time (MatMul8: the codes as they are), each block's integer sum times its scale and step added to the row's
  * float lanes; every row is the same sequence of operations whatever the rows beside it, so a
- * row comes out the same in any chunking. Elsewhere the same sums in plain C
- * (edgelite_matmul_fast says which: engine/linear.py only rewrites where it is 1). MatMul4K runs
+ * row comes out the same in any chunking. Where it targets AVX2 without them, MatMul4 and
+ * MatMul8 have an 8-lane path (group4_avx2, group8_avx2), as row-invariant. Elsewhere the same
+ * sums in plain C (edgelite_matmul_fast says which operators have a vector path: engine/linear.py
+ * rewrites only those). MatMul4K runs
  * MatMul4's sums; each super-block's scales and minimum coefficients come from its bytes once
  * for all the tile's rows. */
 
@@ -73,8 +75,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define MM_VECTOR 1
+#define MM_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MM_VECTOR 0
+#define MM_AVX2 1 /* MatMul4 and MatMul8 in 8 lanes (the others in plain C) */
 #else
 #define MM_VECTOR 0
+#define MM_AVX2 0
 #endif
 
 enum { MM4 = 0, MM6 = 1, MM4K = 2, MM8 = 3 }; /* the operators */
@@ -101,7 +109,8 @@ enum { MM4 = 0, MM6 = 1, MM4K = 2, MM8 = 3 }; /* the operators */
 #define MM8_AHEAD 8        /* units (256 bytes of codes) asked for ahead */
 #define MM4K_AHEAD 4       /* super-blocks (2,048 bytes of codes) asked for ahead */
 
-int edgelite_matmul_fast(void) { return MM_VECTOR; }
+/* the operators with a vector path, a bit each (1 << MM4 ...): engine/linear.py rewrites those */
+int edgelite_matmul_fast(void) { return MM_VECTOR ? 15 : MM_AVX2 ? (1 << MM4) | (1 << MM8) : 0; }
 
 typedef struct {
     api_t api;
@@ -119,6 +128,12 @@ typedef struct {
     int32_t *bias;
     /* MatMul4K: a super-block's 8 block sums of a, twice (16 lanes) */
     float *sums;
+    /* AVX2 (MatMul4, MatMul8): each block's step in each of its 8-lane sums' lanes (MatMul4: 4
+     * lanes a block, MatMul8: 8), and its correction in the first of them (0 in the others) */
+    float *wide_steps;
+    int32_t *wide_bias;
+    int64_t wide_lanes;
+    int16_t *wide_x; /* AVX2, MatMul8: the codes in lo widened to 16 bits (width a row) */
     /* blocks a row; a row's bytes of codes, its steps' count and its sums' count, padded */
     int64_t blocks, width, lanes, sum_width;
 } qrows;
@@ -355,6 +370,117 @@ MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *m
 }
 #endif
 
+#if MM_AVX2
+#define MM_INLINE static inline __attribute__((always_inline))
+#define MM_PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+#define MM_ROWS_AVX2 4 /* rows a tile (a row's sums for the group: one register) */
+
+/* the four columns' integer sums of blocks A and B (v[r]: column r's, lanes 0-3 block A's
+ * parts, 4-7 B's) as [A of columns 0-3 | B of columns 0-3] */
+MM_INLINE __m256i mm_gather4(const __m256i *v) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+}
+
+/* lanes r and r + 4 of a row's sums into y[r] (column r of the group) */
+MM_INLINE void mm_finish8(__m256 f, float *y) {
+    _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)));
+}
+
+/* MatMul4: one group of 4 columns for rows r0..r0+R-1 (R 1..MM_ROWS_AVX2; each row the same
+ * operations whatever R). A column's 32 bytes of codes (blocks A and B) against a row's: the
+ * low halves by the even elements, the high by the odd (`vpmaddubsw`: pairs of products in
+ * 16 bits, at most 2 x 15 x 127), in pairs to 32 bits, the four columns' gathered into one
+ * vector of block sums; plus each block's correction, times the columns' scales and the
+ * row's step, added to the row's lanes */
+MM_INLINE void group4_avx2(const qrows *x, const uint8_t *c, const float *s, int64_t r0, int R, float *y,
+                           int64_t n, int64_t units) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    /* scales (column r, block j at 4r + j) -> [block 2h of columns 0-3 | block 2h + 1 of them] */
+    const __m256i pick[2] = {_mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13), _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15)};
+    __m256 f[MM_ROWS_AVX2];
+    for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; u++, c += 256, s += 16) {
+        for (int l = 0; l < 4; l++) MM_PREFETCH(c + MM4_AHEAD * 256 + 64 * l);
+        MM_PREFETCH(s + MM4_AHEAD * 16);
+        __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        for (int h = 0; h < 2; h++) {
+            __m256 sc = _mm256_permutevar8x32_ps(s0, pick[h]); /* (lanes from s0 and s1: two picks) */
+            sc = _mm256_blend_ps(sc, _mm256_permutevar8x32_ps(s1, _mm256_sub_epi32(pick[h], _mm256_set1_epi32(8))), 0xCC);
+            __m256i lo[MM_GROUP], hi[MM_GROUP];
+            for (int r = 0; r < MM_GROUP; r++) {
+                __m256i code = _mm256_loadu_si256((const __m256i *)(c + 64 * r + 32 * h));
+                lo[r] = _mm256_and_si256(code, nib);
+                hi[r] = _mm256_and_si256(_mm256_srli_epi16(code, 4), nib);
+            }
+            for (int m = 0; m < R; m++) {
+                int64_t row = r0 + m, at = row * x->wide_lanes + 8 * (2 * u + h);
+                __m256i e = _mm256_loadu_si256((const __m256i *)(x->lo + row * x->width + 64 * u + 32 * h));
+                __m256i o = _mm256_loadu_si256((const __m256i *)(x->hi + row * x->width + 64 * u + 32 * h));
+                __m256i v[MM_GROUP];
+                for (int r = 0; r < MM_GROUP; r++)
+                    v[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[r], e), _mm256_maddubs_epi16(hi[r], o)), ones);
+                __m256i acc = _mm256_add_epi32(mm_gather4(v), _mm256_loadu_si256((const __m256i *)(x->wide_bias + at)));
+                f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(sc, _mm256_loadu_ps(x->wide_steps + at)), f[m]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++) mm_finish8(f[m], y + (r0 + m) * n);
+}
+
+/* MatMul8: one group of 4 columns for rows r0..r0+R-1 (as group4_avx2). Codes (0..255) and a
+ * row's (-127..127, widened once a row) in 16 bits, multiplied in pairs to 32 (`vpmaddwd`: byte
+ * products would overflow 16 bits); a unit's blocks A and B of the four columns gathered into
+ * one vector */
+MM_INLINE void group8_avx2(const qrows *x, const uint8_t *c, const float *s, int64_t r0, int R, float *y,
+                           int64_t n, int64_t units) {
+    /* scales (column r, block j at 2r + j) -> [block 0 of columns 0-3 | block 1 of them] */
+    const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 f[MM_ROWS_AVX2];
+    __m256i g8[MM_ROWS_AVX2][2];
+    for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < units; u++, c += MM_GROUP * MM8_UNIT, s += 2 * MM_GROUP) {
+        for (int l = 0; l < MM_GROUP; l++) MM_PREFETCH(c + MM8_AHEAD * MM_GROUP * MM8_UNIT + 64 * l);
+        MM_PREFETCH(s + MM8_AHEAD * 2 * MM_GROUP);
+        __m256 sc = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s), pick);
+        for (int half = 0; half < 2; half++) { /* the 4 columns' codes 16 a block at a time */
+            __m256i q[MM_GROUP][2];
+            for (int r = 0; r < MM_GROUP; r++)
+                for (int b = 0; b < 2; b++)
+                    q[r][b] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + MM8_UNIT * r + MM8_BLOCK * b + 16 * half)));
+            for (int m = 0; m < R; m++) {
+                const int16_t *e = x->wide_x + (r0 + m) * x->width + MM8_UNIT * u + 16 * half;
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)e), x1 = _mm256_loadu_si256((const __m256i *)(e + MM8_BLOCK));
+                __m256i v[MM_GROUP];
+                for (int r = 0; r < MM_GROUP; r++) { /* (lanes 0-3: block A's parts, 4-7: B's) */
+                    __m256i a = _mm256_madd_epi16(q[r][0], x0), b = _mm256_madd_epi16(q[r][1], x1);
+                    v[r] = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+                }
+                g8[m][half] = mm_gather4(v);
+            }
+        }
+        for (int m = 0; m < R; m++) {
+            int64_t at = (r0 + m) * x->wide_lanes + 8 * u;
+            __m256i acc = _mm256_add_epi32(_mm256_add_epi32(g8[m][0], g8[m][1]), _mm256_loadu_si256((const __m256i *)(x->wide_bias + at)));
+            f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(sc, _mm256_loadu_ps(x->wide_steps + at)), f[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) mm_finish8(f[m], y + (r0 + m) * n);
+}
+
+/* each block's step and correction in each of the lanes of the AVX2 paths' block sums (the
+ * four columns' sums of a block: MM_GROUP lanes); MatMul8's codes widened to 16 bits */
+static void widen_lanes(qrows *x, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < x->blocks; b++)
+            for (int64_t l = 0; l < MM_GROUP; l++) {
+                x->wide_steps[r * x->wide_lanes + b * MM_GROUP + l] = x->steps[r * x->lanes + b];
+                x->wide_bias[r * x->wide_lanes + b * MM_GROUP + l] = x->bias[r * x->lanes + b];
+            }
+    if (x->wide_x)
+        for (int64_t i = 0; i < rows * x->width; i++) x->wide_x[i] = x->lo[i];
+}
+#endif
+
 #if !MM_VECTOR
 /* a float16's value */
 static float half(uint16_t h) {
@@ -477,6 +603,33 @@ static void *mm_run(void *arg) {
     b0 += rows;
     }
 #else
+#if MM_AVX2
+    if (p->kind == MM4 || p->kind == MM8) {
+        /* rows in bands the second-level cache holds (as the AVX-512 path), tiles of 1-2 */
+        int64_t row_bytes = 2 * x->width + 2 * x->wide_lanes * (int64_t)sizeof(float);
+        int64_t most_band = MM_BAND_BYTES / row_bytes > MM_ROWS_AVX2 ? MM_BAND_BYTES / row_bytes : MM_ROWS_AVX2;
+        for (int64_t b0 = 0; b0 < p->rows; b0 += most_band) {
+            int64_t end = b0 + most_band < p->rows ? b0 + most_band : p->rows;
+            for (int64_t g = p->g0; g < p->g1; g++) {
+                const uint8_t *c = p->codes + g * units * unit_bytes;
+                const float *s = (const float *)p->scales + g * units * (p->kind == MM4 ? 16 : 2 * MM_GROUP);
+                float *y = p->y + g * MM_GROUP;
+                for (int64_t r = b0; r < end; r += MM_ROWS_AVX2) {
+                    int64_t size = end - r < MM_ROWS_AVX2 ? end - r : MM_ROWS_AVX2;
+#define MM_TILE2(R) (p->kind == MM4 ? group4_avx2(x, c, s, r, R, y, p->n, units) : group8_avx2(x, c, s, r, R, y, p->n, units))
+                    switch (size) {
+                    case 4: MM_TILE2(4); break;
+                    case 3: MM_TILE2(3); break;
+                    case 2: MM_TILE2(2); break;
+                    default: MM_TILE2(1); break;
+                    }
+#undef MM_TILE2
+                }
+            }
+        }
+        return NULL;
+    }
+#endif
     for (int64_t g = p->g0; g < p->g1; g++) {
         const uint8_t *c = p->codes + g * units * unit_bytes;
         for (int64_t r = 0; r < p->rows; r++) {
@@ -552,15 +705,26 @@ static void mm_compute(void *state, void *ctx) {
     size_t code_bytes = (size_t)(rows * width), lane_bytes = (size_t)(rows * lanes) * sizeof(float);
     int64_t sum_width = summed ? blocks / 8 * MM4K_SUMS + MM_PAD / 4 : 0;
     size_t sum_bytes = (size_t)(rows * sum_width) * sizeof(float);
-    char *scratch = (char *)malloc(2 * code_bytes + 2 * lane_bytes + sum_bytes);
+    /* (AVX2: each block's step and correction in each of its MM_GROUP lanes) */
+    int per = MM_AVX2 && (st->kind == MM4 || st->kind == MM8);
+    int64_t wide_lanes = per ? blocks * MM_GROUP + MM_PAD / 4 : 0;
+    size_t wide_bytes = (size_t)(rows * wide_lanes) * sizeof(float);
+    size_t x16_bytes = MM_AVX2 && st->kind == MM8 ? 2 * code_bytes : 0;
+    char *scratch = (char *)malloc(2 * code_bytes + 2 * lane_bytes + sum_bytes + 2 * wide_bytes + x16_bytes);
     if (!scratch) return;
-    qrows x = {(int8_t *)scratch, (int8_t *)(scratch + code_bytes), (float *)(scratch + 2 * code_bytes),
-               (int32_t *)(scratch + 2 * code_bytes + lane_bytes),
-               summed ? (float *)(scratch + 2 * code_bytes + 2 * lane_bytes) : NULL, blocks, width, lanes, sum_width};
+    char *wide = scratch + 2 * code_bytes + 2 * lane_bytes + sum_bytes;
+    qrows x = {.lo = (int8_t *)scratch, .hi = (int8_t *)(scratch + code_bytes),
+               .steps = (float *)(scratch + 2 * code_bytes), .bias = (int32_t *)(scratch + 2 * code_bytes + lane_bytes),
+               .sums = summed ? (float *)(scratch + 2 * code_bytes + 2 * lane_bytes) : NULL,
+               .wide_steps = per ? (float *)wide : NULL, .wide_bias = per ? (int32_t *)(wide + wide_bytes) : NULL,
+               .wide_lanes = wide_lanes, .wide_x = x16_bytes ? (int16_t *)(wide + 2 * wide_bytes) : NULL, .blocks = blocks, .width = width, .lanes = lanes, .sum_width = sum_width};
     for (int64_t r = 0; r < rows; r++)
         quantize_a((const float *)data[0] + r * k, k, blocks, block, split, split ? 8 : st->zero, x.lo + r * width,
                    x.hi + r * width, x.steps + r * lanes, x.bias + r * lanes,
                    summed ? x.sums + r * sum_width : NULL);
+#if MM_AVX2
+    if (per) widen_lanes(&x, rows);
+#endif
     int64_t groups = n / MM_GROUP, threads = st->threads < MM_THREADS ? st->threads : MM_THREADS;
     threads = rows * n * k < MM_PARALLEL ? 1 : threads < groups ? threads : groups;
     mm_part parts[MM_THREADS];

@@ -13,8 +13,10 @@ accuracy level) whether a row alone and the same row in a step of two differ; `p
 then rewrites each such product of the fast exports' kind (PADDED_LEVELS) so that a step of
 one row runs it on that row and a copy (Gather with the indices [0, 0]) and keeps the first
 row of its result. Steps of several rows run as they are (indices 0..m-1). The price is a
-two-row product in a one-row step: SmolLM2 int4 fast decoded at 0.81x (1 thread, AVX2),
-where it is paid at all.
+two-row product in a one-row step: SmolLM2 int4 fast decoded at 0.81x (1 thread, AVX2,
+onnxruntime's products). By default a fast export's products there are engine/matmul.c's
+(row-invariant, and faster: engine/linear.py), so this pays only for what stays MatMulNBits:
+with --no-matmul-kernel, or a K-quant export's kinds without AVX-512.
 """
 
 from __future__ import annotations

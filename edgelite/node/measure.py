@@ -96,9 +96,8 @@ class Measure:
         # hold); timing layer 0 above has built the kernel library, if it can be built
         narrow: dict[str, bool] = {}
         if msg.manifest is not None:
-            library = await asyncio.get_running_loop().run_in_executor(
-                self.compute_pool, linear.library, self.cfg.runtime)
-            narrow["narrow_products"] = library is not None
+            narrow["narrow_products"] = await asyncio.get_running_loop().run_in_executor(
+                self.compute_pool, linear.narrow, self.cfg.runtime)
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
                                                   "provider": self.cfg.runtime.provider,
                                                   **flops, **host_profile(), **budget, **narrow})
