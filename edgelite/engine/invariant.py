@@ -23,14 +23,12 @@ steps one session at a time.
 
 from __future__ import annotations
 
+from edgelite.engine import onerow
 from edgelite.engine.onnxgraph import (
     GRAPH_INIT,
     GRAPH_NODE,
     INT32,
     INT64,
-    NODE_INPUT,
-    NODE_OP,
-    NODE_OUTPUT,
     Field,
     each_node,
     encode,
@@ -64,22 +62,11 @@ def _pad_graph(graph: bytes) -> bytes:
         count += 1
         tag = f"{PREFIX}/{count}"
         new_inputs = list(inputs)
-        for i in range(3):  # query, key, value (key and value are empty when packed)
-            if inputs[i]:
-                padded = f"{tag}/padded_{i}"
-                items.append((GRAPH_NODE, 2, make_node("Gather", [inputs[i], f"{PREFIX}/rows"], [padded],
-                                                       padded, axis=1)))
-                new_inputs[i] = padded
         seqlens, total = inputs[5], inputs[6]  # (the range's own inputs, shared by its layers)
         new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
-        wide = f"{tag}/output_padded"
-        items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new_inputs),
-                                             (NODE_OUTPUT, 2, wide.encode()),
-                                             *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
-                                             (NODE_OP, 2, b"GroupQueryAttention"), *rest])))
-        items.append((GRAPH_NODE, 2, make_node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
-                                                         f"{PREFIX}/one_1d"], [outputs[0]],
-                                               f"{tag}/drop_pad")))
+        # query, key, value gathered (key and value are empty when packed)
+        items += onerow.padded_node(PREFIX, tag, "GroupQueryAttention", new_inputs, outputs, rest,
+                                    (0, 1, 2), 1, f"{PREFIX}/one_1d")
     if not count:
         return graph
     hidden = hidden_input(graph)
@@ -90,24 +77,15 @@ def _pad_graph(graph: bytes) -> bytes:
 
 
 def _shared(hidden: str, seqlens: str, total: str) -> list[Field]:
-    """The nodes every attention of the range shares: m, the step's rows (from the hidden
-    input's shape); pad, 1 when m is 1, else 0; rows, the indices [0, ..., m - 1] and one more
-    0 when padded (a copy of the only row); seqlens and total plus pad."""
+    """The nodes every attention of the range shares: the step's rows and their indices
+    (onerow.row_indices: m, pad, rows, m_1d); seqlens and total plus pad."""
     p = PREFIX
-    spec = [("Gather", ["shape", "one"], "m", {"axis": 0}),
-            ("Equal", ["m", "one"], "single", {}), ("Cast", ["single"], "pad", {"to": INT64}),
-            ("Add", ["m", "pad"], "n", {}), ("Range", ["zero", "n", "one"], "range", {}),
-            ("Sub", ["m", "one"], "last", {}), ("Min", ["range", "last"], "rows", {}),
-            ("Unsqueeze", ["m", "zero_1d"], "m_1d", {}), ("Cast", ["pad"], "pad32", {"to": INT32})]
-    out = [(GRAPH_NODE, 2, make_node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
-    out += [(GRAPH_NODE, 2, make_node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", **attrs))
-            for op, ins, o, attrs in spec]
+    out = onerow.row_indices(p, hidden)
+    out.append((GRAPH_NODE, 2, make_node("Cast", [f"{p}/pad"], [f"{p}/pad32"], f"{p}/pad32", to=INT32)))
     for name in (seqlens, total):
         out.append((GRAPH_NODE, 2, make_node("Add", [name, f"{p}/pad32"], [f"{p}/{name}"], f"{p}/{name}")))
     return out
 
 
 def _constants() -> list[bytes]:
-    return [make_tensor(f"{PREFIX}/zero", INT64, [0], []), make_tensor(f"{PREFIX}/one", INT64, [1], []),
-            make_tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]),
-            make_tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]
+    return [make_tensor(f"{PREFIX}/one_1d", INT64, [1], [1])]

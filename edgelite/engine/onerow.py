@@ -137,23 +137,37 @@ def _pad_graph(graph: bytes, cfg: RuntimeConfig) -> bytes:
             items.append(field)
             continue
         count += 1
-        tag = f"{PREFIX}/{count}"
-        items.append((GRAPH_NODE, 2, make_node("Gather", [inputs[0], f"{PREFIX}/rows"], [f"{tag}/padded"],
-                                               f"{tag}/pad", axis=-2)))
-        wide = f"{tag}/output_padded"
-        items.append((GRAPH_NODE, 2, encode([(NODE_INPUT, 2, f"{tag}/padded".encode()),
-                                             *((NODE_INPUT, 2, x.encode()) for x in inputs[1:]),
-                                             (NODE_OUTPUT, 2, wide.encode()),
-                                             (NODE_OP, 2, b"MatMulNBits"), *rest])))
-        items.append((GRAPH_NODE, 2, make_node("Slice", [wide, f"{PREFIX}/zero_1d", f"{PREFIX}/m_1d",
-                                                         f"{PREFIX}/minus2_1d"], [outputs[0]],
-                                               f"{tag}/drop_pad")))
+        items += padded_node(PREFIX, f"{PREFIX}/{count}", "MatMulNBits", inputs, outputs, rest, (0,), -2,
+                             f"{PREFIX}/minus2_1d")
     if not count:
         return graph
     hidden = _rows_input(graph)
     if not hidden:
         raise ValueError("the graph has no hidden input to count a step's rows by")
-    return encode([*_shared(hidden), *items, *((GRAPH_INIT, 2, c) for c in _constants())])
+    return encode([*row_indices(PREFIX, hidden), *items, *((GRAPH_INIT, 2, c) for c in _constants())])
+
+
+def padded_node(prefix: str, tag: str, op: str, inputs: list[str], outputs: list[str], rest: list[Field],
+                rows_at: tuple[int, ...], axis: int, axis_1d: str) -> list[Field]:
+    """A node of type `op` whose inputs at `rows_at` are gathered by the shared indices
+    (`prefix`/rows, on `axis`) and whose first output keeps the step's m rows (a Slice on that
+    axis, `axis_1d` the constant naming it); its other outputs as they are. (engine/invariant.py
+    pads its attention so.)"""
+    items: list[Field] = []
+    new = list(inputs)
+    for i in rows_at:
+        if inputs[i]:  # (an empty input: an optional one not given)
+            new[i] = f"{tag}/padded_{i}"
+            items.append((GRAPH_NODE, 2, make_node("Gather", [inputs[i], f"{prefix}/rows"], [new[i]], new[i],
+                                                   axis=axis)))
+    wide = f"{tag}/output_padded"
+    items.append((GRAPH_NODE, 2, encode([*((NODE_INPUT, 2, x.encode()) for x in new),
+                                         (NODE_OUTPUT, 2, wide.encode()),
+                                         *((NODE_OUTPUT, 2, x.encode()) for x in outputs[1:]),
+                                         (NODE_OP, 2, op.encode()), *rest])))
+    items.append((GRAPH_NODE, 2, make_node("Slice", [wide, f"{prefix}/zero_1d", f"{prefix}/m_1d", axis_1d],
+                                           [outputs[0]], f"{tag}/drop_pad")))
+    return items
 
 
 def _rows_input(graph: bytes) -> str:
@@ -162,10 +176,12 @@ def _rows_input(graph: bytes) -> str:
                  if n == GRAPH_INPUT and value_name(v).startswith("hidden")), "")  # type: ignore[arg-type]
 
 
-def _shared(hidden: str) -> list[Field]:
-    """m, the step's rows (the hidden input's second dimension); rows, the indices
-    [0, ..., m - 1], or [0, 0] when m is 1; m_1d, m as a 1-d tensor (the slice's end)."""
-    p = PREFIX
+def row_indices(prefix: str, hidden: str) -> list[Field]:
+    """The nodes a graph padded so shares, named under `prefix`: m, the step's rows (the hidden
+    input's second dimension); pad, 1 when m is 1, else 0; rows, the indices [0, ..., m - 1],
+    or [0, 0] when m is 1; m_1d, m as a 1-d tensor (a slice's end); and the constants they
+    use (zero, one, zero_1d). engine/invariant.py's padded attention shares them too."""
+    p = prefix
     spec = [("Gather", ["shape", "one"], "m", {"axis": 0}),
             ("Equal", ["m", "one"], "single", {}), ("Cast", ["single"], "pad", {"to": INT64}),
             ("Add", ["m", "pad"], "n", {}), ("Range", ["zero", "n", "one"], "range", {}),
@@ -174,10 +190,10 @@ def _shared(hidden: str) -> list[Field]:
     out = [(GRAPH_NODE, 2, make_node("Shape", [hidden], [f"{p}/shape"], f"{p}/shape"))]
     out += [(GRAPH_NODE, 2, make_node(op, [f"{p}/{x}" for x in ins], [f"{p}/{o}"], f"{p}/{o}", **attrs))
             for op, ins, o, attrs in spec]
-    return out
+    constants = [make_tensor(f"{p}/zero", INT64, [0], []), make_tensor(f"{p}/one", INT64, [1], []),
+                 make_tensor(f"{p}/zero_1d", INT64, [0], [1])]
+    return out + [(GRAPH_INIT, 2, c) for c in constants]
 
 
 def _constants() -> list[bytes]:
-    return [make_tensor(f"{PREFIX}/zero", INT64, [0], []), make_tensor(f"{PREFIX}/one", INT64, [1], []),
-            make_tensor(f"{PREFIX}/zero_1d", INT64, [0], [1]),
-            make_tensor(f"{PREFIX}/minus2_1d", INT64, [-2], [1])]
+    return [make_tensor(f"{PREFIX}/minus2_1d", INT64, [-2], [1])]
