@@ -27,11 +27,12 @@ MatMulNBits, rewritten as a range (or the head) loads: no re-export.
 
 The interleaving nodes work on initializers only, so engine/fold.py computes them before
 onnxruntime sees the graph (into its mapping: no copy), and a decode step reads each
-product's bytes as one stream. Only where the library's operators have their vector path
-(`kernel.fast_matmul`); elsewhere onnxruntime's own kernels are faster, and the graph is left
-as it is. Any other product (exact mode, other widths, zero points, a form the names above do
-not find) stays MatMulNBits. What the rewrite leaves unread (a replaced product's minima, block
-sums no product reads any more) is dropped.
+product's bytes as one stream. Only the kinds whose operators have their vector path in the
+library (`kernel.matmul_kinds`: all four with AVX-512 VNNI and VBMI, MatMul4 and MatMul8 with
+AVX2; a Q4_K product then goes to MatMul4 beside its minima product); elsewhere onnxruntime's
+own kernels are faster, and the graph is left as it is. Any other product (exact mode, other
+widths, zero points, a form the names above do not find) stays MatMulNBits. What the rewrite
+leaves unread (a replaced product's minima, block sums no product reads any more) is dropped.
 """
 
 from __future__ import annotations
