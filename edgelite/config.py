@@ -287,6 +287,9 @@ class GatewayConfig:
     prefill_step_tokens: int = 64  # prefill tokens of all requests together in one step (>= 1 chunk)
     max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
     flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
+    # a client cut off still sending: what it sends is read and dropped for at most this long
+    # after the last frame, so that its unread bytes do not reset the connection first
+    close_linger_s: float = 2.0
     # a preempted request's KV goes to the KV stores and comes back when it resumes (else it
     # is recomputed)
     swap_preempted: bool = True

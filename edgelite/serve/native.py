@@ -31,6 +31,7 @@ from edgelite.serve.gateway import Gateway
 from edgelite.serve.users import User
 
 log = logging.getLogger(__name__)
+LINGER_READ_BYTES = 65536  # a read while lingering (what is read is dropped)
 
 
 class Client:
@@ -135,6 +136,7 @@ class NativeDoor:
                 if client.closing:  # its last frames go out first (bounded by the send timeout)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.shield(writing), self.cfg.client_send_timeout_s)
+                    await self._linger(conn)
             finally:
                 writing.cancel()
                 await asyncio.gather(writing, return_exceptions=True)
@@ -149,6 +151,20 @@ class NativeDoor:
                 client.gone = True  # the scheduling loop cancels its requests
                 self.gateway.wake.set()
             await conn.close()
+
+    async def _linger(self, conn: Conn) -> None:
+        """End this side (the client reads to the last frame, then the end), and read and drop
+        what the client still sends until it closes, for at most `close_linger_s`: a socket
+        closed with bytes unread resets the connection, and a client could then lose the
+        frames it had not read yet (a flood's refusals, and why it was cut off)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.cfg.close_linger_s
+        with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+            if conn.writer.can_write_eof():
+                conn.writer.write_eof()
+            while (left := until - loop.time()) > 0:
+                if not await asyncio.wait_for(conn.reader.read(LINGER_READ_BYTES), left):
+                    return  # (the client closed)
 
     async def _read(self, client: Client) -> None:
         while not client.gone:
