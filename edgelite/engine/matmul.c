@@ -85,6 +85,11 @@
 #define MM_AVX2 0
 #endif
 
+#if MM_VECTOR || MM_AVX2
+#define MM_INLINE static inline __attribute__((always_inline))
+#define MM_PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+#endif
+
 enum { MM4 = 0, MM6 = 1, MM4K = 2, MM8 = 3 }; /* the operators */
 #define MM_GROUP 4         /* columns interleaved together */
 #define MM_ROWS 4          /* rows of a that share a group's codes once loaded */
@@ -187,8 +192,6 @@ static inline int code6(const uint8_t *c, int64_t i) {
 }
 
 #if MM_VECTOR
-#define MM_INLINE static inline __attribute__((always_inline))
-#define MM_PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
 
 /* each row's lanes summed into y */
 MM_INLINE void mm_finish(__m512 (*f)[MM_ROWS], int64_t r0, int R, float *y, int64_t n) {
@@ -371,8 +374,6 @@ MM_INLINE void group4k_vector(const qrows *x, const uint8_t *c, const uint8_t *m
 #endif
 
 #if MM_AVX2
-#define MM_INLINE static inline __attribute__((always_inline))
-#define MM_PREFETCH(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
 #define MM_ROWS_AVX2 4 /* rows a tile (a row's sums for the group: one register) */
 
 /* the four columns' integer sums of blocks A and B (v[r]: column r's, lanes 0-3 block A's

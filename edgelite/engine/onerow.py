@@ -45,12 +45,11 @@ from edgelite.engine.onnxgraph import (
     Field,
     each_node,
     encode,
-    fields,
+    hidden_input,
     make_node,
     make_tensor,
     make_value_info,
     node_attrs,
-    value_name,
     with_graph,
     with_opset,
 )
@@ -141,7 +140,7 @@ def _pad_graph(graph: bytes, cfg: RuntimeConfig) -> bytes:
                              f"{PREFIX}/minus2_1d")
     if not count:
         return graph
-    hidden = _rows_input(graph)
+    hidden = hidden_input(graph, "hidden")  # (batch, rows, width): a range's or the head's
     if not hidden:
         raise ValueError("the graph has no hidden input to count a step's rows by")
     return encode([*row_indices(PREFIX, hidden), *items, *((GRAPH_INIT, 2, c) for c in _constants())])
@@ -168,12 +167,6 @@ def padded_node(prefix: str, tag: str, op: str, inputs: list[str], outputs: list
     items.append((GRAPH_NODE, 2, make_node("Slice", [wide, f"{prefix}/zero_1d", f"{prefix}/m_1d", axis_1d],
                                            [outputs[0]], f"{tag}/drop_pad")))
     return items
-
-
-def _rows_input(graph: bytes) -> str:
-    """The graph's hidden input (a range's `hidden_*`, the head's `hidden`): (batch, rows, width)."""
-    return next((value_name(v) for n, _, v in fields(graph)  # type: ignore[arg-type]
-                 if n == GRAPH_INPUT and value_name(v).startswith("hidden")), "")  # type: ignore[arg-type]
 
 
 def row_indices(prefix: str, hidden: str) -> list[Field]:

@@ -142,10 +142,11 @@ def each_node(graph: bytes, op: str) -> Iterator[tuple[Field, NodeParts | None]]
         yield (number, wire, value), None
 
 
-def hidden_input(graph: bytes) -> str:
-    """The name of a range's `hidden_*` input ("" when it has none)."""
+def hidden_input(graph: bytes, prefix: str = "hidden_") -> str:
+    """The name of the graph's first input named from `prefix` ("" when it has none): a range's
+    `hidden_*`; with "hidden", the head's `hidden` too."""
     return next((value_name(v) for n, _, v in fields(graph)  # type: ignore[arg-type]
-                 if n == GRAPH_INPUT and value_name(v).startswith("hidden_")), "")  # type: ignore[arg-type]
+                 if n == GRAPH_INPUT and value_name(v).startswith(prefix)), "")  # type: ignore[arg-type]
 
 
 def with_graph(model: bytes, rewrite: Callable[[bytes], bytes]) -> bytes:
