@@ -25,6 +25,25 @@ ARCHS = ["llama", "qwen2", "mistral"]
 
 
 @pytest.fixture(scope="session")
+def kernel_build(tmp_path_factory: pytest.TempPathFactory):
+    """The kernel library built by `cc -march=native` with more flags (e.g. without AVX2), once
+    a session for each set of flags (a build takes ~15 s: several tests share one)."""
+    from edgelite.engine import kernel
+
+    built: dict[tuple[str, ...], Path] = {}
+
+    def build(*extra: str) -> Path:
+        if extra not in built:
+            target = tmp_path_factory.mktemp("kernel") / "kernel.so"
+            subprocess.run(kernel.command(kernel._compilers()[0], ["-march=native", *extra], str(target)),
+                           check=True, capture_output=True, timeout=300)
+            built[extra] = target
+        return built[extra]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import models
 

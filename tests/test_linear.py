@@ -4,7 +4,6 @@ fast export's 4-bit, Q4_K, Q6_K and 8-bit MatMulNBits products (issue 35)."""
 from __future__ import annotations
 
 import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -113,15 +112,13 @@ def test_the_product_is_numpys_and_each_row_the_same_in_any_chunking(op: str, sh
     assert np.abs(_run(library, op, 256, 4, a, weights)).max() < 1e-6 * np.abs(a).sum() * scale * 64
 
 
-def test_the_plain_c_products_are_numpys_too(tmp_path: Path) -> None:
+def test_the_plain_c_products_are_numpys_too(kernel_build) -> None:
     """Built without AVX2 (nor AVX-512), the library says its products have no vector path
     (linear.py then leaves MatMulNBits) and still computes them."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the plain build is made with x86 flags")
     assert kernel.library(RuntimeConfig(threads=1)) is not None, "the kernel library could not be built here"
-    target = tmp_path / "plain.so"
-    subprocess.run(kernel.command(kernel._compilers()[0], ["-march=native", "-mno-avx2"], str(target)),
-                   check=True, capture_output=True, timeout=300)
+    target = kernel_build("-mno-avx2")  # (test_attention's int8 test builds the same on AVX2)
     assert not kernel.matmul_kinds(target)
     rng = np.random.default_rng(4)
     for op, k in (("MatMul4", 96), ("MatMul4K", 512), ("MatMul6", 512), ("MatMul8", 192)):
