@@ -73,18 +73,18 @@ class RuntimeConfig:
     # the attention kernel), or "auto": float16 for fast-mode exports, float32 for fp32 and
     # exact ones (Manifest.kv_dtype)
     kv_dtype: str = "auto"
-    # where `invariant`, attention runs in edgelite's own operator (engine/attend.c, compiled
-    # for the device at first use: engine/kernel.py), which reads the valid KV once a step;
-    # off, or where no C compiler works, onnxruntime's operators (engine/attention.py,
-    # engine/invariant.py)
+    # where `invariant`, attention runs in edgelite's own operator (engine/kernels: C built for
+    # the device, in the background from a node's start, else at first use), which reads the
+    # valid KV once a step; off, or where no C compiler works, onnxruntime's operators
+    # (engine/attention.py, engine/invariant.py)
     attention_kernel: bool = True
-    # fast-mode 4-bit and Q6_K products in edgelite's own operators (engine/matmul.c, built
-    # with the attention kernel: engine/linear.py), which read the weights as stored (4 bits
-    # and a float scale a block; Q6_K's 6.56 bits) where onnxruntime's MatMulNBits packs them
-    # again; only where the device has their vector path (AVX-512 VNNI and VBMI), else
-    # onnxruntime's
+    # fast-mode 4-bit, Q4_K, Q6_K and 8-bit products in edgelite's own operators (the same
+    # library: engine/linear.py), which read the weights as stored (4 bits and a float scale a
+    # block; Q6_K's 6.56 bits) where onnxruntime's MatMulNBits packs them again; only the kinds
+    # the device has a vector path for (kernels.matmul_kinds), else onnxruntime's
     matmul_kernel: bool = True
-    kernel_build_s: float = 180.0  # the longest a build of it may take before it is given up
+    kernel_build_s: float = 180.0  # the longest the library's compile may take before it is given up
+    kernel_check_s: float = 60.0  # the longest its check (in a child process) may take
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @property
@@ -150,6 +150,9 @@ class NodeConfig:
     max_probe_timeout_s: float = 10.0  # the longest per-request timeout a probe may ask for
     max_profile_hidden: int = 4096  # the largest GEMV side a profile request may ask for
     max_profile_bytes: int = 16 * 1024 * 1024  # the most weight bytes a profile GEMV allocates
+    # a profile asked while the kernel library still builds (from the node's start) waits this
+    # long for it, then answers with onnxruntime's figures and says the kernel is building
+    kernel_wait_s: float = 10.0
     max_connections: int = 128  # open authenticated connections (control and data), all peers
     # connections not yet authenticated have their own budget (all of them, and from one
     # address), each at most handshake_timeout_s: strangers cannot keep clients out

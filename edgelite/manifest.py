@@ -71,7 +71,7 @@ class FileEntry:
     scratch_bytes: int = 0
     # the most it held while it loaded (widening scales in memory), where above resident_bytes
     load_peak_bytes: int = 0
-    # the same three where its products run in engine/matmul.c's operators (a device with
+    # the same three where its products run in edgelite's product operators (a device with
     # AVX-512 VNNI and VBMI: engine/linear.py), measured where the exporter's machine has them;
     # 0: not measured (the figures above hold, the larger)
     narrow_resident_bytes: int = 0
@@ -85,7 +85,7 @@ class FileEntry:
         return self.resident_bytes or int(self.param_bytes * RESIDENT_PER_PARAM_BYTE)
 
     def resident_on(self, narrow: bool) -> int:
-        """`resident` on a device that runs engine/matmul.c's products (`narrow`) or not."""
+        """`resident` on a device that runs edgelite's product operators (`narrow`) or not."""
         return (narrow and self.narrow_resident_bytes) or self.resident
 
     def load_peak_on(self, narrow: bool) -> int:
@@ -173,7 +173,7 @@ class Manifest:
     def client_bytes_on(self, narrow: bool) -> int:
         """What the embedding and the head take on the client: both held, and the larger of
         their loads' transients on top (they load one after the other); `narrow`: the client
-        runs engine/matmul.c's products."""
+        runs edgelite's product operators."""
         pieces = (self.embed, self.head)
         return sum(e.resident_on(narrow) for e in pieces) + max(
             max(0, e.load_peak_on(narrow) - e.resident_on(narrow)) for e in pieces)

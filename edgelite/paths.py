@@ -16,7 +16,7 @@ def home() -> Path:
 
 
 def cache() -> Path:
-    """Where this machine keeps what it builds for itself (engine/kernel.py's libraries, named
+    """Where this machine keeps what it builds for itself (engine/kernels' libraries, named
     by what they were built from): $EDGELITE_CACHE, else $XDG_CACHE_HOME/edgelite, else
     ~/.cache/edgelite. Shared by every edgelite home on the machine."""
     if os.environ.get("EDGELITE_CACHE"):

@@ -12,9 +12,9 @@ of their load (widening a large table's scales takes a transient: the 1 B head h
 289 while it loads).
 
     python -m edgelite_export.resident EXPORT_DIR PIECE [narrow]    (PIECE: a layer index, embed, head;
-        narrow: with engine/matmul.c's products)
+        narrow: with edgelite's product operators (engine/kernels))
 
-Where this machine runs engine/matmul.c's products (AVX-512 VNNI and VBMI), each piece is
+Where this machine runs edgelite's product operators (engine/kernels) (AVX-512 VNNI and VBMI), each piece is
 measured both ways: with onnxruntime's MatMulNBits (what any device holds) and with them (the
 manifest's narrow_* figures, what a device that has them holds).
 """
@@ -53,7 +53,7 @@ def _reset_peak() -> bool:
 def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int, int]:
     """(resident, scratch) bytes of a layer, or (resident, load peak) of the embedding or
     the head, in this process (see the module's note); `narrow`: with its products in
-    engine/matmul.c's operators (where this machine has them)."""
+    edgelite's product operators (where this machine has them)."""
     from edgelite.engine.layers import LayerRange, export_files
     from edgelite.engine.runtime import Embedding, Head
 
@@ -105,7 +105,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         return m
     from edgelite.engine import linear
 
-    # (each figure twice where this machine runs engine/matmul.c's products: with onnxruntime's
+    # (each figure twice where this machine runs edgelite's product operators (engine/kernels): with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
     narrow = linear.narrow(RuntimeConfig(threads=1))
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
@@ -143,7 +143,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
              max(e.scratch_bytes for e in layers) / 2**20, embed.resident_bytes / 2**20,
              head.resident_bytes / 2**20, head.load_peak_bytes / 2**20)
     if narrow:
-        log.info("with engine/matmul.c's products: layers %.1f-%.1f MiB, head %.1f MiB (%.1f loading)",
+        log.info("with edgelite's product operators (engine/kernels): layers %.1f-%.1f MiB, head %.1f MiB (%.1f loading)",
                  min(e.narrow_resident_bytes for e in layers) / 2**20,
                  max(e.narrow_resident_bytes for e in layers) / 2**20, head.narrow_resident_bytes / 2**20,
                  head.narrow_load_peak_bytes / 2**20)

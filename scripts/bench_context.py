@@ -5,7 +5,7 @@
   30 attention layers in one session run, as a range runs them (each layer its own KV, laid out
   as engine/kv.py's pool holds a session's, so each reads its KV from memory, not cache), for
   onnxruntime's GroupQueryAttention (what `--no-invariant` runs), engine/attention.py's plain
-  operators and engine/attend.c's kernel, with float32, float16 and (the kernel's) int8 KV.
+  operators and edgelite's kernel (engine/kernels), with float32, float16 and (the kernel's) int8 KV.
   Each path's KV bytes read per second against the machine's read bandwidth, measured in the
   same run (numpy's sum over one 512 MiB array).
 - Decode ms/token of the 30 layers at contexts 50, 1,000 and 4,000 (prompts of random hidden
@@ -98,15 +98,16 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
 
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
-    from edgelite.engine import kernel
+    from edgelite.engine import kernels
     from edgelite.engine.attention import plain_attention
+    from edgelite.engine.kernels import twins
     from edgelite.manifest import KV_ITEM, kv_row_values
 
     m = mf.load(model)
     heads, kv, d, rot = m.num_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
     cap = max(ATTENTION_CONTEXTS) + 64
     base = _attention_model(heads, kv, d, rot, cap, LAYERS)
-    library = kernel.library(RuntimeConfig(threads=1))
+    library = kernels.library(RuntimeConfig(threads=1))
     if library is None:
         raise SystemExit("no attention kernel could be built here (see the warning above)")
     graphs = {"gqa-float32": (base, np.float32), "plain-float32": (plain_attention(base, d, rot), np.float32),
@@ -131,7 +132,7 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
             s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
             # the KV laid out as engine/kv.py's pool holds a session's (one mapping: each layer's
             # keys, then its values); an array a layer read up to 1.6x slower in this harness
-            pool = kernel.random_kv(rng, (LAYERS, 2, kv, cap, d), dtype)
+            pool = twins.random_kv(rng, (LAYERS, 2, kv, cap, d), dtype)
             bufs = [pool[i, j][None] for i in range(LAYERS) for j in range(2)]
             out = np.zeros((1, 1, heads * d), np.float32)
             io = s.io_binding()

@@ -1,4 +1,5 @@
-"""engine/matmul.c's products against onnxruntime's MatMulNBits on the same weights, 1 thread
+"""edgelite's product operators (engine/kernels) against onnxruntime's MatMulNBits on the same
+weights, 1 thread
 (issue 35).
 
 For each product (MatMul4: 4-bit codes in blocks of 32 with a float scale; MatMul4K: a Q4_K's
@@ -37,7 +38,8 @@ def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, b
     """(edgelite's model, MatMulNBits' model, bits a weight each holds)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from edgelite.engine import kernel
+    from edgelite.engine import kernels
+    from edgelite.engine.kernels import twins
 
     mine, theirs, inits_m, inits_t = [], [], [], []
     if op == "MatMul4K":  # (x's block sums, once for all copies, as the export shares them)
@@ -49,20 +51,20 @@ def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, b
         if op == "MatMul4":
             codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
             scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32)
-            weights = dict(zip(("codes", "scales"), kernel.interleaved(codes, scales), strict=True))
+            weights = dict(zip(("codes", "scales"), twins.interleaved(codes, scales), strict=True))
             theirs_in, bits, block = (codes, scales), 4, 32
             attrs = {}
         elif op == "MatMul8":
             codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
             scales = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32)
-            weights = dict(zip(("codes", "scales"), kernel.interleaved8(codes, scales), strict=True))
+            weights = dict(zip(("codes", "scales"), twins.interleaved8(codes, scales), strict=True))
             theirs_in, bits, block = (codes, scales), 8, 32
-            attrs = {"zero": kernel.ZERO8}
+            attrs = {"zero": twins.ZERO8}
         elif op == "MatMul4K":
             codes = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
             sc, mins = (rng.integers(0, 64, (n, k // 32), dtype=np.uint8) for _ in range(2))
             d, e = ((rng.random((n, k // 256)) * 0.001).astype(np.float16) for _ in range(2))
-            four_k = kernel.interleaved4k(codes, sc, mins, d, -e)
+            four_k = twins.interleaved4k(codes, sc, mins, d, -e)
             weights = dict(zip(("codes", "mult", "base"), four_k, strict=True))
             scales = (np.repeat(d.astype(np.float32), 8, axis=1) * sc).astype(np.float32)
             minima = (scales * 8 - np.repeat(e.astype(np.float32), 8, axis=1) * mins).astype(np.float32)
@@ -75,14 +77,14 @@ def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, b
             codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
             mult = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
             base = (rng.random((n, k // 256)) * 0.001).astype(np.float32)
-            six = kernel.interleaved6(codes, mult, base)
+            six = twins.interleaved6(codes, mult, base)
             weights = dict(zip(("codes", "mult", "base"), six, strict=True))
             scales = (np.repeat(base, 16, axis=1) * mult.astype(np.float32)).astype(np.float32)
-            theirs_in, bits, block = ((codes + 128 - kernel.ZERO6).reshape(n, k // 16, 16), scales), 8, 16
-            attrs = {"zero": kernel.ZERO6}
+            theirs_in, bits, block = ((codes + 128 - twins.ZERO6).reshape(n, k // 16, 16), scales), 8, 16
+            attrs = {"zero": twins.ZERO6}
         names = [f"{w}{i}" for w in weights]
         inits_m += [numpy_helper.from_array(v, nm) for v, nm in zip(weights.values(), names, strict=True)]
-        mine.append(helper.make_node(op, ["x", *names], [f"y{i}"], domain=kernel.DOMAIN, K=k, N=n, **attrs))
+        mine.append(helper.make_node(op, ["x", *names], [f"y{i}"], domain=kernels.DOMAIN, K=k, N=n, **attrs))
         inits_t += [numpy_helper.from_array(theirs_in[0], f"B{i}"),
                     numpy_helper.from_array(theirs_in[1], f"S{i}")]
         theirs.append(helper.make_node("MatMulNBits", ["x", f"B{i}", f"S{i}"],
@@ -98,7 +100,7 @@ def _models(op: str, k: int, n: int, rng: np.random.Generator) -> tuple[bytes, b
                                for i in range(COPIES)], inits)
         m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
                                                 helper.make_opsetid("com.microsoft", 1),
-                                                helper.make_opsetid(kernel.DOMAIN, 1)])
+                                                helper.make_opsetid(kernels.DOMAIN, 1)])
         m.ir_version = 9
         return m.SerializeToString()
 
@@ -120,7 +122,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from edgelite.config import RuntimeConfig
-    from edgelite.engine import kernel
+    from edgelite.engine import kernels
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
@@ -128,8 +130,8 @@ def main() -> None:
                     help="which products (comma-separated)")
     ap.add_argument("--rows", default="1,17,64", help="rows a product (comma-separated)")
     args = ap.parse_args()
-    library = kernel.library(RuntimeConfig(threads=1))
-    kinds = kernel.matmul_kinds(library) if library is not None else frozenset()
+    library = kernels.library(RuntimeConfig(threads=1))
+    kinds = kernels.matmul_kinds(library) if library is not None else frozenset()
     ops = [op for op in args.ops.split(",") if op in kinds]
     if not ops:
         raise SystemExit(f"the kernel library has no vector path here for {args.ops} "

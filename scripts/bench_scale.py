@@ -12,7 +12,7 @@ Each round, edgelite: `--nodes` node processes on loopback with `--memory-mb NOD
 `--tokens` greedy tokens, 1 thread everywhere; llama.cpp (with --llama-cpp): as many
 `ggml-rpc-server -t 1` and `llama-completion --rpc ... -ngl 99 -t 1 --temp 0 --ignore-eos`.
 With --matmulnbits-too, each round also runs edgelite with `--no-matmul-kernel` (onnxruntime's
-MatMulNBits instead of engine/matmul.c's MatMul4 and MatMul6): "edgelite_matmulnbits".
+MatMulNBits instead of edgelite's MatMul4 and MatMul6): "edgelite_matmulnbits".
 Rounds interleave them. Prints one JSON object: the plan, predicted against measured
 ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians, ratios.
 """

@@ -25,22 +25,17 @@ ARCHS = ["llama", "qwen2", "mistral"]
 
 
 @pytest.fixture(scope="session")
-def kernel_build(tmp_path_factory: pytest.TempPathFactory):
-    """The kernel library built by `cc -march=native` with more flags (e.g. without AVX2), once
-    a session for each set of flags (a build takes ~15 s: several tests share one)."""
-    from edgelite.engine import kernel
+def kernel_paths(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel library holding every path this CPU runs (x86: the reference, AVX2, AVX-512),
+    built once a session at -O1 (the same bits at any level: -ffp-contract=off and no
+    fast-math; a shorter build) for the tests that compare the paths."""
+    from edgelite.engine.kernels import build, cpu
 
-    built: dict[tuple[str, ...], Path] = {}
-
-    def build(*extra: str) -> Path:
-        if extra not in built:
-            target = tmp_path_factory.mktemp("kernel") / "kernel.so"
-            subprocess.run(kernel.command(kernel._compilers()[0], ["-march=native", *extra], str(target)),
-                           check=True, capture_output=True, timeout=300)
-            built[extra] = target
-        return built[extra]
-
-    return build
+    family = cpu.machine()
+    library, error = build.Build(build.compilers()[0], family, cpu.features(family), every=True,
+                                 folder=tmp_path_factory.mktemp("kernels"), extra=("-O1",)).run()
+    assert library is not None, error
+    return library
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,11 @@
 """engine/attention.py: GroupQueryAttention rewritten in plain operators over the valid KV, or
-into engine/attend.c's operator (built by engine/kernel.py), gives onnxruntime's own results
-(float32 KV), the same bit for bit however a sequence's steps are cut (float32 and float16 KV),
-for grouped, one-per-head and windowed attention, packed or not. engine/kernel.py builds,
-checks and rebuilds its library, and says in one line why there is none."""
+into edgelite's own operator (engine/kernels), gives onnxruntime's own results (float32 KV),
+the same bit for bit however a sequence's steps are cut (float32 and float16 KV), for grouped,
+one-per-head and windowed attention, packed or not. engine/kernels/build.py builds, checks
+and rebuilds its library, and says in one line why there is none."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -17,8 +16,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernel
+from edgelite.engine import kernels
 from edgelite.engine.attention import plain_attention
+from edgelite.engine.kernels import build
 from edgelite.engine.session import options
 from edgelite.errors import ModelFileError
 
@@ -97,7 +97,7 @@ def _run(model: bytes, dtype: type, feeds: dict[str, np.ndarray], cuts: list[int
     (4, 2, 40, False, 32), (3, 3, 4, True, 32), (9, 1, 3, True, 32)])
 def test_plain_attention_equals_group_query_attention_and_ignores_how_steps_are_cut(
         heads: int, kv: int, window: int, packed: bool, d: int, use_kernel: bool) -> None:
-    library = kernel.library(RuntimeConfig(threads=1)) if use_kernel else None
+    library = kernels.library(RuntimeConfig(threads=1)) if use_kernel else None
     assert library is not None or not use_kernel, "no attention kernel on a machine with a C compiler"
     rng = np.random.default_rng(heads * 10 + kv + window)
     n = 300 if window else 21  # (past 256: a windowed layer's keys then start further on)
@@ -130,82 +130,36 @@ def test_a_graph_it_cannot_rewrite_gets_one_line() -> None:
 def test_the_kernel_is_rebuilt_over_a_broken_library_and_missing_compilers_get_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cfg = RuntimeConfig(threads=1)
-    shared = kernel.library(cfg)  # (this session's build, under the same name: no second build)
+    shared = kernels.library(cfg)  # (this session's build, under the same name: no second build)
     assert shared is not None, "no attention kernel on a machine with a C compiler"
     (tmp_path / "kernels").mkdir()
-    shutil.copyfile(shared, tmp_path / "kernels" / shared.name)
+    for f in (shared, shared.with_name(shared.name + build.OK_SUFFIX)):
+        shutil.copyfile(f, tmp_path / "kernels" / f.name)
     monkeypatch.setenv("EDGELITE_CACHE", str(tmp_path))
-    built = kernel._build(cfg)  # a library already there is checked and taken
-    assert built is not None and built.parent == tmp_path / "kernels" and kernel.check(built, cfg) is None
-    built.write_bytes(b"not a library")  # (a truncated copy, another machine's build)
-    assert kernel.check(built, cfg) is not None
-    again = kernel._build(cfg)
-    assert again == built and kernel.check(again, cfg) is None
-    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
-    monkeypatch.delenv("CC", raising=False)
-    again.unlink()
-    with caplog.at_level("WARNING", "edgelite.engine.kernel"):
-        assert kernel._build(cfg) is None
-    [record] = caplog.records
-    assert "no C compiler" in record.getMessage() and "pkg install clang" in record.getMessage()
-    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
-    monkeypatch.setenv("CC", str(tmp_path / "cc"))
-    (tmp_path / "cc").write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    found = build.build(cfg)  # a library already there, checked before, is taken as it is
+    assert found == tmp_path / "kernels" / shared.name and build.checked(found, cfg) is None
+    found.write_bytes(b"not a library")  # (a truncated copy, another machine's build)
+    assert build.checked(found, cfg) is not None  # (its stamp no longer matches: checked again, fails)
+    (tmp_path / "cc").write_text("#!/bin/sh\nexit 0\n")  # a "compiler" that builds nothing
     (tmp_path / "cc").chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    found.unlink()
+    with caplog.at_level("WARNING", "edgelite.engine.kernels"):
+        assert build.build(cfg) is None
+    [record] = caplog.records
+    assert "\n" not in record.getMessage()
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     caplog.clear()
-    with caplog.at_level("WARNING", "edgelite.engine.kernel"):
-        assert kernel._build(cfg) is None
+    with caplog.at_level("WARNING", "edgelite.engine.kernels"):
+        assert build.build(cfg) is None
+    [record] = caplog.records
+    assert "no C compiler" in record.getMessage() and "pkg install clang" in record.getMessage()
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    (tmp_path / "cc").write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    caplog.clear()
+    with caplog.at_level("WARNING", "edgelite.engine.kernels"):
+        assert build.build(cfg) is None
     [record] = caplog.records
     assert "cc: internal error" in record.getMessage() and "\n" not in record.getMessage()
-
-
-def _vector_path(cc: str) -> list[str] | None:
-    """The flags that take attend.c's int8 vector path away where `cc -march=native` targets
-    one (AVX-512 VNNI, else AVX2); None where it targets neither."""
-    import subprocess
-
-    done = subprocess.run([cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
-                          timeout=60, check=False)
-    if "__AVX512VNNI__" in done.stdout:
-        return ["-mno-avx512vnni"]
-    return ["-mno-avx2"] if "__AVX2__" in done.stdout else None
-
-
-def test_int8_rows_are_the_same_bits_with_and_without_the_vector_path(kernel_build) -> None:
-    """Attend8's integer sums: the vector build (AVX-512 VNNI, or AVX2) and the plain C one give
-    the same bits (every cut of the steps, a window), and both are near numpy's attention."""
-    compilers = kernel._compilers()
-    plain = _vector_path(compilers[0]) if compilers else None
-    if plain is None:
-        pytest.skip("no compiler targeting AVX-512 VNNI or AVX2 here")
-    vector = kernel.library(RuntimeConfig(threads=1))  # (built by `cc -march=native`, as here)
-    assert vector is not None, "no attention kernel on a machine with a C compiler"
-    builds = {"vector": vector, "plain": kernel_build(*plain)}
-    heads, kv, d, cap, total = 9, 3, 64, 96, 80
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((1, total, heads * d)).astype(np.float32)
-    k_new, v_new = (rng.standard_normal((1, total, kv * d)).astype(np.float32) for _ in range(2))
-    angles = np.outer(np.arange(cap), 1.0 / 10000 ** (np.arange(d // 2) / (d // 2))).astype(np.float32)
-    tables = {"cos": np.cos(angles), "sin": np.sin(angles)}
-    got = {}
-    for name, library in builds.items():
-        opts = options(RuntimeConfig(threads=1), Path("."))
-        opts.register_custom_ops_library(str(library))
-        run = ort.InferenceSession(kernel._model("Attend8", heads, kv, d, cap, 40), opts,
-                                   providers=["CPUExecutionProvider"]).run
-        for cut in (total, 1, 7, 33):  # the rows in steps of `cut` positions
-            k, v = (np.zeros((1, kv, cap, d + 2), np.int8) for _ in range(2))
-            rows = []
-            for s in range(0, total, cut):
-                e = min(s + cut, total)
-                out, k, v = run(None, {"q": q[:, s:e], "k_new": k_new[:, s:e], "v_new": v_new[:, s:e], "k": k,
-                                       "v": v, "total": np.array([e]), **tables})
-                rows.append(out)
-            got[name, cut] = np.concatenate(rows, axis=1), k, v
-    first, k, v = got["vector", total]
-    assert all(np.array_equal(first, x[0]) and np.array_equal(k, x[1]) for x in got.values())
-    turned = kernel._turned(q.reshape(total, heads, d), tables["cos"][:total], tables["sin"][:total])
-    turned = turned.reshape(1, total, -1)
-    want = kernel._reference(turned, kernel._values(k), kernel._values(v), total, heads, 40)
-    assert np.abs(first - want).max() <= kernel.INT8_TOLERANCE * np.abs(kernel._values(v)).max()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -158,3 +160,53 @@ def test_milp_without_highspy_is_one_line_naming_the_extra(core_python: Path, ex
     assert res.returncode == 1, res.stderr
     assert res.stderr.strip() == ("error: --solver milp needs HiGHS: pip install 'edgelite[plan]' "
                                   "(or use --solver dp, the exact DP)"), res.stderr
+
+
+def test_a_wheel_from_the_checkout_runs_a_node_with_the_kernel(core_python: Path, smollm2_int4: Path,
+                                                               tmp_path: Path) -> None:
+    """The wheel carries every kernel source; installed with the core dependencies only (no source
+    tree on the path), a node from it builds (or finds) the library and runs the int4 export's
+    products and attention in it."""
+    import zipfile
+
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.split()
+    src = tmp_path / "src"
+    for name in listed:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = (tmp_path / "wheel").glob("edgelite-*.whl")
+    inside = set(zipfile.ZipFile(wheel).namelist())
+    sources = {n for n in listed if n.startswith("edgelite/") and n.endswith((".c", ".h"))}
+    assert sources and sources <= inside, sources - inside
+    done = subprocess.run([str(core_python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"EDGELITE_TOKEN": TOKEN}
+    where = subprocess.run([str(core_python), "-c", "import edgelite.engine.kernels.build as b; "
+                            "print(b.cpu.SRC, len(b.sources()))"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True)
+    assert "site-packages" in where.stdout and where.stdout.split()[1] == str(len(sources)), where
+    node = subprocess.Popen([str(core_python), "-m", "edgelite", "node", "--host", "127.0.0.1", "--port", "0",
+                             "--data-dir", str(tmp_path / "n"), "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+    try:
+        assert node.stdout is not None
+        port = next(int(found.group(2)) for _ in range(20) if (found := READY.search(node.stdout.readline())))
+        res = run_cli("generate", "--model", str(smollm2_int4), "--nodes", f"127.0.0.1:{port}", "--split",
+                      "0-29", "--token", TOKEN, "--json", "--max-tokens", "4", "--kv-store-mb", "0", "hello",
+                      timeout=240)
+        assert res.returncode == 0, res.stderr[-2000:]
+        from test_kernel_build import _node_stats
+
+        kernel = _node_stats(port)["kernel"]
+        assert "MatMul4=" in kernel and "Attend16=" in kernel and "MatMul4=ref" not in kernel, kernel
+    finally:
+        node.kill()
+        node.wait(10)
+        if node.stdout is not None:
+            node.stdout.close()

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     panel = not args.plain and sys.stdout.isatty()
     if not panel and not getattr(args, "verbose", 0):  # headless: say what happens
         logging.getLogger("edgelite.node").setLevel(logging.INFO)
+        logging.getLogger("edgelite.engine.kernels").setLevel(logging.INFO)
 
     def ready(n: Node) -> None:
         if generated:

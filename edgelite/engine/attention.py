@@ -1,11 +1,11 @@
-"""Attention over the valid KV, in place of GroupQueryAttention: engine/attend.c's operator,
+"""Attention over the valid KV, in place of GroupQueryAttention: edgelite's own operator,
 or plain onnxruntime operators.
 
 A joined range's GroupQueryAttention nodes are rewritten as a session loads (no re-export):
 
-- with the kernel (`use_kernel`: the session registers engine/kernel.py's library), one
+- with the kernel (`use_kernel`: the session registers engine/kernels' library), one
   `edgelite` Attend (float32 KV), Attend16 (float16) or Attend8 (int8) node a layer does it all
-  (see attend.c): it takes the step's queries, keys and values, the slot's K and V (bound in
+  (see engine/kernels/src/ops.c): it takes the step's queries, keys and values, the slot's K and V (bound in
   place), the step's total and the rotary tables, turns the queries and keys, writes the
   step's rows into the slot and gives the attention output. One operator a layer: the
   rotations, casts and writes below take eight more, and onnxruntime's time between operators
@@ -37,7 +37,7 @@ steps and prompt chunks alike. Batch 1: a range rewritten so runs steps one sess
 
 from __future__ import annotations
 
-from edgelite.engine import kernel
+from edgelite.engine import kernels
 from edgelite.engine.onnxgraph import (
     DIM_VALUE,
     FLOAT,
@@ -69,7 +69,7 @@ from edgelite.errors import ModelFileError
 
 ELEM = {"float32": FLOAT, "float16": FLOAT16, "int8": INT8}
 MS = "com.microsoft"
-KERNEL_OPS = {"float32": "Attend", "float16": "Attend16", "int8": "Attend8"}  # engine/attend.c's operators
+KERNEL_OPS = {"float32": "Attend", "float16": "Attend16", "int8": "Attend8"}  # (engine/kernels)
 P = "edgelite_attn"  # names of what the rewrite adds
 # a windowed layer reads its keys from a multiple of this many positions on (the window's
 # start rounded down): every position then sits at the same place within the products' and
@@ -86,13 +86,13 @@ def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str 
                     use_kernel: bool = False, threads: int = 1) -> bytes:
     """The joined range with each GroupQueryAttention rewritten (see the module's text); its KV
     inputs and outputs of `kv_dtype` ("float32" or "float16"). `use_kernel`: attention by
-    engine/attend.c's operator (the session must register engine/kernel.py's library), a
+    edgelite's operator (the session must register engine/kernels' library), a
     prompt chunk's on up to `threads` threads."""
     if kv_dtype not in ELEM:
         raise ModelFileError(f"KV dtype {kv_dtype!r}: one of {', '.join(ELEM)}")
     try:
         out = with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel, threads).graph)
-        return with_opset(out, kernel.DOMAIN, 1) if use_kernel else out
+        return with_opset(out, kernels.DOMAIN, 1) if use_kernel else out
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot rewrite the range's attention: {exc}") from exc
 
@@ -280,7 +280,7 @@ class _Rewrite:
         if self.kernel:
             tables = [inputs[7], inputs[8]] if int(attrs.get("do_rotary", 0)) else []
             nodes.append(_node(KERNEL_OPS[self.kv_dtype], [q, k, v, past_k, past_v, self.total, *tables],
-                               [outputs[0], present_k, present_v], f"{t}/attend", kernel.DOMAIN,
+                               [outputs[0], present_k, present_v], f"{t}/attend", kernels.DOMAIN,
                                num_heads=heads, kv_num_heads=kv_heads, local_window_size=window, scale=scale,
                                threads=self.threads))
             return nodes

@@ -249,7 +249,7 @@ class Folded:
 
     def populate(self, prefixes: tuple[str, ...]) -> None:
         """The pages of the tensors whose names start with one of `prefixes` mapped in now: an
-        operator that reads them in place at every step (engine/matmul.c's) would otherwise
+        operator that reads them in place at every step (edgelite's (engine/kernels)) would otherwise
         take their page faults in the first step (a prompt's first token)."""
         if self.mapping is None or not prefixes:
             return

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, kernel, linear, onerow, onnxgraph, rope
+from edgelite.engine import attention, invariant, kernels, linear, onerow, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -95,14 +95,14 @@ class LayerRange:
         if self.kv_dtype != "float32" and not self.cfg.invariant:
             raise EdgeliteError(f"a {self.kv_dtype} KV needs the invariant attention "
                                 "(drop --no-invariant, or use --kv-dtype float32)")
-        # invariant: attention by engine/attend.c's operator where it could be built (the
-        # library, engine/kernel.py), else for a 16-bit KV in onnxruntime's plain operators
+        # invariant: attention by edgelite's own operator where it could be built (the
+        # library, engine/kernels), else for a 16-bit KV in onnxruntime's plain operators
         # over the valid KV (engine/attention.py) and for float32 its GroupQueryAttention with
         # one-row steps padded to two rows (engine/invariant.py); not invariant:
         # GroupQueryAttention as it is, batching decode steps of several sessions
-        attend = self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernel.HEAD_DIMS
-        self.library = kernel.library(self.cfg) if attend else None
-        # fast-mode 4- and 6-bit products by engine/matmul.c where it has its vector path
+        attend = self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernels.HEAD_DIMS
+        self.library = kernels.library(self.cfg) if attend else None
+        # fast-mode narrow products by the same library where it has their vector path
         self.matmul = linear.library(self.cfg)
         self.plain = self.library is not None or self.kv_dtype != "float32"
         if not 0 <= self.first <= self.last < m.num_layers:
@@ -141,7 +141,7 @@ class LayerRange:
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
         if self.matmul is not None:
-            model = linear.products(model, self.cfg.threads, kernel.matmul_kinds(self.matmul))
+            model = linear.products(model, self.cfg.threads, kernels.matmul_kinds(self.matmul))
         if self.cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, self.cfg)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",

@@ -1,4 +1,4 @@
-"""Products with narrow weights by engine/matmul.c's operators, in place of onnxruntime's
+"""Products with narrow weights by edgelite's own operators (engine/kernels), in place of onnxruntime's
 MatMulNBits, rewritten as a range (or the head) loads: no re-export.
 
 - A fast export's 4-bit products in blocks of 32 (MatMulNBits, bits 4, block_size 32,
@@ -28,8 +28,8 @@ MatMulNBits, rewritten as a range (or the head) loads: no re-export.
 The interleaving nodes work on initializers only, so engine/fold.py computes them before
 onnxruntime sees the graph (into its mapping: no copy), and a decode step reads each
 product's bytes as one stream. Only the kinds whose operators have their vector path in the
-library (`kernel.matmul_kinds`: all four with AVX-512 VNNI and VBMI, MatMul4 and MatMul8 with
-AVX2; a Q4_K product then goes to MatMul4 beside its minima product); elsewhere onnxruntime's
+library (`kernels.matmul_kinds`: all four with AVX-512 VNNI and VBMI and on ARM, MatMul4 and
+MatMul8 with AVX2; a Q4_K product then goes to MatMul4 beside its minima product); elsewhere onnxruntime's
 own kernels are faster, and the graph is left as it is. Any other product (exact mode, other
 widths, zero points, a form the names above do not find) stays MatMulNBits. What the rewrite
 leaves unread (a replaced product's minima, block sums no product reads any more) is dropped.
@@ -44,8 +44,9 @@ from pathlib import Path
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernel
+from edgelite.engine import kernels
 from edgelite.engine.fold import Tensor, tensor
+from edgelite.engine.kernels.twins import ZERO8
 from edgelite.engine.onnxgraph import (
     FLOAT,
     FLOAT16,
@@ -92,8 +93,8 @@ def library(cfg: RuntimeConfig) -> Path | None:
     and the build has a vector path for some of them; else None (MatMulNBits stays)."""
     if not cfg.matmul_kernel:
         return None
-    found = kernel.library(cfg)
-    return found if found is not None and kernel.matmul_kinds(found) else None
+    found = kernels.library(cfg)
+    return found if found is not None and kernels.matmul_kinds(found) else None
 
 
 def narrow(cfg: RuntimeConfig) -> bool:
@@ -101,17 +102,17 @@ def narrow(cfg: RuntimeConfig) -> bool:
     weights as the export stores them: the planner's `narrow`); with some kinds only (AVX2),
     the others stay MatMulNBits and it is counted as if all did."""
     found = library(cfg)
-    return found is not None and kernel.fast_matmul(found)
+    return found is not None and kernels.fast_matmul(found)
 
 
-def products(model: bytes, threads: int = 1, kinds: frozenset[str] = frozenset(kernel.MATMUL_OPS)) -> bytes:
+def products(model: bytes, threads: int = 1, kinds: frozenset[str] = frozenset(kernels.MATMUL_OPS)) -> bytes:
     """The graph with each eligible MatMulNBits (see the module's text) a MatMul4, MatMul4K,
-    MatMul6 or MatMul8 node, of `kinds` (the library's vector paths: kernel.matmul_kinds; the
-    session must register engine/kernel.py's library); unchanged when it has none."""
+    MatMul6 or MatMul8 node, of `kinds` (the library's vector paths: kernels.matmul_kinds; the
+    session must register engine/kernels' library); unchanged when it has none."""
     try:
         rewrite = _Rewrite(threads, kinds)
         out = with_graph(model, rewrite.graph)
-        return with_opset(out, kernel.DOMAIN, 1) if rewrite.count else model
+        return with_opset(out, kernels.DOMAIN, 1) if rewrite.count else model
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
         raise ModelFileError(f"cannot rewrite the graph's products: {exc}") from exc
 
@@ -202,7 +203,7 @@ class _Rewrite:
         s = add("Reshape", [s, self._ints(n // GROUP, GROUP, padded // STEP, STEP)], f"{t}/scales_grouped")
         c = add("Transpose", [c], f"{t}/codes4", perm=[0, 2, 1, 3])
         s = add("Transpose", [s], f"{t}/scales4", perm=[0, 2, 1, 3])
-        nodes.append((GRAPH_NODE, 2, make_node("MatMul4", [a, c, s], [out], f"{t}/MatMul4", kernel.DOMAIN,
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul4", [a, c, s], [out], f"{t}/MatMul4", kernels.DOMAIN,
                                                K=k, N=n, threads=self.threads)))
         return nodes
 
@@ -217,8 +218,8 @@ class _Rewrite:
         shape = self._ints(n // GROUP, GROUP, k // UNIT8, UNIT8 // BLOCK)
         s = add("Reshape", [scales, shape], f"{t}/scales_grouped")
         s = add("Transpose", [s], f"{t}/scales8", perm=[0, 2, 1, 3])
-        nodes.append((GRAPH_NODE, 2, make_node("MatMul8", [a, c, s], [out], f"{t}/MatMul8", kernel.DOMAIN,
-                                               K=k, N=n, zero=kernel.ZERO8, threads=self.threads)))
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul8", [a, c, s], [out], f"{t}/MatMul8", kernels.DOMAIN,
+                                               K=k, N=n, zero=ZERO8, threads=self.threads)))
         return nodes
 
     def _four_k(self, i: int, inputs: list[str], out: str, k: int, n: int, inits: dict[str, Tensor],
@@ -274,7 +275,7 @@ class _Rewrite:
         base = add("Concat", grouped, f"{t}/base", axis=1)
         base = add("Transpose", [base], f"{t}/base4k", perm=[0, 2, 1])
         nodes_out.append((GRAPH_NODE, 2, make_node("MatMul4K", [a, c, mult, base], [adds[0]], f"{t}/MatMul4K",
-                                                   kernel.DOMAIN, K=k, N=n, threads=self.threads)))
+                                                   kernels.DOMAIN, K=k, N=n, threads=self.threads)))
         return nodes_out
 
     def _six(self, i: int, inputs: list[str], out: str, k: int, n: int,
@@ -305,7 +306,7 @@ class _Rewrite:
         b = add("Cast", [base.name], f"{t}/base", to=FLOAT)
         b = add("Reshape", [b, self._ints(n // GROUP, GROUP, supers)], f"{t}/base_grouped")
         b = add("Transpose", [b], f"{t}/base6", perm=[0, 2, 1])
-        nodes.append((GRAPH_NODE, 2, make_node("MatMul6", [a, c, m, b], [out], f"{t}/MatMul6", kernel.DOMAIN,
+        nodes.append((GRAPH_NODE, 2, make_node("MatMul6", [a, c, m, b], [out], f"{t}/MatMul6", kernels.DOMAIN,
                                                K=k, N=n, zero=zero, threads=self.threads)))
         return nodes
 

@@ -14,7 +14,7 @@ then rewrites each such product of the fast exports' kind (PADDED_LEVELS) so tha
 one row runs it on that row and a copy (Gather with the indices [0, 0]) and keeps the first
 row of its result. Steps of several rows run as they are (indices 0..m-1). The price is a
 two-row product in a one-row step: SmolLM2 int4 fast decoded at 0.81x (1 thread, AVX2,
-onnxruntime's products). By default a fast export's products there are engine/matmul.c's
+onnxruntime's products). By default a fast export's products there are edgelite's (engine/kernels)
 (row-invariant, and faster: engine/linear.py), so this pays only for what stays MatMulNBits:
 with --no-matmul-kernel, or a K-quant export's kinds without AVX-512.
 """

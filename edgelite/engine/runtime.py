@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernel, linear, onerow, onnxgraph
+from edgelite.engine import kernels, linear, onerow, onnxgraph
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
@@ -84,11 +84,11 @@ def _pad(k: int, sizes: tuple[int, ...]) -> int:
 class _Piece:
     def __init__(self, manifest: Manifest, entry: FileEntry, cfg: RuntimeConfig, files: ModelFiles,
                  what: str, products: bool = False) -> None:
-        """`products`: its MatMulNBits by engine/matmul.c's operators where they can (linear.py)."""
+        """`products`: its MatMulNBits by edgelite's product operators where they can (linear.py)."""
         model = onnxgraph.relocated(files.graph(entry), files.locate)
         library = linear.library(cfg) if products else None
         if library is not None:
-            model = linear.products(model, cfg.threads, kernel.matmul_kinds(library))
+            model = linear.products(model, cfg.threads, kernels.matmul_kinds(library))
         if cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, cfg)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,

@@ -114,7 +114,7 @@ def _trimming(folded: fold.Folded | None, every_s: float) -> Iterator[None]:
 def open_model(model: bytes, folder: Path, cfg: RuntimeConfig, what: str,
                library: Path | None = None, resident: tuple[str, ...] = ()) -> ort.InferenceSession:
     """A session for a graph (bytes) whose external data files are in `folder`; `library`:
-    a custom operator library it uses (engine/kernel.py); `resident`: prefixes of folded
+    a custom operator library it uses (engine/kernels); `resident`: prefixes of folded
     tensors its operators read in place at every step, mapped in before it returns."""
     try:
         opts = options(cfg, folder)

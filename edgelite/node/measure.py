@@ -10,8 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from edgelite.config import NodeConfig
-from edgelite.engine import linear
+from edgelite.config import NodeConfig, RuntimeConfig
+from edgelite.engine import kernels, linear
 from edgelite.engine.profile import host_profile
 from edgelite.errors import ProtocolError
 from edgelite.net import messages as m
@@ -82,25 +82,38 @@ class Measure:
             raise ProtocolError("profile: a profile is being measured already; try later")
         self.profiling = True
         try:
+            runtime, kernel = await self._kernel()
             flops = await self.data().submit(lambda: loaded_flops(self.store))
             if flops is None:
                 c = self.cfg
                 flops = await asyncio.get_running_loop().run_in_executor(
                     self.compute_pool, measure_flops, self.store, msg.hidden_size, msg.manifest,
-                    c.max_profile_hidden, c.max_profile_bytes)
+                    c.max_profile_hidden, c.max_profile_bytes, 20, runtime)
         finally:
             self.profiling = False
         budget = {} if self.cfg.memory_budget_bytes is None else {
             "memory_budget_bytes": self.cfg.memory_budget_bytes}
-        # with a model to plan: whether its layers run engine/matmul.c's products (what they
-        # hold); timing layer 0 above has built the kernel library, if it can be built
+        # with a model to plan: whether its layers run edgelite's product operators (what they
+        # hold); the kernel library is built (or known not to build) unless it says "building"
         narrow: dict[str, bool] = {}
         if msg.manifest is not None:
             narrow["narrow_products"] = await asyncio.get_running_loop().run_in_executor(
-                self.compute_pool, linear.narrow, self.cfg.runtime)
+                self.compute_pool, linear.narrow, runtime)
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
-                                                  "provider": self.cfg.runtime.provider,
+                                                  "provider": self.cfg.runtime.provider, "kernel": kernel,
                                                   **flops, **host_profile(), **budget, **narrow})
+
+    async def _kernel(self) -> tuple[RuntimeConfig, str]:
+        """The settings a profile measures with and what it says of the kernel library: which
+        path runs each operator, "none", "off", or "building" (it did not finish within
+        kernel_wait_s: onnxruntime's operators are measured meanwhile)."""
+        runtime = self.cfg.runtime
+        if runtime.attention_kernel or runtime.matmul_kernel:
+            await asyncio.to_thread(kernels.library, runtime, self.cfg.kernel_wait_s)
+        state = kernels.status(runtime)
+        if state == "building":
+            return dataclasses.replace(runtime, attention_kernel=False, matmul_kernel=False), state
+        return runtime, state
 
     async def probe_link(self, msg: m.ProbeLink, _owner: str) -> m.LinkReport:
         """Measure the link to another node. Packets go only to a peer that has completed the

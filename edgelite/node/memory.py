@@ -26,7 +26,7 @@ class Limits:
              narrow: bool = False) -> None:
         """Refuse, before loading, layers that would take this process over its memory
         budget: what they hold once loaded (as the exporter measured it; `narrow`: with
-        engine/matmul.c's products) and a prompt chunk's `scratch`, on top of what the process
+        edgelite's product operators) and a prompt chunk's `scratch`, on top of what the process
         holds `now`."""
         budget = self.memory_budget_bytes
         if budget is None or now is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from edgelite import manifest as mf
+from edgelite.config import RuntimeConfig
 from edgelite.engine.layers import LayerRange
 from edgelite.engine.profile import gemv_flops, gemv_seconds, range_decode_seconds
 from edgelite.errors import ModelFileError
@@ -27,16 +28,18 @@ def loaded_flops(store: StageStore, repeats: int = 20) -> dict[str, Any] | None:
 
 
 def measure_flops(store: StageStore, hidden_size: int, manifest: dict[str, Any] | None,
-                  max_hidden: int, max_bytes: int, repeats: int = 20) -> dict[str, Any]:
+                  max_hidden: int, max_bytes: int, repeats: int = 20,
+                  runtime: RuntimeConfig | None = None) -> dict[str, Any]:
     """Effective FLOP/s on decode shapes when no stage is loaded (blocking: run off the event
     loop), timed on the first that applies: the model's layer 0 when its files are in the blob
     store; a numpy GEMV over as many weight bytes as that layer (cold cache, at most
-    `max_bytes`); a GEMV of the hidden size (at most `max_hidden`)."""
+    `max_bytes`); a GEMV of the hidden size (at most `max_hidden`). `runtime`: the layer's
+    settings, if not the node's."""
     if manifest is not None:
         m = mf.parse(manifest, Path(store.blobs.dir))
         e = m.layers[0]
         try:
-            layer = LayerRange(m, 0, 0, store.runtime, store.files(m))
+            layer = LayerRange(m, 0, 0, runtime or store.runtime, store.files(m))
         except ModelFileError:
             weight_bytes = min(e.param_bytes, max_bytes)
             secs = gemv_seconds(min(m.hidden_size, max_hidden), weight_bytes, repeats)

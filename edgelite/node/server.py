@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgelite.config import NodeConfig, WireLimits
+from edgelite.engine import kernels
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
@@ -126,6 +127,10 @@ class Node:
     async def start(self) -> None:
         await self.sessions.open(self.data_dir)
         self.server = await listen(self._handle, self.cfg.host, self.cfg.port)
+        runtime = self.cfg.runtime
+        if runtime.attention_kernel or runtime.matmul_kernel:  # (in its own thread: nothing waits on it)
+            kernels.start(runtime)
+            log.info("building edgelite's kernel library for this CPU in the background")
         loop = asyncio.get_running_loop()
         try:  # the UDP echo for loss probes shares the TCP port number when it is free
             self.udp, _ = await loop.create_datagram_endpoint(
@@ -260,6 +265,7 @@ class Node:
         d = self.data
         return m.StatsReply(id=msg.id, stats={
             "node": self.name, "bad_frames": self.bad_frames + d.bad_frames,
+            "kernel": kernels.status(self.cfg.runtime),
             "batches": d.batches, "batched_steps": d.batched_steps, "lane_steps": d.lane_steps,
             "steps_waiting_for_restores": d.steps_waiting,
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,

@@ -26,7 +26,7 @@ from edgelite.config import RuntimeConfig
 from edgelite.engine.kv import MAX_ROLLBACK, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
-from edgelite.engine.linear import library  # (engine/matmul.c's products: what layers hold)
+from edgelite.engine.linear import library  # (edgelite's product operators: what layers hold)
 from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr

@@ -60,7 +60,7 @@ class Device:
     memory_bytes: int
     beta: float = 0.8  # fraction of memory the plan may use
     addr: NodeAddr | None = None  # where a node listens (None: the client itself)
-    narrow: bool = False  # it runs engine/matmul.c's products: a layer holds Layer.narrow_mem_bytes
+    narrow: bool = False  # it runs edgelite's product operators: a layer holds Layer.narrow_mem_bytes
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def precheck(p: Problem) -> None:
             f"{-p.capacity(0) / 2**20:.0f} MiB short")
     names = ", ".join(f"{d.name} ({max(0.0, p.capacity(i)) / 2**20:.0f} MiB usable)"
                       for i, d in enumerate(p.devices))
-    # (a layer may take less on some devices: engine/matmul.c's products; count its least)
+    # (a layer may take less on some devices: edgelite's product operators; count its least)
     need = sum(min(p.mem(i, j) for i in range(p.m)) for j in range(p.n))
     have = sum(max(0.0, p.capacity(i)) for i in range(p.m))
     if need > have:

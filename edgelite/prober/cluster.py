@@ -9,6 +9,7 @@ a row marked unreachable, with the reason; the others are measured all the same.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -24,6 +25,8 @@ from edgelite.net.link import NodeLink
 from edgelite.net.linkprobe import ProbeConfig, probe_peer, unreachable
 from edgelite.net.routes import Routes, route
 from edgelite.net.upload import push_files
+
+log = logging.getLogger(__name__)
 
 CLIENT = "client"
 Progress = Callable[[str, int, int], None]
@@ -93,6 +96,11 @@ async def probe(addrs: list[NodeAddr], token: str, manifest: Manifest | None = N
                 devices.append({"name": str(addr), "addr": str(addr), "reachable": False,
                                 "reason": str(x)})
             steps.done(f"profiled {addr}")
+        for d in devices:
+            if d.get("kernel") == "building":
+                log.warning("%s: its kernel library is still being built (it started a moment ago): its "
+                            "figures are onnxruntime's (more memory a layer); probe again in a few seconds",
+                            d["name"])
         rounds = [await _links(links, token, cfg, routes or {}, steps) for _ in range(max(1, repeat))]
         rows = smooth(rounds)
         for addr, x in zip(addrs, opened, strict=True):
@@ -195,7 +203,7 @@ def smooth(rounds: list[list[dict[str, Any]]], alpha: float = 0.3) -> list[dict[
 
 def _client_profile(manifest: Manifest | None, threads: int, matmul_kernel: bool = True) -> dict[str, Any]:
     """This device (the client) measured like a node: on the model's layer 0 when given, and
-    whether it runs engine/matmul.c's products (what a layer then holds: the manifest's narrow
+    whether it runs edgelite's product operators (what a layer then holds: the manifest's narrow
     figures)."""
     from edgelite.engine import linear
     from edgelite.engine.layers import LayerRange, export_files
