@@ -105,7 +105,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         return m
     from edgelite.engine import linear
 
-    # (each figure twice where this machine runs edgelite's product operators (engine/kernels): with onnxruntime's
+    # (each figure twice where this machine runs edgelite's product operators: with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
     narrow = linear.narrow(RuntimeConfig(threads=1))
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
@@ -143,7 +143,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
              max(e.scratch_bytes for e in layers) / 2**20, embed.resident_bytes / 2**20,
              head.resident_bytes / 2**20, head.load_peak_bytes / 2**20)
     if narrow:
-        log.info("with edgelite's product operators (engine/kernels): layers %.1f-%.1f MiB, head %.1f MiB (%.1f loading)",
+        log.info("with edgelite's product operators: layers %.1f-%.1f MiB, head %.1f MiB (%.1f loading)",
                  min(e.narrow_resident_bytes for e in layers) / 2**20,
                  max(e.narrow_resident_bytes for e in layers) / 2**20, head.narrow_resident_bytes / 2**20,
                  head.narrow_load_peak_bytes / 2**20)

@@ -64,6 +64,14 @@ class Product:
 
 
 @dataclass
+class Norm:
+    x: np.ndarray
+    skip: np.ndarray | None
+    g: np.ndarray
+    eps: float
+
+
+@dataclass
 class Step:
     kind: int
     heads: int
@@ -90,6 +98,16 @@ def products(seed: int = 1) -> list[Product]:
             zero = {"MatMul8": twins.ZERO8, "MatMul6": twins.ZERO6}.get(op, 8)
             out.append(Product(op, a, [np.ascontiguousarray(w) for w in feeds.values()], zero, want, n))
     return out
+
+
+NORMS = [(rows, d, skip) for rows in (1, 3) for d in (8, 64, 576, 2048) for skip in (False, True)]
+
+
+def norms(seed: int = 3) -> list[Norm]:
+    rng = np.random.default_rng(seed)
+    return [Norm(rng.standard_normal((rows, d)).astype(np.float32) * 3,
+                 rng.standard_normal((rows, d)).astype(np.float32) if skip else None,
+                 rng.uniform(0.5, 1.5, d).astype(np.float32), 1e-5) for rows, d, skip in NORMS]
 
 
 def steps(seed: int = 2) -> list[Step]:
@@ -128,6 +146,7 @@ class Library:
             *[p] * 8,
         ]
         lib.edgelite_kernel_use.argtypes = [ctypes.c_char_p]
+        lib.edgelite_norm.argtypes = [p, p, p, ctypes.c_float, i64, i64, p, p]
         lib.edgelite_kernel_paths.restype = ctypes.c_char_p
 
     def paths(self) -> list[str]:
@@ -150,6 +169,17 @@ class Library:
             == 0
         )
         return y
+
+    def norm(self, c: Norm) -> list[np.ndarray]:
+        """The normed rows, and (SkipNorm) the sum."""
+        y, total = np.zeros_like(c.x), np.zeros_like(c.x)
+        skip = None if c.skip is None else c.skip.ctypes.data
+        rows, d = c.x.shape
+        sums = None if skip is None else total.ctypes.data
+        x, g = c.x.ctypes.data, c.g.ctypes.data
+        done = self.lib.edgelite_norm(x, skip, g, c.eps, rows, d, y.ctypes.data, sums)
+        assert done == 0
+        return [y] if skip is None else [y, total]
 
     def step(self, s: Step, one_by_one: bool = False) -> list[np.ndarray]:
         """The step's output, and the KV after it (one_by_one: its rows as steps of one row)."""
@@ -194,8 +224,8 @@ def digest(arrays: list[np.ndarray]) -> str:
 
 
 # ---- the case file tests/kernel_driver.c reads, and its outputs ----------------------------
-def write_cases(path: Path, prods: list[Product], stps: list[Step]) -> None:
-    """Each product as it is, then each step as a chunk and as steps of one row."""
+def write_cases(path: Path, prods: list[Product], stps: list[Step], nrms: list[Norm]) -> None:
+    """Each product as it is, then each step as a chunk and as steps of one row, then each norm."""
     with open(path, "wb") as f:
         for c in prods:
             f.write(
@@ -233,13 +263,15 @@ def write_cases(path: Path, prods: list[Product], stps: list[Step]) -> None:
                 )
                 for x in (s.q, s.k_new, s.v_new, s.kc, s.vc, s.cos, s.sin):
                     f.write(np.ascontiguousarray(x).tobytes())
+        for c in nrms:
+            f.write(struct.pack("<4qf", 2, c.x.shape[0], c.x.shape[1], c.skip is not None, c.eps))
+            for x in (c.x, c.g) if c.skip is None else (c.x, c.skip, c.g):
+                f.write(np.ascontiguousarray(x).tobytes())
 
 
-def read_outputs(
-    path: Path, prods: list[Product], stps: list[Step]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def read_outputs(path: Path, prods: list[Product], stps: list[Step], nrms: list[Norm]) -> list[np.ndarray]:
     """The driver's outputs: each product's, then each step's (chunk, then one row at a time:
-    output, KV keys, KV values)."""
+    output, KV keys, KV values), then each norm's (and its sum)."""
     data = path.read_bytes()
     at = 0
 
@@ -255,5 +287,6 @@ def read_outputs(
     for s in stps:
         for _ in (0, 1):
             s_out += [take(s.q.shape, np.float32), take(s.kc.shape, s.kc.dtype), take(s.vc.shape, s.vc.dtype)]
+    n_out = [take(c.x.shape, np.float32) for c in nrms for _ in range(1 if c.skip is None else 2)]
     assert at == len(data), (at, len(data))
-    return p_out, s_out
+    return p_out + s_out + n_out

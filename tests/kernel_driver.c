@@ -9,6 +9,7 @@
 
 typedef int (*matmul_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t, const void *, const void *,
                          const void *, float *);
+typedef int (*norm_fn)(const float *, const float *, const float *, float, int64_t, int64_t, float *, float *);
 typedef int (*attend_fn)(int, int64_t, int64_t, int64_t, float, int64_t, int64_t, int64_t, int64_t, int64_t,
                          const float *, const float *, const float *, void *, void *, const float *, const float *,
                          float *);
@@ -42,7 +43,8 @@ int main(int argc, char **argv) {
     int (*use)(const char *) = (int (*)(const char *))dlsym(lib, "edgelite_kernel_use");
     matmul_fn matmul = (matmul_fn)dlsym(lib, "edgelite_matmul");
     attend_fn attend = (attend_fn)dlsym(lib, "edgelite_attend");
-    if (!use || !matmul || !attend) return 2;
+    norm_fn norm = (norm_fn)dlsym(lib, "edgelite_norm");
+    if (!use || !matmul || !attend || !norm) return 2;
     if (!use(argv[2])) return 3;
     FILE *in = fopen(argv[3], "rb"), *out = fopen(argv[4], "wb");
     if (!in || !out) return 2;
@@ -78,6 +80,18 @@ int main(int argc, char **argv) {
             put(out, kc, (size_t)(kv * cap) * row);
             put(out, vc, (size_t)(kv * cap) * row);
             free(q), free(kn), free(vn), free(kc), free(vc), free(cs), free(sn), free(o);
+        } else if (tag == 2) {
+            int64_t h[3];
+            float eps;
+            if (fread(h, 8, 3, in) != 3 || fread(&eps, 4, 1, in) != 1) return 2;
+            int64_t rows = h[0], d = h[1], skip = h[2];
+            size_t bytes = (size_t)(rows * d) * 4;
+            float *x = take(in, bytes), *s = skip ? take(in, bytes) : NULL, *g = take(in, (size_t)d * 4);
+            float *y = calloc((size_t)(rows * d), 4), *sum = skip ? calloc((size_t)(rows * d), 4) : NULL;
+            if (norm(x, s, g, eps, rows, d, y, sum)) return 2;
+            put(out, y, bytes);
+            if (sum) put(out, sum, bytes);
+            free(x), free(s), free(g), free(y), free(sum);
         } else {
             return 2;
         }

@@ -21,15 +21,17 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def cases() -> tuple[list[kc.Product], list[kc.Step]]:
-    return kc.products(), kc.steps()
+def cases() -> tuple[list[kc.Product], list[kc.Step], list[kc.Norm]]:
+    return kc.products(), kc.steps(), kc.norms()
 
 
-def _run(lib: kc.Library, path: str, cases: tuple[list[kc.Product], list[kc.Step]]) -> list[np.ndarray]:
+def _run(lib: kc.Library, path: str, cases: tuple) -> list[np.ndarray]:
     lib.use(path)
     out = [lib.product(c) for c in cases[0]]
     for s in cases[1]:
         out += lib.step(s) + lib.step(s, one_by_one=True)
+    for c in cases[2]:
+        out += lib.norm(c)
     return out
 
 
@@ -75,6 +77,10 @@ def test_the_reference_is_near_numpy_and_rows_alone_are_rows_in_a_chunk(kernel_p
         )[0]
         tol = 1e-4 if s.kind != 2 else twins.INT8_TOLERANCE * np.abs(twins.values(v)).max()
         assert np.allclose(chunk, want, atol=tol), (s.kind, s.heads, s.d, s.total, np.abs(chunk - want).max())
+    for c in cases[2]:
+        got = lib.norm(c)
+        assert np.allclose(got[0], twins.norm(c.x, c.g, c.eps, c.skip), rtol=1e-5, atol=1e-5), c.x.shape
+        assert c.skip is None or np.array_equal(got[1], c.x + c.skip)
 
 
 def test_the_library_built_here_gives_the_test_builds_bits(kernel_paths: Path, cases) -> None:
@@ -100,8 +106,8 @@ def test_the_driver_gives_the_results_in_this_process(kernel_paths: Path, cases,
         capture_output=True,
         timeout=120,
     )
-    prods, stps = cases[0][:20], cases[1][:12]
-    kc.write_cases(tmp_path / "cases", prods, stps)
+    prods, stps, nrms = cases[0][:20], cases[1][:12], cases[2]
+    kc.write_cases(tmp_path / "cases", prods, stps, nrms)
     done = subprocess.run(
         [str(driver), str(kernel_paths), "ref", str(tmp_path / "cases"), str(tmp_path / "out")],
         capture_output=True,
@@ -109,13 +115,8 @@ def test_the_driver_gives_the_results_in_this_process(kernel_paths: Path, cases,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    p_out, s_out = kc.read_outputs(tmp_path / "out", prods, stps)
-    lib = kc.Library(kernel_paths)
-    lib.use("ref")
-    want = [lib.product(c) for c in prods]
-    for s in stps:
-        want += lib.step(s) + lib.step(s, one_by_one=True)
-    assert kc.digest(p_out + s_out) == kc.digest(want)
+    got = kc.read_outputs(tmp_path / "out", prods, stps, nrms)
+    assert kc.digest(got) == kc.digest(_run(kc.Library(kernel_paths), "ref", (prods, stps, nrms)))
     unknown = subprocess.run(
         [str(driver), str(kernel_paths), "sve", str(tmp_path / "cases"), str(tmp_path / "o")],
         capture_output=True,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, kernels, linear, onerow, onnxgraph, rope
+from edgelite.engine import attention, invariant, kernels, linear, norms, onerow, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.session import open_model
@@ -142,6 +142,8 @@ class LayerRange:
             model = invariant.pad_attention(model)
         if self.matmul is not None:
             model = linear.products(model, self.cfg.threads, kernels.matmul_kinds(self.matmul))
+        if self.library or self.matmul:  # (the norms onnxruntime's ARM and x86 builds give otherwise)
+            model = norms.norms(model)
         if self.cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, self.cfg)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",

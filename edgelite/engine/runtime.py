@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernels, linear, onerow, onnxgraph
+from edgelite.engine import kernels, linear, norms, onerow, onnxgraph
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
@@ -88,7 +88,7 @@ class _Piece:
         model = onnxgraph.relocated(files.graph(entry), files.locate)
         library = linear.library(cfg) if products else None
         if library is not None:
-            model = linear.products(model, cfg.threads, kernels.matmul_kinds(library))
+            model = norms.norms(linear.products(model, cfg.threads, kernels.matmul_kinds(library)))
         if cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, cfg)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,

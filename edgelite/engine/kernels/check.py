@@ -1,7 +1,7 @@
 """A built library's check, run in a child process (`python -m edgelite.engine.kernels.check
 LIBRARY --threads N`, build.checked): onnxruntime loads it and each operator gives what its
 numpy twin gives (each KV dtype, a windowed layer, a chunk of rows; each product kind, rows in a
-tile and one more). Exit status 0 when it passes; else one line saying what differs. A crash
+tile and one more; the norms). Exit status 0 when it passes; else one line saying what differs. A crash
 here (a path this CPU cannot run) kills this process only.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from edgelite.config import RuntimeConfig
 from edgelite.engine import session
 from edgelite.engine.kernels import twins
-from edgelite.engine.kernels.models import attend_model, matmul_model
+from edgelite.engine.kernels.models import attend_model, matmul_model, norm_model
 
 
 def check(library: Path, cfg: RuntimeConfig) -> str | None:
@@ -57,6 +57,16 @@ def check(library: Path, cfg: RuntimeConfig) -> str | None:
             tolerance = 1e-4 * float(np.abs(want).max())
             if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=tolerance):
                 return f"its {op} differs from numpy's product (at most {np.abs(got - want).max():.2g})"
+        for skip in (False, True):
+            model = norm_model(skip, 64, 1e-5)
+            run = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"]).run
+            x, s = (rng.standard_normal((3, 64)).astype(np.float32) for _ in range(2))
+            g = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+            got = run(None, {"x": x, "g": g, **({"skip": s} if skip else {})})
+            want = twins.norm(x, g, 1e-5, s if skip else None)
+            if not np.allclose(got[0], want, rtol=1e-5, atol=1e-5) or (
+                    skip and not np.array_equal(got[1], x + s)):
+                return f"its {'Skip' * skip}Norm differs from numpy's"
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         return f"onnxruntime {ort.__version__} cannot run it: {first}"

@@ -108,3 +108,16 @@ def matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
     )
     model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
     return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+
+
+def norm_model(skip: bool, d: int, eps: float) -> bytes:
+    """A model of one Norm (SkipNorm with `skip`: its sum as a second output) over (n, d) rows."""
+    ins = ["x", "skip", "g"] if skip else ["x", "g"]
+    outs = ["y", "sum"] if skip else ["y"]
+    node = make_node("SkipNorm" if skip else "Norm", ins, outs, "norm", DOMAIN, epsilon=eps)
+    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
+                    *((GRAPH_INPUT, 2, make_value_info(i, FLOAT, [d] if i == "g" else ["n", d]))
+                      for i in ins),
+                    *((GRAPH_OUTPUT, 2, make_value_info(o, FLOAT, ["n", d])) for o in outs)])
+    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
+    return with_opset(with_opset(model, "", 17), DOMAIN, 1)

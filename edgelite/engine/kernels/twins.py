@@ -191,3 +191,10 @@ def turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     a, b = x[..., :half], x[..., half : 2 * half]
     c, s = cos[:, None], sin[:, None]
     return np.concatenate([a * c - b * s, b * c + a * s, x[..., 2 * half :]], axis=-1).astype(np.float32)
+
+
+def norm(x: np.ndarray, g: np.ndarray, eps: float, skip: np.ndarray | None = None) -> np.ndarray:
+    """What Norm (and SkipNorm, with `skip`) computes, in float64: x (+ skip) over the root of
+    its mean square plus eps, times g."""
+    s = x.astype(np.float64) + (0 if skip is None else skip.astype(np.float64))
+    return (s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * g).astype(np.float32)

@@ -8,6 +8,7 @@
 #include "attend_float.h"
 #include "i8_dot.h"
 #include "attend_i8.h"
+#include "norm.h"
 
 const kpath kpath_dotprod = {
     .name = "dotprod",
@@ -15,4 +16,5 @@ const kpath kpath_dotprod = {
     .matmul = {matmul_dot, matmul_dot, matmul_dot, matmul_dot},
     .prep = {[MM8] = prep8},
     .attend = {attend_f32, attend_f16, attend_i8_kv},
+    .norm = norm_rows,
 };

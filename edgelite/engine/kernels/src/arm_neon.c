@@ -29,6 +29,7 @@ static inline __attribute__((always_inline)) int32x4_t dots6(const int8x16_t *q,
 
 #define ATTEND_SPECIALIZE 1
 #include "attend_float.h"
+#include "norm.h"
 
 const kpath kpath_neon = {
     .name = "neon",
@@ -36,4 +37,5 @@ const kpath kpath_neon = {
     .matmul = {matmul_dot, matmul_dot, matmul_dot, matmul_dot},
     .prep = {[MM8] = prep8},
     .attend = {attend_f32, attend_f16},
+    .norm = norm_rows,
 };

@@ -19,8 +19,8 @@
  * Canonical order of a product's row (every kind): each block b's exact integer sum, plus its
  * correction, becomes a float t_b = (float)(dot_b + bias_b) and is fused into one of four
  * running sums, s[b % 4] = fmaf(t_b, scale_b * step_b, s[b % 4]), blocks in order; the row's
- * value is (s0 + s1) + (s2 + s3). MatMul4K adds (m0 + m1 + m2 + m3) + (m4 + ... + m7) (pairs
- * first) of eight more, m[b % 8] = fmaf(low_b, sum_b, m[b % 8]) (below). Integer sums are the
+ * value is (s0 + s1) + (s2 + s3). MatMul4K adds (m0 + m1) + (m2 + m3) of four more, m[b % 4] =
+ * fmaf(low_b, sum_b, m[b % 4]) (below). Integer sums are the
  * same in any order, so a path may take a block's products in any order and any lanes. */
 #ifndef EDGELITE_KERNELS_H
 #define EDGELITE_KERNELS_H
@@ -104,6 +104,12 @@ typedef void (*attend_fn)(const float *q, const void *keys, const void *values, 
                           int64_t window, int64_t g, int64_t d, float *scores, float *buf, float *out,
                           int16_t *i16, float *steps);
 
+/* ---- norms ------------------------------------------------------------------------------- */
+/* rows of d values: y = RMS-normed (x + skip) times g (skip may be NULL; sum, where not NULL,
+ * gets x + skip) */
+typedef void (*norm_fn)(const float *x, const float *skip, const float *g, float eps, int64_t rows, int64_t d,
+                        float *y, float *sum);
+
 /* ---- paths ------------------------------------------------------------------------------- */
 enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_NEON = 4, FEAT_DOTPROD = 8, FEAT_I8MM = 16 };
 
@@ -113,6 +119,7 @@ typedef struct {
     mm_fn matmul[MM_KINDS];      /* NULL: not this path's */
     mm_prep_fn prep[MM_KINDS];   /* the rows' own layout, before matmul (NULL: none) */
     attend_fn attend[KV_KINDS];  /* NULL: not this path's */
+    norm_fn norm;                /* NULL: not this path's */
     void (*init)(void);          /* once, before the first call (tables) */
 } kpath;
 
@@ -151,7 +158,5 @@ KINLINE float half_value(uint16_t h) {
 
 /* the canonical end of a row's product: (s0 + s1) + (s2 + s3) */
 KINLINE float mm_sum4(const float *s) { return (s[0] + s[1]) + (s[2] + s[3]); }
-/* MatMul4K's minimum part: ((m0 + m1) + (m2 + m3)) + ((m4 + m5) + (m6 + m7)) */
-KINLINE float mm_sum8(const float *m) { return ((m[0] + m[1]) + (m[2] + m[3])) + ((m[4] + m[5]) + (m[6] + m[7])); }
 
 #endif

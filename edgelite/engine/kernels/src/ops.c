@@ -125,7 +125,7 @@ static const kpath *all_paths(int i) {
     return i < (int)(sizeof(order) / sizeof(order[0])) ? order[i] : (const kpath *)-1;
 }
 
-static const kpath *mm_path[MM_KINDS], *at_path[KV_KINDS];
+static const kpath *mm_path[MM_KINDS], *at_path[KV_KINDS], *nm_path;
 static pthread_mutex_t choice_lock = PTHREAD_MUTEX_INITIALIZER;
 static int chosen;
 
@@ -135,6 +135,7 @@ static int choose(const char *only) {
     int below = !only || !*only, found = below;
     for (int k = 0; k < MM_KINDS; k++) mm_path[k] = NULL;
     for (int k = 0; k < KV_KINDS; k++) at_path[k] = NULL;
+    nm_path = NULL;
     for (int i = 0; all_paths(i) != (const kpath *)-1; i++) {
         const kpath *p = all_paths(i);
         if (!p) continue;
@@ -145,6 +146,7 @@ static int choose(const char *only) {
             if (!mm_path[k] && p->matmul[k]) mm_path[k] = p;
         for (int k = 0; k < KV_KINDS; k++)
             if (!at_path[k] && p->attend[k]) at_path[k] = p;
+        if (!nm_path && p->norm) nm_path = p;
     }
     chosen = 1;
     return found;
@@ -167,7 +169,8 @@ EXPORT const char *edgelite_kernel_paths(void) {
     for (int k = 0; k < MM_KINDS; k++)
         used += (size_t)snprintf(text + used, sizeof(text) - used, "%s=%s ", mm_names[k], mm_path[k]->name);
     for (int k = 0; k < KV_KINDS; k++)
-        used += (size_t)snprintf(text + used, sizeof(text) - used, "%s%s=%s", k ? " " : "", at_names[k], at_path[k]->name);
+        used += (size_t)snprintf(text + used, sizeof(text) - used, "%s=%s ", at_names[k], at_path[k]->name);
+    snprintf(text + used, sizeof(text) - used, "Norm=%s", nm_path->name);
     pthread_mutex_unlock(&choice_lock);
     return text;
 }
@@ -699,6 +702,89 @@ static int input_type(const struct custom_op *op, size_t i) {
 static attend_op attend_ops[KV_KINDS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16),
                                          ATTEND_OP("Attend8", KV_I8)};
 
+/* ---- norms -------------------------------------------------------------------------------- *
+ * Norm (x, scale; epsilon) -> y, and SkipNorm (x, skip, scale; epsilon) -> y, sum: RMS norms
+ * over the last axis, d (a multiple of 8) values; scale (d); skip as x. What
+ * SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization compute (engine/norms.py
+ * rewrites them), the same bits on every ISA. */
+#define NORM_MAX_D (1 << 16)
+
+typedef struct {
+    struct custom_op op;
+    const char *op_name;
+    int skip;
+} norm_op;
+
+typedef struct {
+    api_t api;
+    int skip;
+    float eps;
+} norm_state;
+
+static void norm_compute(void *state, void *ctx) {
+    const norm_state *st = (const norm_state *)state;
+    api_t api = st->api;
+    size_t count = st->skip ? 3 : 2, rank[3] = {0};
+    const void *in[3] = {NULL};
+    int64_t d[3][MM_MAX_RANK];
+    void *data[3] = {NULL};
+    for (size_t i = 0; i < count; i++)
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)) ||
+            !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
+            return;
+    int64_t rows = 1, dim = d[0][rank[0] - 1];
+    for (size_t i = 0; i + 1 < rank[0]; i++)
+        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return;
+    void *outs[2] = {NULL, NULL}, *y = NULL, *sum = NULL;
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, d[0], rank[0], &outs[0])) || !outs[0] ||
+        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[0], &y)))
+        return;
+    if (st->skip && ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, d[0], rank[0], &outs[1])) && outs[1])
+        (void)ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[1], &sum));
+    int scale_at = st->skip ? 2 : 1;
+    int fits = dim >= LANES && dim % LANES == 0 && dim <= NORM_MAX_D && rank[scale_at] == 1 && d[scale_at][0] == dim &&
+               (!st->skip || (rank[1] == rank[0] && !memcmp(d[1], d[0], rank[0] * sizeof(int64_t))));
+    if (!fits) { /* (the graph is ours: never expected) zeros */
+        if (rows > 0 && dim > 0) memset(y, 0, (size_t)(rows * dim) * sizeof(float));
+        return;
+    }
+    nm_path->norm((const float *)data[0], st->skip ? (const float *)data[1] : NULL, (const float *)data[scale_at],
+                  st->eps, rows, dim, (float *)y, (float *)sum);
+}
+
+static void *norm_create(const struct custom_op *op, api_t api, const void *info) {
+    choose_once();
+    norm_state *st = (norm_state *)calloc(1, sizeof(norm_state));
+    if (!st) return NULL;
+    st->api = api;
+    st->skip = ((const norm_op *)op)->skip;
+    st->eps = 1e-6f;
+    (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "epsilon", &st->eps);
+    return st;
+}
+
+static const char *norm_name(const struct custom_op *op) { return ((const norm_op *)op)->op_name; }
+static int norm_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t norm_inputs(const struct custom_op *op) { return ((const norm_op *)op)->skip ? 3 : 2; }
+static size_t norm_outputs(const struct custom_op *op) { return ((const norm_op *)op)->skip ? 2 : 1; }
+static int norm_output_kind(const struct custom_op *op, size_t i) { (void)op; return i ? 1 : 0; /* (sum optional) */ }
+
+#define NORM_OP(label, skip)                                                                                    \
+    {{OP_VERSION, norm_create, norm_name, mm_provider, norm_type, norm_inputs, norm_type, norm_outputs,         \
+      norm_compute, mm_destroy, mm_required, norm_output_kind},                                                  \
+     label, skip}
+
+static const norm_op norm_ops[2] = {NORM_OP("Norm", 0), NORM_OP("SkipNorm", 1)};
+
+/* a norm without onnxruntime (tests, the ARM harness): rows x d (skip and sum may be NULL) */
+EXPORT int edgelite_norm(const float *x, const float *skip, const float *g, float eps, int64_t rows, int64_t d,
+                         float *y, float *sum) {
+    choose_once();
+    if (rows < 1 || d < LANES || d % LANES || d > NORM_MAX_D) return -1;
+    nm_path->norm(x, skip, g, eps, rows, d, y, sum);
+    return 0;
+}
+
 /* ---- registration ------------------------------------------------------------------------- */
 EXPORT status_t RegisterCustomOps(void *options, const api_base_t *base) {
     api_t api = base->get_api(API_VERSION);
@@ -714,6 +800,7 @@ EXPORT status_t RegisterCustomOps(void *options, const api_base_t *base) {
     status_t status = CALL(api, CREATE_DOMAIN, create_domain_fn)("edgelite", &domain);
     for (int i = 0; !status && i < KV_KINDS; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &attend_ops[i].op);
     for (int i = 0; !status && i < MM_KINDS; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &matmul_ops[i].op);
+    for (int i = 0; !status && i < 2; i++) status = CALL(api, DOMAIN_ADD, domain_add_fn)(domain, &norm_ops[i].op);
     if (!status) status = CALL(api, ADD_DOMAIN, add_domain_fn)(options, domain);
     return status;
 }

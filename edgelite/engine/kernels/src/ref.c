@@ -74,15 +74,15 @@ static void group8(const qrows *x, const uint8_t *c, const float *s, int64_t row
 static void group4k(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *halves, int64_t row,
                     float *y, int64_t n) {
     for (int r = 0; r < MM_GROUP; r++) {
-        float sum[4] = {0}, low[8] = {0};
+        float sum[4] = {0}, low[4] = {0};
         for (int64_t b = 0; b < x->blocks; b++) {
             int64_t sb = b / 8;
             float scale = (float)mult[sb * 64 + 8 * r + b % 8] * half_value(halves[sb * 8 + r]);
             float coef = fmaf(scale, MM4K_SHIFT, (float)mult[sb * 64 + 32 + 8 * r + b % 8] * half_value(halves[sb * 8 + 4 + r]));
             sum[b % 4] = fmaf((float)dot4(x, c, row, r, b), scale * x->steps[row * x->lanes + b], sum[b % 4]);
-            low[b % 8] = fmaf(coef, x->sums[row * x->sum_width + MM4K_SUMS * sb + b % 8], low[b % 8]);
+            low[b % 4] = fmaf(coef, x->sums[row * x->sum_width + MM4K_SUMS * sb + b % 8], low[b % 4]);
         }
-        y[row * n + r] = mm_sum4(sum) + mm_sum8(low);
+        y[row * n + r] = mm_sum4(sum) + mm_sum4(low);
     }
 }
 
@@ -131,10 +131,12 @@ KINLINE void i8v_steps(const void *plane, int64_t b, int64_t d, float *step) {
     for (int64_t jj = 0; jj < BLOCK; jj++) step[jj] = row_step(plane, b + jj, d);
 }
 #include "attend_i8.h"
+#include "norm.h"
 
 const kpath kpath_ref = {
     .name = "ref",
     .needs = 0,
     .matmul = {matmul_ref, matmul_ref, matmul_ref, matmul_ref},
     .attend = {attend_f32, attend_f16, attend_i8_kv},
+    .norm = norm_rows,
 };

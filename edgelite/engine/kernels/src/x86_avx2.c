@@ -173,6 +173,7 @@ static void matmul_avx2(const mm_job *p) {
 #include "attend_float.h"
 #include "i8_avx2.h"
 #include "attend_i8.h"
+#include "norm.h"
 
 const kpath kpath_avx2 = {
     .name = "avx2",
@@ -180,4 +181,5 @@ const kpath kpath_avx2 = {
     .matmul = {[MM4] = matmul_avx2, [MM8] = matmul_avx2},
     .prep = {[MM4] = prep, [MM8] = prep},
     .attend = {attend_f32, attend_f16, attend_i8_kv},
+    .norm = norm_rows,
 };

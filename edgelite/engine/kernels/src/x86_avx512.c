@@ -100,8 +100,8 @@ MM_INLINE void group4(const qrows *x, const uint8_t *c, const float *s, int64_t 
     for (int m = 0; m < R; m++) _mm_storeu_ps(y + (r0 + m) * n, finish4(f[m]));
 }
 
-/* MatMul4K: as group4, and each row's minimum part in two more registers (lane 4 j + c: column
- * c's m[j] and m[4 + j]) against the super-block's exact block sums */
+/* MatMul4K: as group4, and each row's minimum part in one more register (lane 4 j + c: column
+ * c's m[j]) against the super-block's exact block sums */
 MM_INLINE void group4k(const qrows *x, const uint8_t *c, const uint8_t *mult, const uint16_t *base, int64_t r0,
                        const int R, float *y, int64_t n, int64_t units) {
     /* mult's bytes (sc: 8 a column, then m: 8 a column) as [sc of blocks 0-3 | 4-7 | m 0-3 | m 4-7],
@@ -111,8 +111,8 @@ MM_INLINE void group4k(const qrows *x, const uint8_t *c, const uint8_t *mult, co
         32, 40, 48, 56, 33, 41, 49, 57, 34, 42, 50, 58, 35, 43, 51, 59, 36, 44, 52, 60, 37, 45, 53, 61, 38, 46, 54, 62, 39, 47, 55, 63};
     const __m512i perm = _mm512_loadu_si512(order);
     const __m512i col = _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0);
-    __m512 f[MM_ROWS], low[MM_ROWS][2];
-    for (int m = 0; m < R; m++) f[m] = low[m][0] = low[m][1] = _mm512_setzero_ps();
+    __m512 f[MM_ROWS], low[MM_ROWS];
+    for (int m = 0; m < R; m++) f[m] = low[m] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < units; sb++, c += 512, mult += 64, base += 8) {
         for (int l = 0; l < 8; l++) MM_PREFETCH(c + MM4K_AHEAD * 512 + 64 * l);
         MM_PREFETCH(mult + MM4K_AHEAD * 64);
@@ -130,12 +130,12 @@ MM_INLINE void group4k(const qrows *x, const uint8_t *c, const uint8_t *mult, co
             for (int m = 0; m < R; m++) {
                 int64_t row = r0 + m;
                 f[m] = fold(f[m], dots4(lo, hi, x, row, u), x, row, 4 * u, scale);
-                low[m][s] = _mm512_fmadd_ps(coef, spread_ps(x->sums + row * x->sum_width + MM4K_SUMS * sb + 4 * s), low[m][s]);
+                low[m] = _mm512_fmadd_ps(coef, spread_ps(x->sums + row * x->sum_width + MM4K_SUMS * sb + 4 * s), low[m]);
             }
         }
     }
     for (int m = 0; m < R; m++)
-        _mm_storeu_ps(y + (r0 + m) * n, _mm_add_ps(finish4(f[m]), _mm_add_ps(finish4(low[m][0]), finish4(low[m][1]))));
+        _mm_storeu_ps(y + (r0 + m) * n, _mm_add_ps(finish4(f[m]), finish4(low[m])));
 }
 
 /* byte 8g + i of a vector <- byte 6g + i of 48 loaded ones (i < 6): 8 codes a 64-bit lane */
@@ -274,11 +274,13 @@ static void matmul_avx512(const mm_job *p) {
 #include "attend_float.h"
 #include "i8_vnni.h"
 #include "attend_i8.h"
+#include "norm.h"
 
 const kpath kpath_avx512 = {
     .name = "avx512",
     .needs = FEAT_AVX512,
     .matmul = {matmul_avx512, matmul_avx512, matmul_avx512, matmul_avx512},
     .attend = {attend_f32, attend_f16, attend_i8_kv},
+    .norm = norm_rows,
     .init = i8_vnni_init,
 };
