@@ -4,8 +4,10 @@
 #   bash termux_setup.sh [--client] [--from SPEC]
 #
 # Stage nodes need numpy, onnxruntime and msgpack: they come from Termux's own packages (PyPI
-# has no Android onnxruntime wheel), with clang to build edgelite's attention kernel for this
-# phone's cores at first use, then edgelite itself without dependencies, so pip never
+# has no Android onnxruntime wheel), with clang to build edgelite's kernels (attention, products,
+# norms; the C sources ship in the package) for this phone's CPU, which a node does in the
+# background as it starts (flags from the CPU's features: ARMv8.0, dotprod or dotprod + i8mm,
+# never SVE; kept for the next start), then edgelite itself without dependencies, so pip never
 # tries to build onnxruntime, highspy, uvloop, torch or onnx (planning falls back to the exact
 # DP, the event loop to asyncio's own). --client adds what the client phone needs to tokenize
 # and render chat templates (tokenizers from the Termux User Repository, jinja2). --from gives
@@ -20,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --client) client=1 ;;
     --from) spec="$2"; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "termux_setup.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
