@@ -2,8 +2,9 @@
 # An aarch64 Python in ROOT for running edgelite under qemu-user on an x86 machine
 # (tests/test_arm.py): Debian's arm64 python3.11 and the libraries it needs, unpacked (dpkg -x,
 # nothing installed: apt's own state and the host's python3 are untouched), PyPI's aarch64
-# onnxruntime 1.29.0, numpy and msgpack in ROOT/usr/lib/python3.11/site-packages, and an ARM
-# /proc/cpuinfo in ROOT (onnxruntime reads it as it loads). Then:
+# onnxruntime 1.29.0, numpy, msgpack and rich (what termux_setup.sh gives a node) in
+# ROOT/usr/lib/python3.11/site-packages, and an ARM /proc/cpuinfo in ROOT (onnxruntime reads it
+# as it loads). Then:
 #   PYTHONPATH=REPO:ROOT/usr/lib/python3.11/site-packages \
 #     qemu-aarch64 -cpu max,sme=off -L ROOT ROOT/usr/bin/python3.11 ...
 set -euo pipefail
@@ -21,7 +22,7 @@ apt=(apt-get -qq -o APT::Architecture=arm64 -o APT::Architectures=arm64 -o Dir::
 for deb in "$work"/debs/*.deb; do dpkg -x "$deb" "$root"; done
 "$py" -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.11 \
   --implementation cp --abi cp311 --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
-  --platform manylinux_2_17_aarch64 -d "$work/wheels" onnxruntime==1.29.0 numpy msgpack
+  --platform manylinux_2_17_aarch64 -d "$work/wheels" onnxruntime==1.29.0 numpy msgpack rich
 site="$root/usr/lib/python3.11/site-packages"
 mkdir -p "$site" "$root/proc"
 for wheel in "$work"/wheels/*.whl; do "$py" -m zipfile -e "$wheel" "$site"; done

@@ -206,7 +206,7 @@ class Node:
             self._stranger_gone(host)
             stranger = False
             self.conns.add(conn)
-            owner = auth.client or f"connection-{secrets.token_hex(16)}"
+            owner = auth.client or f"anon{secrets.token_hex(16)}"  # (logs show its first 8: anon + 4 hex)
             self.clients[owner] = Client(kv_domain(auth.kv or owner), host)
             self.owners[owner] = self.owners.get(owner, 0) + 1
             if self.owners[owner] == 1:

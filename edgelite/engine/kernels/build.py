@@ -239,6 +239,7 @@ def build(
     if given:  # a library built elsewhere (a cross-compiler, the ARM tests): checked, not built
         error = checked(Path(given), cfg)
         if error is None:
+            log.info("kernel library: %s (given by %s)", given, PREBUILT)
             return Path(given)
         log.warning("kernel library: %s=%s: %s; using onnxruntime's operators", PREBUILT, given, error)
         return None
