@@ -34,7 +34,7 @@ __version__ = "0.3.0"  # (pyproject.toml reads it from here)
 
 _EXPORTS = {
     "connect": "edgelite.client.llm", "LLM": "edgelite.client.llm",
-    "Reply": "edgelite.client.llm", "Piece": "edgelite.engine.reply",
+    "Reply": "edgelite.client.llm", "Piece": "edgelite.reply.loop",
     "PlanOptions": "edgelite.client.llm",
     "discover": "edgelite.net.discovery", "probe": "edgelite.prober.cluster",
     "cluster_spec": "edgelite.prober.cluster", "plan": "edgelite.planner.solve",
@@ -72,7 +72,6 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from edgelite.client.llm import LLM, PlanOptions, Reply, connect
     from edgelite.config import ClientConfig, GenerationConfig, NodeConfig, RuntimeConfig
-    from edgelite.engine.reply import Piece
     from edgelite.errors import (
         EdgeliteError,
         ManifestError,
@@ -90,3 +89,4 @@ if TYPE_CHECKING:
     from edgelite.planner.model import Plan, Stage
     from edgelite.planner.solve import plan
     from edgelite.prober.cluster import cluster_spec, probe
+    from edgelite.reply.loop import Piece

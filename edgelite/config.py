@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# the most positions a session may take back (`KVPool.rollback`: the drafts a speculative
+# step's verification rejected; `Backend.rollback`); windowed layers keep this many more than
+# their window. A protocol fact the KV, the nodes and the reply side share, not a setting.
+MAX_ROLLBACK = 16
+
 
 @dataclass(frozen=True)
 class KVStoreConfig:
@@ -102,7 +107,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None  # sampling seed (None: a fresh one each reply)
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
-    # speculative decoding (engine/speculate.py): off, lookup (drafts from the prompt and the
+    # speculative decoding (reply/speculate.py): off, lookup (drafts from the prompt and the
     # reply), draft (a draft model's, loaded with the model: `--speculate DIR`)
     speculate: str = "off"
     draft_tokens: int = 0  # drafts a round (0: chosen each round from the measured figures)
@@ -115,12 +120,12 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     logprobs: int = -1  # each token's log probability and this many alternatives (-1: none)
     # text, or json_object: every token is one that keeps the reply a JSON object's prefix,
-    # and the reply ends when the object does (engine/jsonprefix.py; no speculation then);
-    # json_schema: an object `json_schema` (JSON text, engine/jsonschema.py's subset) accepts
+    # and the reply ends when the object does (reply/jsonprefix.py; no speculation then);
+    # json_schema: an object `json_schema` (JSON text, reply/jsonschema.py's subset) accepts
     response_format: str = "text"
     json_schema: str = ""
     # OpenAI's tools (JSON text of its `tools` list; "": none) and tool_choice (auto, none,
-    # required or a tool's name): a reply may be a call (engine/tools.py; no speculation then)
+    # required or a tool's name): a reply may be a call (reply/tools.py; no speculation then)
     tools: str = ""
     tool_choice: str = "auto"
 

@@ -223,7 +223,7 @@ def quality(fast: Path, reference: Path) -> dict:
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
     from edgelite.engine.runtime import LocalChain
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
     from edgelite_export.reference_text import TEXT
 
     def log_probs(path: Path, dtype: str) -> np.ndarray:

@@ -28,7 +28,7 @@ def _prompt(model: str, n_tokens: int) -> list[int]:
     """The first n_tokens of the exporter's reference text (English prose: the model goes on
     writing rather than ending)."""
     from edgelite import manifest as mf
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
     from edgelite_export.reference_text import TEXT
 
     return Tokenizer(mf.load(model)).encode(TEXT)[:n_tokens]

@@ -43,10 +43,10 @@ from bench_local import edgelite_export
 import edgelite
 from edgelite.cli.localnodes import TOKEN, NodeProc, start_node, start_serve
 from edgelite.config import GenerationConfig
-from edgelite.engine.tokenizer import Tokenizer
 from edgelite.ids import NodeAddr
 from edgelite.manifest import load
 from edgelite.planner.model import Plan, Stage
+from edgelite.reply.tokenizer import Tokenizer
 from edgelite.serve.client import GatewayClient
 
 ROOT = Path(__file__).resolve().parent.parent

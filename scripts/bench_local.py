@@ -34,7 +34,7 @@ def measure_edgelite(model: str, threads: int, tokens: int) -> dict:
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
     from edgelite.engine.runtime import LocalChain
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
 
     m = mf.load(model)
     chain = LocalChain(m, RuntimeConfig(threads=threads))

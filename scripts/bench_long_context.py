@@ -21,7 +21,7 @@ import edgelite
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node, start_serve
 from edgelite.config import RuntimeConfig
-from edgelite.engine.tokenizer import Tokenizer
+from edgelite.reply.tokenizer import Tokenizer
 
 ROOT = Path(__file__).parent.parent
 MODEL = sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "models" / "bench" / "smol-int4-fast")

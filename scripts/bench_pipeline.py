@@ -33,12 +33,13 @@ from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node
 from edgelite.cli.runner import install_uvloop
 from edgelite.client.backend import ClusterBackend, open_backend
+from edgelite.client.local import LocalBackend
 from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.generate import LocalBackend, generate
-from edgelite.engine.tokenizer import Tokenizer
 from edgelite.ids import NodeAddr
 from edgelite.net.steptrace import StepTrace, hop_summary
 from edgelite.planner.solve import split_plan
+from edgelite.reply.generate import generate
+from edgelite.reply.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a robot who learns to paint."
 PREFILL_LENGTHS = (60, 300, 1000)  # prompt tokens (the chat prompt repeated)

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=Path("models/bench"))
     args = ap.parse_args()
     from edgelite import manifest as mf
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
     from edgelite_export.reference_text import TEXT
 
     models = {"fp32": edgelite_export(args.models / "smol-fp32", "--quantize", "none"),

@@ -3,7 +3,8 @@
 Layers, lowest first (a module may import its own package and lower layers only; packages on
 one layer do not import each other):
   0 config, errors, heap, ids, manifest, paths
-  1 engine (ONNX execution), net (wire), planner (pure placement)
+  1 engine (ONNX execution), reply (logits to a reply: no ONNX), net (wire), planner (pure
+    placement)
   2 node (the stage node), prober (measuring a cluster)
   3 client (the public API's machinery), serve (gateway and scheduler)
   4 edgelite/__init__ (the public API)
@@ -18,7 +19,7 @@ from pathlib import Path
 
 PKG = Path(__file__).parent.parent / "edgelite"
 LAYERS = {"config": 0, "errors": 0, "heap": 0, "ids": 0, "manifest": 0, "paths": 0, "engine": 1,
-          "net": 1, "planner": 1, "node": 2, "prober": 2, "client": 3, "serve": 3, "__init__": 4,
+          "reply": 1, "net": 1, "planner": 1, "node": 2, "prober": 2, "client": 3, "serve": 3, "__init__": 4,
           "cli": 5, "__main__": 6}
 NETWORKING = {"socket", "selectors", "asyncio", "ssl", "http", "urllib"}
 
@@ -105,6 +106,15 @@ def test_node_imports_nothing_of_client_or_cli() -> None:
         assert not {_area(m) for m in _closure(module)} & {"client", "cli", "serve", "__init__"}
 
 
+def test_the_node_imports_nothing_of_the_reply_side_and_the_reply_side_nothing_of_onnx() -> None:
+    for module in (m for m in MODULES if _area(m) == "node"):
+        assert "reply" not in {_area(m) for m in _closure(module)}, module
+    for module in (m for m in MODULES if _area(m) == "reply"):
+        reach = {module} | _closure(module)
+        assert not {_area(m) for m in reach} & {"engine", "net", "node"}, module
+        assert not set().union(*(EXTERNAL[m] for m in reach)) & {"onnxruntime", "onnx"}, module
+
+
 def test_only_the_cli_uses_argparse() -> None:
     users = {m for m, ext in EXTERNAL.items() if "argparse" in ext}
     assert users and all(_area(m) == "cli" for m in users), users
@@ -143,13 +153,13 @@ def _calls_and_names(path: Path) -> set[str]:
 
 
 def test_sampling_stops_and_eos_live_in_the_reply_loop_only() -> None:
-    """One home for the reply's rules (engine/reply.py): no other module samples, matches stop
+    """One home for the reply's rules (reply/loop.py): no other module samples, matches stop
     strings or tests for EOS; the library, generate, chat and both gateway doors reach it."""
-    home = "edgelite.engine.reply"
+    home = "edgelite.reply.loop"
     for module, path in MODULES.items():
         if module == home:
             continue
-        assert "edgelite.engine.sampling" not in GRAPH[module] or module == "edgelite.engine.sampling", \
+        assert "edgelite.reply.sampling" not in GRAPH[module] or module == "edgelite.reply.sampling", \
             f"{module} samples"
         used = _calls_and_names(path)
         assert not used & {"StopMatcher", "sample"}, (module, used & {"StopMatcher", "sample"})
@@ -160,10 +170,10 @@ def test_sampling_stops_and_eos_live_in_the_reply_loop_only() -> None:
         text = path.read_text()
         assert ".find(s) for s in" not in text and "endswith(s[:" not in text, (module, "stop matching")
     drivers = {m for m, deps in GRAPH.items() if home in deps and "ReplyLoop" in _calls_and_names(MODULES[m])}
-    assert drivers == {"edgelite.engine.generate", "edgelite.serve.gateway"}, drivers
+    assert drivers == {"edgelite.reply.generate", "edgelite.serve.gateway"}, drivers
     for module in ("edgelite.client.llm", "edgelite.serve.native", "edgelite.serve.http",
                    "edgelite.cli.generate", "edgelite.cli.chat"):
-        assert _closure(module) & {"edgelite.engine.generate", "edgelite.serve.gateway"}, module
+        assert _closure(module) & {"edgelite.reply.generate", "edgelite.serve.gateway"}, module
 
 
 def test_the_step_layout_is_defined_in_stepframe_only() -> None:

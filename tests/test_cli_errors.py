@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from edgelite.cli.localnodes import TOKEN
-from edgelite.engine.jsonprefix import JsonPrefix
-from edgelite.engine.jsonschema import fits
+from edgelite.reply.jsonprefix import JsonPrefix
+from edgelite.reply.jsonschema import fits
 from models import as_if_large
 
 

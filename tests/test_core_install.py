@@ -83,7 +83,7 @@ def test_core_install_runs_the_int4_export(core_python: Path, smollm2_int4: Path
     assert core.returncode == 0, core.stderr[-2000:]
     full = run_cli(*args)
     from edgelite import manifest as mf
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
 
     prompt = Tokenizer(mf.load(smollm2_int4)).chat_prompt([{"role": "user", "content": "What is a phone?"}])
     _same_until_a_near_tie(smollm2_int4, prompt, json.loads(core.stdout)["token_ids"],

@@ -13,12 +13,13 @@ from conftest import run_cli
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
 from edgelite.client.backend import ClusterBackend, open_backend
+from edgelite.client.local import LocalBackend
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig
-from edgelite.engine.generate import LocalBackend, generate
 from edgelite.errors import NodeUnavailable
 from edgelite.ids import NodeAddr
 from edgelite.net.steptrace import hop_summary
 from edgelite.planner.solve import split_plan
+from edgelite.reply.generate import generate
 
 pytestmark = pytest.mark.e2e
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from edgelite.client.local import LocalBackend
 from edgelite.config import GatewayConfig, GenerationConfig, HttpConfig, SchedulerConfig
-from edgelite.engine.generate import LocalBackend
-from edgelite.engine.jsonprefix import JsonPrefix
-from edgelite.engine.jsonschema import fits
-from edgelite.engine.tokenizer import Tokenizer
 from edgelite.ids import NodeAddr
 from edgelite.manifest import load
 from edgelite.net import messages as m
+from edgelite.reply.jsonprefix import JsonPrefix
+from edgelite.reply.jsonschema import fits
+from edgelite.reply.tokenizer import Tokenizer
 from edgelite.serve.client import GatewayClient
 from edgelite.serve.gateway import Gateway
 from edgelite.serve.http import HttpApi, served
@@ -147,8 +147,8 @@ def test_context_limits_are_named_and_long_prompts_are_chunked(exported) -> None
     doors and by `generate`, naming the model's limit; one that fits gets its max_tokens cut
     to what is left (finish "length"); a prompt longer than the scheduler's step budget is
     prefilled over several steps instead of refused."""
-    from edgelite.engine.generate import generate
     from edgelite.errors import EdgeliteError
+    from edgelite.reply.generate import generate
 
     manifest = load(exported["llama"])
     cfg = GatewayConfig(port=0)

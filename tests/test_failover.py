@@ -13,8 +13,8 @@ import pytest
 import edgelite
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN, start_node, start_serve
+from edgelite.client.local import LocalBackend
 from edgelite.config import ClientConfig, GenerationConfig
-from edgelite.engine.generate import LocalBackend
 from edgelite.ids import NodeAddr
 from edgelite.serve.client import GatewayClient
 from test_distributed import _tokens

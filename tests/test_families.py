@@ -13,7 +13,7 @@ import pytest
 
 import models
 from edgelite import manifest as mf
-from edgelite.engine.generate import LocalBackend
+from edgelite.client.local import LocalBackend
 from test_distributed import _cluster, _tokens
 
 pytestmark = pytest.mark.e2e

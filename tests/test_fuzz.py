@@ -17,8 +17,8 @@ import pytest
 from test_hardening import _clean_log, _fds, _rss_mib
 
 from edgelite import manifest as mf
+from edgelite.client.local import LocalBackend
 from edgelite.config import WireLimits
-from edgelite.engine.generate import LocalBackend
 from edgelite.ids import NodeAddr
 from edgelite.net.frames import read_frame
 from edgelite.net.schema import REGISTRY

@@ -10,8 +10,8 @@ import pytest
 
 import models
 from edgelite import manifest as mf
-from edgelite.engine.generate import LocalBackend
-from edgelite.engine.tokenizer import Tokenizer
+from edgelite.client.local import LocalBackend
+from edgelite.reply.tokenizer import Tokenizer
 from test_distributed import _tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

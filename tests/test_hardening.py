@@ -23,8 +23,8 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
 from edgelite.client.cluster import Cluster
+from edgelite.client.local import LocalBackend
 from edgelite.config import ClientConfig, RuntimeConfig, WireLimits
-from edgelite.engine.generate import LocalBackend
 from edgelite.errors import EdgeliteError, ManifestError, NodeError, ProtocolError
 from edgelite.ids import NodeAddr, new_session_id
 from edgelite.net import messages as m

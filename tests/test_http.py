@@ -19,9 +19,9 @@ import pytest
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN, start_serve
 from edgelite.config import HttpConfig
-from edgelite.engine.jsonprefix import JsonPrefix
-from edgelite.engine.jsonschema import fits
-from edgelite.engine.reply import StopMatcher
+from edgelite.reply.jsonprefix import JsonPrefix
+from edgelite.reply.jsonschema import fits
+from edgelite.reply.loop import StopMatcher
 from edgelite.serve.http import HttpApi, served
 from models import as_if_large
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgelite.engine.jsonprefix import JsonPrefix
-from edgelite.engine.jsonschema import check_reply_schema, fits
 from edgelite.errors import EdgeliteError
+from edgelite.reply.jsonprefix import JsonPrefix
+from edgelite.reply.jsonschema import check_reply_schema, fits
 
 VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12)

@@ -660,8 +660,8 @@ def test_a_restore_fills_a_reserved_slot_that_is_the_sessions_only_when_it_passe
     entry frees it and leaves every live session as it was; a second restore of the same
     session at once is refused."""
     from edgelite import manifest as mf
+    from edgelite.client.local import restore_part
     from edgelite.config import RuntimeConfig
-    from edgelite.engine.generate import restore_part
     from edgelite.engine.runtime import ClientPart
     from edgelite.errors import EdgeliteError
 

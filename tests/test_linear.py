@@ -17,7 +17,7 @@ from edgelite.engine.kernels.models import matmul_model
 from edgelite.engine.layers import LayerRange, export_files
 from edgelite.engine.runtime import LocalChain
 from edgelite.engine.session import options
-from edgelite.engine.tokenizer import Tokenizer
+from edgelite.reply.tokenizer import Tokenizer
 
 
 def _library(*ops: str) -> Path:

@@ -155,8 +155,9 @@ def _next_turn(reply: str) -> list[dict]:
 def _computed(model: Path, messages: list[dict]) -> list[int]:
     """The reply's ids, computed by the local engine from nothing."""
     from edgelite import manifest as mf
-    from edgelite.engine.generate import LocalBackend, generate
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.client.local import LocalBackend
+    from edgelite.reply.generate import generate
+    from edgelite.reply.tokenizer import Tokenizer
 
     m = mf.load(model)
 
@@ -178,7 +179,7 @@ def test_a_request_reuses_the_stored_kv_of_an_earlier_ones_prompt(exported, node
     when that request finished) instead of computing it (reuse_prefixes), with the ids of
     computing it all; a request that shares nothing reuses nothing."""
     from edgelite import manifest as mf
-    from edgelite.engine.tokenizer import Tokenizer
+    from edgelite.reply.tokenizer import Tokenizer
 
     model = exported["llama"]
     (_, _, reused0), (_, ids, reused1), (_, _, reused2) = _three_turns(

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculate.py): drafts verified in one step give the ids the
+"""Speculative decoding (reply/speculate.py): drafts verified in one step give the ids the
 model gives without them (greedy, locally and on 3 node processes, with rollbacks on every
 stage), and, sampled, the same distribution (chi-square on real logits of a tiny model)."""
 
@@ -14,13 +14,13 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.cli.localnodes import TOKEN
 from edgelite.client.llm import open_llm
-from edgelite.config import GenerationConfig, RuntimeConfig
-from edgelite.engine.generate import LocalBackend, generate
-from edgelite.engine.kv import MAX_ROLLBACK
-from edgelite.engine.reply import ReplyLoop, Stats
+from edgelite.client.local import LocalBackend
+from edgelite.config import MAX_ROLLBACK, GenerationConfig, RuntimeConfig
 from edgelite.engine.runtime import LocalChain
-from edgelite.engine.sampling import distribution
-from edgelite.engine.speculate import DraftModel, Lookup, Pacer, Speculation
+from edgelite.reply.generate import generate
+from edgelite.reply.loop import ReplyLoop, Stats
+from edgelite.reply.sampling import distribution
+from edgelite.reply.speculate import DraftModel, Lookup, Pacer, Speculation
 
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:

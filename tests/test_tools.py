@@ -1,4 +1,4 @@
-"""Tool calls (engine/tools.py) and embeddings (engine/embed.py): what a request's tools may be,
+"""Tool calls (reply/tools.py) and embeddings (reply/embed.py): what a request's tools may be,
 how prompts show them, and calls and vectors through both gateway doors with the `openai`
 package, on a tiny model whose template renders tools itself (`<tool_call>` tags)."""
 
@@ -16,12 +16,12 @@ import pytest
 from test_doors import _doors, _post
 
 from edgelite.config import GatewayConfig, GenerationConfig, SchedulerConfig
-from edgelite.engine.embed import embed
-from edgelite.engine.jsonschema import fits
-from edgelite.engine.tokenizer import Tokenizer
-from edgelite.engine.tools import call_schema, parse_tools, style_of
 from edgelite.errors import EdgeliteError
 from edgelite.manifest import load
+from edgelite.reply.embed import embed
+from edgelite.reply.jsonschema import fits
+from edgelite.reply.tokenizer import Tokenizer
+from edgelite.reply.tools import call_schema, parse_tools, style_of
 from edgelite.serve.scheduler import Scheduler
 
 WEATHER = {"type": "function", "function": {

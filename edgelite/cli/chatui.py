@@ -19,7 +19,7 @@ from edgelite.cli import views as ui
 from edgelite.cli.keyboard import Keyboard
 from edgelite.client import sessions
 from edgelite.client.llm import LLM, Reply
-from edgelite.engine.reply import Stats
+from edgelite.reply.loop import Stats
 
 HELP = "/plan  /stats  /probe  /reset  /quit"
 

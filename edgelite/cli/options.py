@@ -281,7 +281,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
     """The generation flags, checked at once (serve refuses bad defaults before it starts)."""
-    from edgelite.engine.reply import check
+    from edgelite.reply.loop import check
 
     spec = getattr(args, "speculate", "off")
     return check(GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,

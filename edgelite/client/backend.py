@@ -17,9 +17,9 @@ import numpy as np
 
 from edgelite.client import placements
 from edgelite.client.cluster import Cluster, Progress
+from edgelite.client.local import LocalBackend, restore_part, save_part
 from edgelite.client.stepplane import StepPlane, StepTimeout
 from edgelite.config import ClientConfig, RuntimeConfig
-from edgelite.engine.generate import Backend, LocalBackend, restore_part, save_part
 from edgelite.engine.runtime import ClientPart
 from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr, SessionId
@@ -27,6 +27,7 @@ from edgelite.manifest import Manifest
 from edgelite.net.routes import Routes
 from edgelite.net.steptrace import StepTrace
 from edgelite.planner.model import Plan
+from edgelite.reply.backend import Backend
 
 log = logging.getLogger(__name__)
 

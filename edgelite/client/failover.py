@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgelite.config import ClientConfig
-from edgelite.engine.generate import Backend
 from edgelite.errors import EdgeliteError, NodeError
 from edgelite.ids import NodeAddr
 from edgelite.manifest import Manifest
 from edgelite.planner.model import Plan
+from edgelite.reply.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class _Sessions:
 
 
 class FailoverBackend:
-    """A Backend (see engine/generate.py) over a replaceable inner backend."""
+    """A Backend (see reply/generate.py) over a replaceable inner backend."""
 
     def __init__(self, manifest: Manifest, inner: Backend, replan: Replan, cfg: ClientConfig,
                  answers: Answers | None = None) -> None:

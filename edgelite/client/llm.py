@@ -26,12 +26,8 @@ import numpy as np
 
 from edgelite.client.backend import ClusterBackend, open_backend
 from edgelite.client.failover import FailoverBackend, Recovery, Replan
+from edgelite.client.local import LocalBackend
 from edgelite.config import ClientConfig, GenerationConfig, RuntimeConfig, WireLimits
-from edgelite.engine.embed import embed
-from edgelite.engine.generate import Backend, LocalBackend, generate
-from edgelite.engine.reply import Piece, Stats, check, constrained
-from edgelite.engine.speculate import DraftModel, Pacer, Speculation
-from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import AuthError, EdgeliteError
 from edgelite.ids import NodeAddr, SessionId
 from edgelite.manifest import Manifest
@@ -45,6 +41,12 @@ from edgelite.planner.solve import plan as solve_plan
 from edgelite.planner.solve import split_plan
 from edgelite.planner.spec import KV_TOKENS
 from edgelite.prober.cluster import cluster_spec, probe, without
+from edgelite.reply.backend import Backend
+from edgelite.reply.embed import embed
+from edgelite.reply.generate import generate
+from edgelite.reply.loop import Piece, Stats, check, constrained
+from edgelite.reply.speculate import DraftModel, Pacer, Speculation
+from edgelite.reply.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ class LLM:
                      session, reuse)
 
     async def embed(self, text: str, chunk: int = 64) -> np.ndarray:
-        """The text's embedding (engine/embed.py: the final hidden states, mean pooled and
+        """The text's embedding (reply/embed.py: the final hidden states, mean pooled and
         normalised), computed `chunk` tokens a step."""
         return await embed(self.backend, self.tokenizer.text_prompt(text), chunk)
 

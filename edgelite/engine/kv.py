@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgelite.config import MAX_ROLLBACK
 from edgelite.errors import EdgeliteError, KVBudgetExceeded
 
 PAGE = mmap.PAGESIZE
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux and Android (x86 and ARM)
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 RELEASE_POSITIONS = 64  # a windowed layer gives expired positions back this many at a time
-# the most positions a session may take back (`KVPool.rollback`: the drafts a speculative
-# step's verification rejected); windowed layers keep this many more than their window
-MAX_ROLLBACK = 16
 
 
 @dataclass

@@ -512,7 +512,7 @@ class Done(Message):
 
 @message("embedded")
 class Embedded(Message):
-    """An embedding asked of a gateway (serve/http.py's /v1/embeddings): engine/embed.py's
+    """An embedding asked of a gateway (serve/http.py's /v1/embeddings): reply/embed.py's
     vector of the text."""
 
     id: int = bounds(-RID, RID)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from edgelite import manifest as mf
-from edgelite.config import RuntimeConfig
-from edgelite.engine.kv import MAX_ROLLBACK, Slot
+from edgelite.config import MAX_ROLLBACK, RuntimeConfig
+from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
 from edgelite.engine.linear import library  # (edgelite's product operators: what layers hold)

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, field
 
 from edgelite.config import GatewayConfig, GenerationConfig
-from edgelite.engine.reply import RESPONSE_FORMATS, parse_schema
-from edgelite.engine.tools import check_choice, parse_tools
 from edgelite.errors import EdgeliteError, ProtocolError
+from edgelite.reply.loop import RESPONSE_FORMATS, parse_schema
+from edgelite.reply.tools import check_choice, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -34,7 +34,7 @@ class Ask:
     (continued as it is), and its sampling settings (None: the gateway's defaults)."""
 
     # [{"role", "content"}]; an assistant's earlier tool calls: "tool_calls", JSON text of
-    # [{"name", "arguments"}] (engine/tools.py); a call's result: role "tool"
+    # [{"name", "arguments"}] (reply/tools.py); a call's result: role "tool"
     messages: list[dict[str, str]] | None = None
     text: str | None = None
     max_tokens: int | None = None
@@ -53,7 +53,7 @@ class Ask:
     json_schema: str | None = None  # with json_schema: the schema, as JSON text
     tools: str | None = None  # OpenAI's tools list, as JSON text (GenerationConfig.tools)
     tool_choice: str | None = None  # auto | none | required | a tool's name
-    embedding: bool = False  # the text's embedding (engine/embed.py), not a reply
+    embedding: bool = False  # the text's embedding (reply/embed.py), not a reply
 
 
 def check(ask: Ask, cfg: GatewayConfig) -> None:

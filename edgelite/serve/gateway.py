@@ -2,7 +2,7 @@
 
 Requests come in through the front doors (`serve/native.py`, the wire protocol; `serve/http.py`,
 the OpenAI API) as an `Ask` (`serve/ask.py`), which `submit` checks and queues; each request's
-tokens come out of its own reply loop (`engine/reply.py`) and go to its door's `Sink` as
+tokens come out of its own reply loop (`reply/loop.py`) and go to its door's `Sink` as
 TokenPiece frames, ending with Done or an Error.
 
 Each scheduler step becomes backend calls: admitted requests prefill their prompt, resumed ones
@@ -25,22 +25,23 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig
-from edgelite.engine.embed import Pool
-from edgelite.engine.generate import Backend, stored_kv_failed
-from edgelite.engine.reply import Piece, ReplyLoop, constrained, fitted
-from edgelite.engine.speculate import WIDTHS, Lookup, Pacer
-from edgelite.engine.tokenizer import StreamDecoder, Tokenizer
 from edgelite.errors import EdgeliteError, QueueFull
 from edgelite.ids import SessionId, new_session_id
 from edgelite.net import messages as m
 from edgelite.net.schema import Message
+from edgelite.reply.backend import Backend, run, stored_kv_failed
+from edgelite.reply.driver import Call, ReplyDriver
+from edgelite.reply.embed import Pool
+from edgelite.reply.loop import Piece, ReplyLoop, constrained, fitted
+from edgelite.reply.speculate import Lookup, Pacer
+from edgelite.reply.tokenizer import StreamDecoder, Tokenizer
 from edgelite.serve.ask import Ask, AskError, check, generation
 from edgelite.serve.figures import Figures
 from edgelite.serve.scheduler import Decision, Request, Scheduler
@@ -62,30 +63,34 @@ class Sink(Protocol):
 
 @dataclass(eq=False)
 class Job:
-    """One client request: the scheduler's Request plus what the gateway needs to serve it."""
+    """One client request: the scheduler's Request, its reply's driver (reply/driver.py: what
+    the request sends next, what its session holds), and what the gateway needs to serve it."""
 
     req: Request
     client: Sink
     rid: int
-    prompt: list[int]
-    reply: ReplyLoop
+    driver: ReplyDriver
     session: SessionId = field(default_factory=new_session_id)
-    pending: list[int] = field(default_factory=list)  # what its (re)prefill has still to send
     swapped: int = 0  # tokens whose KV it stored when it was last preempted
-    restored: int = 0  # tokens imported at its last swap-in that no step has confirmed yet
-    reused: bool = False  # those tokens are a stored prefix of its prompt (not its own swap)
+    reused: bool = False  # what it imported is a stored prefix of its prompt (not its own swap)
     prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
     cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
     tail: str = ""  # text its reply loop held back until the end (sent with Done)
-    lookup: Lookup | None = None  # its drafts (GenerationConfig.speculate "lookup")
-    pacer: Pacer | None = None  # how many of them pay (its own: Pacer.fork)
-    drafts: list[int] = field(default_factory=list)  # those its step in flight verifies
-    kind: int = 0  # the n-gram its lookup matched for them (the pacer's acceptance is by kind)
+    call: Call | None = None  # its call in this step
     pool: Pool | None = None  # an embedding's sums (Ask.embedding): its steps give hidden states
 
     @property
+    def prompt(self) -> list[int]:
+        return self.driver.prompt
+
+    @property
+    def reply(self) -> ReplyLoop:
+        assert self.driver.reply is not None
+        return self.driver.reply
+
+    @property
     def tokens(self) -> list[int]:
-        return self.reply.stats.token_ids
+        return self.driver.tokens
 
     def emit(self, piece: Piece) -> None:
         """A piece to the client (text held back to the end goes with Done)."""
@@ -157,11 +162,15 @@ class Gateway:
             self.sched.submit(req)
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
-        reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
-        spec = gen.speculate == "lookup" and not constrained(gen)
-        self.jobs[req.rid] = Job(req, sink, rid, prompt, reply, lookup=Lookup() if spec else None,
-                                 pacer=self.pacer.fork() if spec else None,
-                                 pool=Pool(m.hidden_size) if ask.embedding else None)
+        if ask.embedding:
+            pool = Pool(m.hidden_size)
+            driver = ReplyDriver(None, prompt, pool=pool)
+        else:
+            pool = None
+            reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
+            spec = gen.speculate == "lookup" and not constrained(gen)
+            driver = ReplyDriver(reply, prompt, *((Lookup(), self.pacer.fork()) if spec else (None, None)))
+        self.jobs[req.rid] = Job(req, sink, rid, driver, pool=pool)
         self.wake.set()
 
     def cancel(self, sink: Sink, rid: int) -> None:
@@ -206,11 +215,9 @@ class Gateway:
             back, new = [], []  # requests that ran before (preempted, or put back for fair shares)
             for r in (*d.admit, *d.resume):
                 job = self.jobs[r.rid]
-                job.pending = job.prompt + job.tokens
-                if job.pool is not None:  # an embedding starts again (nothing of it is stored)
-                    job.pool.reset()
-                    continue
-                (back if job.tokens or job.swapped else new).append(job)
+                job.driver.reset()  # (an embedding starts again: nothing of it is stored)
+                if job.pool is None:
+                    (back if job.tokens or job.swapped else new).append(job)
             looking: list[Coroutine[Any, Any, None]] = []
             if new and self.cfg.reuse_prefixes:
                 if self.finishing:  # a new prompt may extend one being stored now: stored first
@@ -221,34 +228,31 @@ class Gateway:
             await asyncio.gather(*(self._swap_in(job) for job in back))
             skip = {job.req.rid for job in new} if looking else set()
             chunk = self.cfg.prefill_chunk_tokens
-            work = [(r, drafted(self.jobs[r.rid], next_ids(self.jobs[r.rid], chunk)))
-                    for r in this_step(d, self.jobs, self.cfg) if r.rid not in skip]
+            work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg) if r.rid not in skip]
+            calls = []
+            for job in work:
+                job.call = job.driver.next_call(chunk)
+                calls.append(run(self.backend, job.session, job.call))
             t0 = time.perf_counter()
-            results = await asyncio.gather(
-                *ends, *looking, *(call(self.backend, self.jobs[r.rid], ids) for r, (ids, _) in work),
-                return_exceptions=True)
-            paced(self.pacer, self.jobs, work, (time.perf_counter() - t0) * 1e3)
+            results = await asyncio.gather(*ends, *looking, *calls, return_exceptions=True)
+            paced(self.pacer, work, (time.perf_counter() - t0) * 1e3)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
                     raise x  # (_reuse handles what a lookup may meet: this is a bug)
             results = results[len(ends) + len(looking):]
             lost = not self.backend.healthy
-            for (r, (_, last)), logits in zip(work, results, strict=True):
-                if lost and isinstance(logits, BaseException):
+            for job, result in zip(work, results, strict=True):
+                if lost and isinstance(result, BaseException):
                     continue  # the request goes back to the queue (_recover)
-                job = self.jobs[r.rid]
-                if job.restored and stored_kv_failed(logits):
-                    await self._unswap(job, logits)
+                if job.driver.restored and stored_kv_failed(result):
+                    await self._unswap(job, result)
                     continue
-                job.restored = 0
-                if last or job.pool is not None or isinstance(logits, BaseException):
-                    await self._deliver(job, logits)
+                await self._deliver(job, result)
 
     async def _swap_out(self, job: Job) -> None:
         """A preempted request gives its KV up: stored first (`swap_preempted`), then freed."""
         if self.cfg.swap_preempted and job.pool is None:
-            full = job.prompt + job.tokens
-            held = full[:len(full) - (len(job.pending) if job.pending else 1)]
+            held = list(job.driver.fed)
             try:
                 if await self.backend.save(job.session, held, behind=True):
                     job.swapped = len(held)
@@ -258,29 +262,29 @@ class Gateway:
 
     async def _swap_in(self, job: Job) -> None:
         """A resumed request imports the KV it was preempted with; the rest is computed."""
-        n = 0
+        n, wanted = 0, job.driver.wanted()
         if job.swapped:
             try:
-                n = await self.backend.restore(job.session, job.pending[:-1])
+                n = await self.backend.restore(job.session, wanted)
             except EdgeliteError as exc:
                 log.info("%s: its stored KV is not usable (%s)", job.req.rid[:12], exc)
         self.figures.swapped_tokens += n
-        self.figures.recomputed_tokens += len(job.pending) - 1 - n
-        del job.pending[:n]
-        job.swapped, job.restored, job.reused = 0, n, False
+        self.figures.recomputed_tokens += len(wanted) - n
+        job.driver.imported(n)
+        job.swapped, job.reused = 0, False
 
     async def _reuse(self, job: Job) -> None:
         """A new request imports the KV of the longest stored prefix of its prompt
         (`reuse_prefixes`); the rest is computed."""
-        n = 0
-        if self.cfg.reuse_prefixes and len(job.pending) > 1:
+        n, wanted = 0, job.driver.wanted()
+        if self.cfg.reuse_prefixes and wanted:
             try:
-                n = await self.backend.restore(job.session, job.pending[:-1])
+                n = await self.backend.restore(job.session, wanted)
             except EdgeliteError as exc:
                 log.info("%s: no stored prefix used (%s)", job.req.rid[:12], exc)
         self.figures.reused_tokens += n
-        del job.pending[:n]
-        job.restored, job.reused = n, n > 0
+        job.driver.imported(n)
+        job.reused = n > 0
 
     async def _unswap(self, job: Job, exc: BaseException) -> None:
         """A node could not read the KV it had found for a resumed request, or for a new one's
@@ -288,7 +292,13 @@ class Gateway:
         log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
                  job.req.rid[:12], exc)
         await self._end(job)
-        recompute(job, self.figures)
+        n = job.driver.unusable()
+        if job.reused:
+            self.figures.reused_tokens -= n
+        else:
+            self.figures.swapped_tokens -= n
+            self.figures.recomputed_tokens += n
+        job.reused = False
 
     async def _end(self, job: Job) -> None:
         """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
@@ -311,32 +321,34 @@ class Gateway:
             self.figures.cancelled += 1
         await asyncio.gather(*ends)
 
-    async def _deliver(self, job: Job, logits: np.ndarray | BaseException) -> None:
+    async def _deliver(self, job: Job, result: np.ndarray | BaseException) -> None:
         r = job.req
         if job.client.gone or job.cancelled:
             return  # cancelled at the top of the next round
-        if isinstance(logits, BaseException):
-            if not isinstance(logits, EdgeliteError):
-                raise logits
-            log.warning("request %s failed: %s", r.rid[:12], logits)
+        if isinstance(result, BaseException):
+            if not isinstance(result, EdgeliteError):
+                raise result
+            log.warning("request %s failed: %s", r.rid[:12], result)
             self.sched.advance(r, done=True)
-            await self._finish(job, error=str(logits))
+            await self._finish(job, error=str(result))
             return
+        assert job.call is not None
         before = len(job.tokens)
         try:
-            if job.pool is not None:  # an embedding: its chunk's states, the last ending it
-                job.pool.add(logits)
-                if not job.pending:
-                    self.sched.advance(r, done=True)
-                    await self._finish(job)
-                return
-            pieces, accepted = reply_step(job, logits)
+            out = job.driver.took(job.call, result)
         except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
             log.warning("request %s failed: %s", r.rid[:12], exc)
             self.sched.advance(r, done=True)
             await self._finish(job, error=str(exc))
             return
-        for piece in pieces:
+        if job.pool is not None:  # an embedding: its chunk's states, the last ending it
+            if job.driver.done:
+                self.sched.advance(r, done=True)
+                await self._finish(job)
+            return
+        if not job.call.gives:
+            return  # a prefill chunk before the last
+        for piece in out.pieces:
             if piece.token_id is not None:
                 self.figures.token(job.reply.stats.token_times[-1])
             job.emit(piece)
@@ -344,29 +356,30 @@ class Gateway:
         advance(self.sched, r, made, job.reply.done, self.cfg.reuse_prefixes)
         if r.queue == "finished":
             await self._finish(job)
-        elif accepted < len(job.drafts):  # the stages give back the refused drafts' positions
-            await self.backend.rollback(job.session, len(job.prompt) + len(job.tokens) - 1)
+        elif out.rollback is not None:  # the stages give back the refused drafts' positions
+            await self.backend.rollback(job.session, out.rollback)
 
     async def _finish(self, job: Job, error: str | None = None) -> None:
         del self.jobs[job.req.rid]
-        st = job.reply.stats
-        finish = job.reply.finish or "length"  # (the scheduler's context limit: "length")
+        reply = job.driver.reply
         if error is None and self.cfg.reuse_prefixes and job.pool is None:  # its KV, for reuse
-            fed = job.prompt + (job.tokens if finish == "eos" else job.tokens[:-1])
+            fed = list(job.driver.fed)
             task = asyncio.create_task(self._store_and_end(job, fed), name=f"store {job.req.rid[:12]}")
             self.finishing.add(task)
             task.add_done_callback(self._stored)
         else:
             await self._end(job)
-        ttft = round(st.ttft_ms, 2) if st.token_ids else None
-        self.figures.finished(job.req.tier, ttft, st.token_times)
+        ttft = round(reply.stats.ttft_ms, 2) if reply is not None and reply.stats.token_ids else None
+        self.figures.finished(job.req.tier, ttft, reply.stats.token_times if reply is not None else [])
         if error is not None:
             job.client.post(m.Error(message=error, id=job.rid))
             return
-        if job.pool is not None:
+        if job.pool is not None or reply is None:
+            assert job.pool is not None
             job.client.post(m.Embedded(id=job.rid, vector=job.pool.vector().tolist(),
                                        prompt_tokens=len(job.prompt), tier=job.req.tier))
             return
+        st, finish = reply.stats, reply.finish or "length"  # (the scheduler's context limit: "length")
         job.client.post(m.Done(id=job.rid, token_ids=job.tokens, tier=job.req.tier, finish=finish,
                                ttft_ms=ttft, preemptions=job.req.preemptions,
                                decode_tok_s=round(st.decode_tok_s, 2), text=job.tail,
@@ -396,34 +409,11 @@ class Gateway:
         return self.figures.to_json(self.sched, {u.tier for u in self.users.values()}, recoveries)
 
 
-def recompute(job: Job, figures: Figures) -> None:
-    """A request computes again the KV it had imported (and the figures say so)."""
-    job.pending = job.prompt + job.tokens
-    if job.reused:
-        figures.reused_tokens -= job.restored
-    else:
-        figures.swapped_tokens -= job.restored
-        figures.recomputed_tokens += job.restored
-    job.restored, job.reused = 0, False
-
-
-def paced(pacer: Pacer, jobs: dict[str, Job], work: list[tuple[Request, tuple[list[int], bool]]],
-          ms: float) -> None:
+def paced(pacer: Pacer, work: list[Job], ms: float) -> None:
     """The pacer learns from a step whose decode steps speculated or could have."""
-    drafting = [jobs[r.rid] for r, _ in work if r.rid in jobs and jobs[r.rid].lookup]
+    drafting = [j for j in work if j.driver.lookup is not None and j.call is not None]
     if drafting:
-        pacer.timed(max(len(j.drafts) for j in drafting), ms)
-
-
-def reply_step(job: Job, logits: np.ndarray) -> tuple[list[Piece], int]:
-    """The pieces a step's logits give the request's reply, and the drafts accepted."""
-    if job.drafts:
-        pieces, accepted = job.reply.verify(logits, job.drafts)
-        assert job.pacer is not None
-        job.pacer.judged(len(job.drafts), accepted, job.kind)
-        return pieces, accepted
-    piece = job.reply.next(logits)
-    return ([piece] if piece is not None else []), 0
+        pacer.timed(max(len(j.call.drafts.tokens) for j in drafting if j.call is not None), ms)
 
 
 def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig) -> list[Request]:
@@ -435,12 +425,12 @@ def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig) -> list[Req
     chunk = cfg.prefill_chunk_tokens
     decoding, prefilling = [], []
     for r in (*d.admit, *d.resume, *d.decode):
-        (prefilling if jobs[r.rid].pending else decoding).append(r)
-    prefilling.sort(key=lambda r: len(jobs[r.rid].pending) - chunk * jobs[r.rid].prefill_waits)
+        (prefilling if jobs[r.rid].driver.pending else decoding).append(r)
+    prefilling.sort(key=lambda r: len(jobs[r.rid].driver.pending) - chunk * jobs[r.rid].prefill_waits)
     budget = cfg.prefill_step_tokens
     for k, r in enumerate(prefilling):
         job = jobs[r.rid]
-        size = min(chunk, len(job.pending))
+        size = min(chunk, len(job.driver.pending))
         if k == 0 or size <= budget:
             budget -= size
             job.prefill_waits = 0
@@ -448,40 +438,6 @@ def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig) -> list[Req
         else:
             job.prefill_waits += 1
     return decoding
-
-
-def next_ids(job: Job, chunk: int) -> tuple[list[int], bool]:
-    """What a request sends this step: the next chunk of its prefill, or its last token;
-    and whether the result gives its next token."""
-    if job.pending:
-        ids = job.pending[:chunk]
-        del job.pending[:len(ids)]
-        return ids, not job.pending
-    return job.tokens[-1:], True
-
-
-def drafted(job: Job, step: tuple[list[int], bool]) -> tuple[list[int], bool]:
-    """A speculating request's decode step with as many of its lookup's drafts as pay."""
-    ids, last = step
-    job.drafts = []
-    if job.lookup is not None and job.pacer is not None and not job.pending and len(ids) == 1:
-        left = min(job.reply.cfg.max_tokens - len(job.tokens) - 1, WIDTHS[-1] - 1)
-        found = job.lookup.propose(job.prompt + job.tokens, left)
-        job.kind = found.kind
-        if found.tokens:
-            job.drafts = found.tokens[:job.reply.cfg.draft_tokens
-                                      or job.pacer.k(0.0, found.kind, len(found.tokens))]
-    return ids + job.drafts, last
-
-
-def call(backend: Backend, job: Job, ids: list[int]) -> Awaitable[np.ndarray]:
-    """The backend call of a request's step: a verification when it carries drafts."""
-    batch = np.array([ids], np.int64)
-    if job.pool is not None:
-        return backend.hidden(job.session, batch)
-    if job.drafts:
-        return backend.verify(job.session, batch)
-    return backend.step(job.session, batch)
 
 
 def advance(sched: Scheduler, r: Request, made: int, done: bool, keep_kv: bool) -> None:

@@ -2,8 +2,8 @@
 scheduler and tiers as the native protocol.
 
 POST /v1/chat/completions and /v1/completions (`stream` true: server-sent events ending with
-`data: [DONE]`; chat's `tools` give `tool_calls`, engine/tools.py), POST /v1/embeddings (each
-input's vector, engine/embed.py, through the same gateway), GET /v1/models, /health (503 until
+`data: [DONE]`; chat's `tools` give `tool_calls`, reply/tools.py), POST /v1/embeddings (each
+input's vector, reply/embed.py, through the same gateway), GET /v1/models, /health (503 until
 the plan is deployed, and while a lost node is being replaced), /metrics (Prometheus text), /
 (the cluster's web page, serve/page.py) and /v1/cluster (what that page shows). A field this
 server does not take is a 400 naming it, never ignored. `Authorization: Bearer <token>` names a
@@ -39,11 +39,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgelite.config import HttpConfig
-from edgelite.engine.tokenizer import Tokenizer
 from edgelite.errors import ProtocolError, QueueFull
 from edgelite.net import messages as m
 from edgelite.net.frames import listen_error
 from edgelite.net.schema import Message
+from edgelite.reply.tokenizer import Tokenizer
 from edgelite.serve.ask import Ask, AskError
 from edgelite.serve.gateway import Gateway
 from edgelite.serve.metrics import prometheus
@@ -640,7 +640,7 @@ def logprob_block(chat: bool, pieces: list[m.TokenPiece], tok: Tokenizer) -> dic
 
 
 def _tools(body: dict[str, Any], chat: bool) -> tuple[str | None, str | None]:
-    """`tools` as JSON text (their rules: engine/tools.py, through the gateway) and
+    """`tools` as JSON text (their rules: reply/tools.py, through the gateway) and
     `tool_choice` as a word or a tool's name."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and not chat:

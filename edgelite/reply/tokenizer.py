@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgelite.engine.tools import forced, history, parse_tools, style_of, with_tools
 from edgelite.errors import EdgeliteError, MissingDependency, ModelFileError
 from edgelite.manifest import Manifest
+from edgelite.reply.tools import forced, history, parse_tools, style_of, with_tools
 
 
 def _require() -> tuple[Any, Any]:
@@ -63,7 +63,7 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict[str, str]], tools: str = "",
                     tool_choice: str = "auto") -> list[int]:
         """Token ids of the conversation rendered for the assistant's next reply; with
-        `tools` (JSON text of OpenAI's list) shown as engine/tools.py says for this template."""
+        `tools` (JSON text of OpenAI's list) shown as reply/tools.py says for this template."""
         style = self.tool_style
         shown = parse_tools(tools) if tools and tool_choice != "none" else ()
         turns = with_tools(history(messages, style), shown, tool_choice, style)

@@ -1,5 +1,5 @@
 """Whether a text can still become one JSON object: a character-level pushdown automaton,
-fed as a reply grows, for `response_format: json_object` (engine/reply.py masks each token
+fed as a reply grows, for `response_format: json_object` (reply/loop.py masks each token
 whose text would make the reply anything else).
 
 It accepts exactly the prefixes of texts `json.loads` reads as an object (with whitespace
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgelite.engine.jsonschema import PENDING, fits
 from edgelite.errors import EdgeliteError
+from edgelite.reply.jsonschema import PENDING, fits
 
 T = TypeVar("T")
 WHITESPACE = " \t\n\r"
@@ -234,7 +234,7 @@ class JsonConstraint:
         self.partial = 0  # tokens in a row that left a character incomplete
         self.state = JsonPrefix()
         # the reply's tokens so far; the JSON starts `skip` characters into their text (a
-        # tool call's opening comes before it: engine/tools.py)
+        # tool call's opening comes before it: reply/tools.py)
         self.ids, self.skip = list(ids), skip
         head = decode(self.ids)[skip:] if self.ids else ""
         # the JSON's text the state has taken; `started`: what came with `ids` can begin it

@@ -14,8 +14,9 @@ import secrets
 
 import numpy as np
 
-from edgelite.engine.generate import Backend
 from edgelite.errors import EdgeliteError
+from edgelite.reply.backend import Backend
+from edgelite.reply.driver import ReplyDriver
 
 
 class Pool:
@@ -53,10 +54,12 @@ async def embed(backend: Backend, ids: list[int], chunk: int) -> np.ndarray:
     if len(ids) > backend.context:
         raise EdgeliteError(f"the text has {len(ids)} tokens; at most {backend.context} fit")
     pool = Pool(backend.manifest.hidden_size)
+    driver = ReplyDriver(None, ids, pool=pool)
     session = "embed-" + secrets.token_hex(8)
     try:
-        for a in range(0, len(ids), chunk):
-            pool.add(await backend.hidden(session, np.array([ids[a:a + chunk]], np.int64)))
+        while not driver.done:
+            call = driver.next_call(chunk)
+            driver.took(call, await backend.hidden(session, np.array([call.ids], np.int64)))
     finally:
         await backend.end(session)
     return pool.vector()

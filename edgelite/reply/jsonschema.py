@@ -1,11 +1,11 @@
 """Replies that follow a JSON schema (`response_format: json_schema`): which schemas are taken,
-and whether a JSON object's prefix (engine/jsonprefix.py took its syntax) can still become an
+and whether a JSON object's prefix (reply/jsonprefix.py took its syntax) can still become an
 object the schema accepts.
 
 The subset: `type` (object, array, string, number, integer, boolean, null, or a list of
 them), `properties` (an object's keys: no others are written), `required`, `items`, `enum`
 (of strings, numbers, booleans and null), `anyOf` (a value any of its schemas accepts: how a
-tool call's schema is built, engine/tools.py), nesting; `title`, `description`, `default`,
+tool call's schema is built, reply/tools.py), nesting; `title`, `description`, `default`,
 `additionalProperties: false` and `strict` are accepted and change nothing. Anything else is
 refused, naming the keyword. The prefix is parsed again at each check (a reply is short);
 every check is pure Python.

@@ -3,8 +3,8 @@ shows them to the model, and how the reply's tokens are chosen while it is, or m
 call.
 
 A call is one JSON object, `{"name": ..., "arguments": {...}}`, whose arguments follow the
-tool's `parameters` (engine/jsonschema.py's subset): once a reply is a call its tokens are
-chosen as for `response_format: json_schema` (engine/jsonprefix.py's JsonConstraint), and it
+tool's `parameters` (reply/jsonschema.py's subset): once a reply is a call its tokens are
+chosen as for `response_format: json_schema` (reply/jsonprefix.py's JsonConstraint), and it
 ends when the object does, with finish "tool_calls". One call per reply.
 
 How the model sees the tools depends on its chat template (`style_of`):
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from edgelite.engine.jsonprefix import JsonConstraint, draw_allowed, likeliest_first
-from edgelite.engine.jsonschema import check_schema
 from edgelite.errors import EdgeliteError
+from edgelite.reply.jsonprefix import JsonConstraint, draw_allowed, likeliest_first
+from edgelite.reply.jsonschema import check_schema
 
 CHOICES = ("auto", "none", "required")  # or a tool's name
 MAX_TOOLS = 64
@@ -44,7 +44,7 @@ TAG_OPEN = "<tool_call>"  # (the call ends with its JSON: the closing tag is nev
 class Tool:
     name: str
     description: str
-    parameters: dict[str, Any]  # a JSON schema of type object (engine/jsonschema.py's subset)
+    parameters: dict[str, Any]  # a JSON schema of type object (reply/jsonschema.py's subset)
 
     def openai(self) -> dict[str, Any]:
         """OpenAI's shape, as chat templates take it."""

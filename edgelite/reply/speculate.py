@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgelite.engine.kv import MAX_ROLLBACK
+from edgelite.config import MAX_ROLLBACK
 
 # a draft token from a draft model's logits, by the reply's own settings: (token, the
 # distribution it was drawn from, None when chosen outright); ReplyLoop.draw
@@ -38,7 +38,7 @@ Draw = Callable[[np.ndarray], tuple[int, "np.ndarray | None"]]
 
 
 class DraftBackend(Protocol):
-    """What a draft model runs on (engine/generate.py's LocalBackend)."""
+    """What a draft model runs on (client/local.py's LocalBackend)."""
 
     async def step(self, session: str, ids: np.ndarray) -> np.ndarray: ...
     async def rollback(self, session: str, n: int) -> None: ...

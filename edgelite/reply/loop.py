@@ -6,7 +6,7 @@ UTF-8 characters are whole and nothing of it could still be the start of a stop 
 loop also decides where the reply ends: at an end-of-sequence token ("eos": the token is not
 part of the reply), at a stop string ("stop": the text ends before it; the token that completed
 it is the last id), or after `max_tokens` tokens ("length"); and it keeps the reply's figures
-(time to first token, decode speed). `engine/generate.py` drives one for a session on a backend
+(time to first token, decode speed). `reply/generate.py` drives one for a session on a backend
 (the library, `generate` and `chat`); the gateway drives one per request in its batched steps
 (both of its front doors). Nothing else samples, matches stop strings or tests for EOS.
 """
@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import GenerationConfig
-from edgelite.engine.jsonprefix import JsonConstraint
-from edgelite.engine.jsonschema import check_reply_schema
-from edgelite.engine.sampling import distribution, log_softmax, sample
-from edgelite.engine.tokenizer import StreamDecoder
-from edgelite.engine.tools import CallChooser, check_choice, parse_call, parse_tools
 from edgelite.errors import EdgeliteError
 from edgelite.manifest import Manifest
+from edgelite.reply.jsonprefix import JsonConstraint
+from edgelite.reply.jsonschema import check_reply_schema
+from edgelite.reply.sampling import distribution, log_softmax, sample
+from edgelite.reply.tokenizer import StreamDecoder
+from edgelite.reply.tools import CallChooser, check_choice, parse_call, parse_tools
 
 FINISHES = ("eos", "stop", "length", "tool_calls")
 
@@ -180,7 +180,7 @@ class ReplyLoop:
             self.json = JsonConstraint(decoder.tok.decode, self.eos,
                                        schema=parse_schema(cfg.json_schema)
                                        if cfg.response_format == "json_schema" else None)
-        # a reply that may be a tool call (engine/tools.py): its text is held while it may
+        # a reply that may be a tool call (reply/tools.py): its text is held while it may
         self.tools: CallChooser | None = None
         self.held = ""
         if cfg.tools and cfg.tool_choice != "none":
