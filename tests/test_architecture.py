@@ -170,7 +170,7 @@ def test_sampling_stops_and_eos_live_in_the_reply_loop_only() -> None:
         text = path.read_text()
         assert ".find(s) for s in" not in text and "endswith(s[:" not in text, (module, "stop matching")
     drivers = {m for m, deps in GRAPH.items() if home in deps and "ReplyLoop" in _calls_and_names(MODULES[m])}
-    assert drivers == {"edgelite.reply.generate", "edgelite.serve.gateway"}, drivers
+    assert drivers == {"edgelite.reply.driver", "edgelite.reply.generate", "edgelite.serve.gateway"}, drivers
     for module in ("edgelite.client.llm", "edgelite.serve.native", "edgelite.serve.http",
                    "edgelite.cli.generate", "edgelite.cli.chat"):
         assert _closure(module) & {"edgelite.reply.generate", "edgelite.serve.gateway"}, module

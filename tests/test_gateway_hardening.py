@@ -217,6 +217,8 @@ def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
     posting never waits (the scheduling loop calls it)."""
     from edgelite.config import GatewayConfig, WireLimits
     from edgelite.net.frames import Conn
+    from edgelite.reply.loop import Piece
+    from edgelite.serve.events import Token
     from edgelite.serve.native import Client
     from edgelite.serve.users import User
 
@@ -229,7 +231,7 @@ def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
         return c, theirs, asyncio.get_running_loop().create_task(c.write())
 
     async def main() -> None:
-        piece = m.TokenPiece(id=2**52, text="x" * 4000, token_id=1)
+        piece = Token(2**52, Piece("x" * 4000, 1))  # (a gateway event: the wire's TokenPiece)
         # a burst larger than the queue: dropped at once, and post() never waited
         c, theirs, writing = await client(GatewayConfig(client_queue_frames=8, client_send_timeout_s=60))
         t0 = time.perf_counter()

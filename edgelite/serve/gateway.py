@@ -2,8 +2,9 @@
 
 Requests come in through the front doors (`serve/native.py`, the wire protocol; `serve/http.py`,
 the OpenAI API) as an `Ask` (`serve/ask.py`), which `submit` checks and queues; each request's
-tokens come out of its own reply loop (`reply/loop.py`) and go to its door's `Sink` as
-TokenPiece frames, ending with Done or an Error.
+tokens come out of its own reply driver (`reply/driver.py`) and go to its door's `Sink` as plain
+events (`serve/events.py`: Token pieces, ending with Finished or Failed), which each door puts
+in its own format.
 
 Each scheduler step becomes backend calls: admitted requests prefill their prompt, resumed ones
 import the KV they were preempted with from the KV stores (`swap_preempted`: it was stored when
@@ -26,83 +27,34 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.errors import EdgeliteError, QueueFull
-from edgelite.ids import SessionId, new_session_id
-from edgelite.net import messages as m
-from edgelite.net.schema import Message
+from edgelite.ids import new_session_id
 from edgelite.reply.backend import Backend, run, stored_kv_failed
-from edgelite.reply.driver import Call, ReplyDriver
+from edgelite.reply.driver import ReplyDriver
 from edgelite.reply.embed import Pool
-from edgelite.reply.loop import Piece, ReplyLoop, constrained, fitted
+from edgelite.reply.loop import ReplyLoop, constrained, fitted
 from edgelite.reply.speculate import Lookup, Pacer
 from edgelite.reply.tokenizer import StreamDecoder, Tokenizer
 from edgelite.serve.ask import Ask, AskError, check, generation
+from edgelite.serve.events import Embedded, Failed, Finished
 from edgelite.serve.figures import Figures
+from edgelite.serve.job import Job, Sink
+from edgelite.serve.kvmoves import KvMoves
 from edgelite.serve.scheduler import Decision, Request, Scheduler
 from edgelite.serve.users import User
 
 log = logging.getLogger(__name__)
 
 
-class Sink(Protocol):
-    """Where a request's frames go: a wire client, or an HTTP request (`serve/http.py`).
-    `gone` set: its requests are cancelled at the next step."""
-
-    user: User
-    peer: str
-    gone: bool
-
-    def post(self, msg: Message) -> None: ...
-
-
-@dataclass(eq=False)
-class Job:
-    """One client request: the scheduler's Request, its reply's driver (reply/driver.py: what
-    the request sends next, what its session holds), and what the gateway needs to serve it."""
-
-    req: Request
-    client: Sink
-    rid: int
-    driver: ReplyDriver
-    session: SessionId = field(default_factory=new_session_id)
-    swapped: int = 0  # tokens whose KV it stored when it was last preempted
-    reused: bool = False  # what it imported is a stored prefix of its prompt (not its own swap)
-    prefill_waits: int = 0  # steps in a row its prefill was left out (over the step's budget)
-    cancelled: bool = False  # its client said stop (generate_cancel): dropped at the next step
-    tail: str = ""  # text its reply loop held back until the end (sent with Done)
-    call: Call | None = None  # its call in this step
-    pool: Pool | None = None  # an embedding's sums (Ask.embedding): its steps give hidden states
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.driver.prompt
-
-    @property
-    def reply(self) -> ReplyLoop:
-        assert self.driver.reply is not None
-        return self.driver.reply
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.driver.tokens
-
-    def emit(self, piece: Piece) -> None:
-        """A piece to the client (text held back to the end goes with Done)."""
-        if piece.token_id is None:
-            self.tail = piece.text
-        else:
-            self.client.post(m.TokenPiece(id=self.rid, text=piece.text, token_id=piece.token_id,
-                                          logprob=piece.logprob, top_ids=[t for t, _ in piece.top],
-                                          top_logprobs=[lp for _, lp in piece.top]))
-
-
 class Gateway:
+    """Requests in (`submit`, `cancel`), the scheduling loop (`run`): each step's calls through
+    the backend at once, each result to its request's driver, its events to the client."""
+
     def __init__(self, backend: Backend, tok: Tokenizer, users: dict[str, User],
                  scheduler: Scheduler, cfg: GatewayConfig | None = None,
                  defaults: GenerationConfig | None = None) -> None:
@@ -113,9 +65,7 @@ class Gateway:
         self.figures = Figures(self.cfg)
         self.wake = asyncio.Event()
         self.eos = set(backend.manifest.eos_token_ids)
-        # finished requests' KV being stored, then freed (reuse_prefixes): tasks that run
-        # beside the steps, not in the way of the other requests' tokens
-        self.finishing: set[asyncio.Task[None]] = set()
+        self.kv = KvMoves(backend, scheduler, self.figures, self.cfg)  # KV while not running
         self.pacer = Pacer()  # how many drafts speculating requests offer (learns as they run)
         self.tokenizing: Counter[str] = Counter()  # user -> its requests being tokenized
 
@@ -124,9 +74,7 @@ class Gateway:
         try:
             await self._loop()
         finally:
-            for t in self.finishing:
-                t.cancel()
-            await asyncio.gather(*self.finishing, return_exceptions=True)
+            await self.kv.close()
 
     # ---- requests ------------------------------------------------------------------------
     async def submit(self, sink: Sink, rid: int, ask: Ask) -> None:
@@ -162,16 +110,18 @@ class Gateway:
             self.sched.submit(req)
         except ValueError as exc:
             raise AskError(str(exc), "messages" if ask.messages is not None else "prompt") from exc
-        if ask.embedding:
-            pool = Pool(m.hidden_size)
-            driver = ReplyDriver(None, prompt, pool=pool)
-        else:
-            pool = None
-            reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
-            spec = gen.speculate == "lookup" and not constrained(gen)
-            driver = ReplyDriver(reply, prompt, *((Lookup(), self.pacer.fork()) if spec else (None, None)))
-        self.jobs[req.rid] = Job(req, sink, rid, driver, pool=pool)
+        self.jobs[req.rid] = self._job(req, sink, rid, ask.embedding, gen, prompt)
         self.wake.set()
+
+    def _job(self, req: Request, sink: Sink, rid: int, embedding: bool, gen: GenerationConfig,
+             prompt: list[int]) -> Job:
+        if embedding:
+            pool = Pool(self.backend.manifest.hidden_size)
+            return Job(req, sink, rid, ReplyDriver(None, prompt, pool=pool), pool=pool)
+        reply = ReplyLoop(gen, self.eos, StreamDecoder(self.tok), started=req.arrival, prompt=prompt)
+        spec = gen.speculate == "lookup" and not constrained(gen)
+        return Job(req, sink, rid, ReplyDriver(reply, prompt, *((Lookup(), self.pacer.fork()) if spec
+                                                              else (None, None))))
 
     def cancel(self, sink: Sink, rid: int) -> None:
         """A client stops one of its own requests (unknown or finished ids: nothing to do; a
@@ -205,7 +155,7 @@ class Gateway:
                 self.figures.tier(r.tier).preemptions += 1
                 log.info("preempted %s (tier %d, user %s) after %d tokens", r.rid[:12], r.tier,
                          r.user, r.generated)
-            ends = [self._swap_out(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
+            ends = [self.kv.give_up(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
             if d.idle:
                 await asyncio.gather(*ends)
                 self.wake.clear()
@@ -220,12 +170,11 @@ class Gateway:
                     (back if job.tokens or job.swapped else new).append(job)
             looking: list[Coroutine[Any, Any, None]] = []
             if new and self.cfg.reuse_prefixes:
-                if self.finishing:  # a new prompt may extend one being stored now: stored first
-                    await asyncio.wait(set(self.finishing), timeout=self.cfg.store_wait_s)
+                await self.kv.settled()  # a new prompt may extend one being stored now
                 # new requests look for a stored prefix alongside this step (the others'
                 # tokens do not wait for the lookup); they join the steps from the next one
-                looking = [self._reuse(job) for job in new]
-            await asyncio.gather(*(self._swap_in(job) for job in back))
+                looking = [self.kv.reuse(job) for job in new]
+            await asyncio.gather(*(self.kv.take_back(job) for job in back))
             skip = {job.req.rid for job in new} if looking else set()
             chunk = self.cfg.prefill_chunk_tokens
             work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg) if r.rid not in skip]
@@ -238,74 +187,16 @@ class Gateway:
             paced(self.pacer, work, (time.perf_counter() - t0) * 1e3)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
-                    raise x  # (_reuse handles what a lookup may meet: this is a bug)
+                    raise x  # (KvMoves.reuse handles what a lookup may meet: this is a bug)
             results = results[len(ends) + len(looking):]
             lost = not self.backend.healthy
             for job, result in zip(work, results, strict=True):
                 if lost and isinstance(result, BaseException):
                     continue  # the request goes back to the queue (_recover)
                 if job.driver.restored and stored_kv_failed(result):
-                    await self._unswap(job, result)
+                    await self.kv.recompute(job, result)
                     continue
                 await self._deliver(job, result)
-
-    async def _swap_out(self, job: Job) -> None:
-        """A preempted request gives its KV up: stored first (`swap_preempted`), then freed."""
-        if self.cfg.swap_preempted and job.pool is None:
-            held = list(job.driver.fed)
-            try:
-                if await self.backend.save(job.session, held, behind=True):
-                    job.swapped = len(held)
-            except EdgeliteError as exc:
-                log.info("%s: its KV was not stored (%s); it will be recomputed", job.req.rid[:12], exc)
-        await self._end(job)
-
-    async def _swap_in(self, job: Job) -> None:
-        """A resumed request imports the KV it was preempted with; the rest is computed."""
-        n, wanted = 0, job.driver.wanted()
-        if job.swapped:
-            try:
-                n = await self.backend.restore(job.session, wanted)
-            except EdgeliteError as exc:
-                log.info("%s: its stored KV is not usable (%s)", job.req.rid[:12], exc)
-        self.figures.swapped_tokens += n
-        self.figures.recomputed_tokens += len(wanted) - n
-        job.driver.imported(n)
-        job.swapped, job.reused = 0, False
-
-    async def _reuse(self, job: Job) -> None:
-        """A new request imports the KV of the longest stored prefix of its prompt
-        (`reuse_prefixes`); the rest is computed."""
-        n, wanted = 0, job.driver.wanted()
-        if self.cfg.reuse_prefixes and wanted:
-            try:
-                n = await self.backend.restore(job.session, wanted)
-            except EdgeliteError as exc:
-                log.info("%s: no stored prefix used (%s)", job.req.rid[:12], exc)
-        self.figures.reused_tokens += n
-        job.driver.imported(n)
-        job.reused = n > 0
-
-    async def _unswap(self, job: Job, exc: BaseException) -> None:
-        """A node could not read the KV it had found for a resumed request, or for a new one's
-        prompt, after all (its first step failed): the request computes it instead."""
-        log.info("%s: its stored KV was not usable after all (%s); it is recomputed",
-                 job.req.rid[:12], exc)
-        await self._end(job)
-        n = job.driver.unusable()
-        if job.reused:
-            self.figures.reused_tokens -= n
-        else:
-            self.figures.swapped_tokens -= n
-            self.figures.recomputed_tokens += n
-        job.reused = False
-
-    async def _end(self, job: Job) -> None:
-        """Free a request's KV on the nodes (best effort: a lost node has freed it anyway)."""
-        try:
-            await self.backend.end(job.session)
-        except EdgeliteError as exc:
-            log.debug("ending %s: %s", job.req.rid[:12], exc)
 
     async def _cancel_gone(self) -> None:
         """Cancel the requests of clients that went away or said stop: queued ones are never
@@ -315,7 +206,7 @@ class Gateway:
             log.info("cancelled %s of %s (%s), who left after %d tokens", job.req.rid[:12],
                      job.client.peer, job.req.queue, len(job.tokens))
             if job.req.queue == "running":
-                ends.append(self._end(job))
+                ends.append(self.kv.end(job))
             self.sched.cancel(job.req)
             del self.jobs[job.req.rid]
             self.figures.cancelled += 1
@@ -348,12 +239,14 @@ class Gateway:
             return
         if not job.call.gives:
             return  # a prefill chunk before the last
+        reply = job.driver.reply
+        assert reply is not None
         for piece in out.pieces:
             if piece.token_id is not None:
-                self.figures.token(job.reply.stats.token_times[-1])
+                self.figures.token(reply.stats.token_times[-1])
             job.emit(piece)
-        made = len(job.tokens) - before + (job.reply.finish == "eos")  # (EOS ends it: one more)
-        advance(self.sched, r, made, job.reply.done, self.cfg.reuse_prefixes)
+        made = len(job.tokens) - before + (reply.finish == "eos")  # (EOS ends it: one more)
+        advance(self.sched, r, made, reply.done, self.cfg.reuse_prefixes)
         if r.queue == "finished":
             await self._finish(job)
         elif out.rollback is not None:  # the stages give back the refused drafts' positions
@@ -363,46 +256,23 @@ class Gateway:
         del self.jobs[job.req.rid]
         reply = job.driver.reply
         if error is None and self.cfg.reuse_prefixes and job.pool is None:  # its KV, for reuse
-            fed = list(job.driver.fed)
-            task = asyncio.create_task(self._store_and_end(job, fed), name=f"store {job.req.rid[:12]}")
-            self.finishing.add(task)
-            task.add_done_callback(self._stored)
+            self.kv.keep(job)
         else:
-            await self._end(job)
+            await self.kv.end(job)
         ttft = round(reply.stats.ttft_ms, 2) if reply is not None and reply.stats.token_ids else None
         self.figures.finished(job.req.tier, ttft, reply.stats.token_times if reply is not None else [])
         if error is not None:
-            job.client.post(m.Error(message=error, id=job.rid))
+            job.client.post(Failed(job.rid, error))
             return
         if job.pool is not None or reply is None:
             assert job.pool is not None
-            job.client.post(m.Embedded(id=job.rid, vector=job.pool.vector().tolist(),
-                                       prompt_tokens=len(job.prompt), tier=job.req.tier))
+            job.client.post(Embedded(job.rid, job.pool.vector().tolist(), len(job.prompt),
+                                     job.req.tier))
             return
         st, finish = reply.stats, reply.finish or "length"  # (the scheduler's context limit: "length")
-        job.client.post(m.Done(id=job.rid, token_ids=job.tokens, tier=job.req.tier, finish=finish,
-                               ttft_ms=ttft, preemptions=job.req.preemptions,
-                               decode_tok_s=round(st.decode_tok_s, 2), text=job.tail,
-                               prompt_tokens=len(job.prompt), tool_call=st.tool_call))
-
-    async def _store_and_end(self, job: Job, fed: list[int]) -> None:
-        """A finished request's KV into the stores (copied, written behind), then freed: on
-        the nodes, and in the scheduler's count (which held it meanwhile: no admission takes
-        KV the nodes still hold)."""
-        try:
-            await self.backend.save(job.session, fed, behind=True)
-        except EdgeliteError as exc:
-            log.info("%s: its KV was not stored (%s)", job.req.rid[:12], exc)
-        finally:
-            try:
-                await self._end(job)
-            finally:
-                self.sched.release(job.req)
-
-    def _stored(self, task: asyncio.Task[None]) -> None:
-        self.finishing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("storing a finished request's KV failed: %r", task.exception())
+        job.client.post(Finished(job.rid, list(job.tokens), finish, job.req.tier,
+                                 job.req.preemptions, len(job.prompt), ttft,
+                                 round(st.decode_tok_s, 2), job.tail, st.tool_call))
 
     def stats(self) -> dict[str, Any]:
         recoveries = len(getattr(self.backend, "recoveries", ()))  # (a failover backend's)

@@ -3,7 +3,8 @@
 
 Clients authenticate as a user of users.json (HMAC with that user's own token); the user's
 tier comes from the file, never from the client. A GenerateRequest becomes an `Ask` for
-`Gateway.submit`; the gateway streams TokenPiece frames and ends with Done or an Error.
+`Gateway.submit`; the gateway's events (serve/events.py) go out as TokenPiece frames, ending
+with Done (or Embedded) or an Error.
 
 Each connection has its own writer task fed through a bounded queue: the scheduling loop never
 waits on a client's socket, so a client that stops reading holds up nobody (it is dropped once
@@ -27,6 +28,7 @@ from edgelite.net.frames import Conn, bound_port, listen
 from edgelite.net.handshake import server_handshake
 from edgelite.net.schema import Message
 from edgelite.serve.ask import Ask
+from edgelite.serve.events import Embedded, Event, Failed, Finished, Token
 from edgelite.serve.gateway import Gateway
 from edgelite.serve.users import User
 
@@ -45,7 +47,11 @@ class Client:
         self.refused = 0  # requests refused in a row (a flood is disconnected)
         self.closing = False  # the writer sends what is queued, then the connection ends
 
-    def post(self, msg: Message) -> None:
+    def post(self, event: Event) -> None:
+        """The gateway's event for this client, as its wire message (queued, not waited on)."""
+        self.queue_frame(wire(event))
+
+    def queue_frame(self, msg: Message) -> None:
         """Queue a frame without waiting; a client this far behind is dropped."""
         if self.gone:
             return
@@ -62,7 +68,7 @@ class Client:
 
     def finish(self, last: Message) -> None:
         """Send `last` after what is queued, then end the connection (the writer's last act)."""
-        self.post(last)
+        self.queue_frame(last)
         self.closing = True
         with contextlib.suppress(asyncio.QueueFull):
             self.queue.put_nowait(None)
@@ -176,7 +182,7 @@ class NativeDoor:
                     return
                 msg = m.parse(frame, self.limits)
                 if isinstance(msg, m.GatewayStatsRequest):
-                    client.post(m.GatewayStats(id=msg.id, stats={**self.gateway.stats(),
+                    client.queue_frame(m.GatewayStats(id=msg.id, stats={**self.gateway.stats(),
                                                                  "floods": self.floods}))
                 elif isinstance(msg, m.GenerateRequest):
                     await self.gateway.submit(client, msg.id, ask_of(msg))
@@ -187,7 +193,7 @@ class NativeDoor:
             except StreamError:
                 raise  # the stream cannot be followed: the client goes
             except EdgeliteError as exc:  # a bad request: refused, the connection stays
-                client.post(m.Error(message=str(exc), id=m.reply_id(frame)))
+                client.queue_frame(m.Error(message=str(exc), id=m.reply_id(frame)))
                 client.refused += 1
                 if client.refused > self.cfg.max_refused_in_a_row:
                     self._flooded(client)
@@ -218,3 +224,23 @@ class NativeDoor:
             raise AuthError(f"user {user.name} sent a flood of refused requests; it may connect "
                             f"again in {wait:.1f} s")
         return user.token
+
+
+def wire(event: Event) -> Message:
+    """A gateway event as the native protocol's message."""
+    match event:
+        case Token(rid, piece):
+            assert piece.token_id is not None
+            return m.TokenPiece(id=rid, text=piece.text, token_id=piece.token_id,
+                                logprob=piece.logprob, top_ids=[t for t, _ in piece.top],
+                                top_logprobs=[lp for _, lp in piece.top])
+        case Finished():
+            return m.Done(id=event.rid, token_ids=event.token_ids, tier=event.tier,
+                          finish=event.finish, ttft_ms=event.ttft_ms, preemptions=event.preemptions,
+                          decode_tok_s=event.decode_tok_s, text=event.text,
+                          prompt_tokens=event.prompt_tokens, tool_call=event.tool_call)
+        case Embedded(rid, vector, prompt_tokens, tier):
+            return m.Embedded(id=rid, vector=vector, prompt_tokens=prompt_tokens, tier=tier)
+        case Failed(rid, message):
+            return m.Error(message=message, id=rid)
+    raise TypeError(f"not a gateway event: {event!r}")
