@@ -52,6 +52,31 @@ SCRATCH_CHUNK = 256  # the prompt chunk scratch_bytes is measured at (the defaul
 SCRATCH_PER_ACTIVATION_BYTE = 28
 
 
+# a product's kinds (`Product.kind`) and the parts each names beside its MatMulNBits node:
+# q4 (4-bit codes, a float scale per 32 weights), q8 (8-bit, per 32), q4_k (its scales a float16
+# per 256 weights times a byte per block, and a minima product added to it), q6_k (its codes
+# stored at 6 bits plus a constant, its scales like q4_k's)
+PRODUCT_PARTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # kind -> (required, optional)
+    "q4": (frozenset(), frozenset()),
+    "q8": (frozenset(), frozenset()),
+    "q4_k": (frozenset({"output", "minima", "scale_base", "scale_mult", "min_base", "min_mult"}),
+             frozenset({"min_factor"})),
+    "q6_k": (frozenset({"stream", "low", "scale_base", "scale_mult"}), frozenset()),
+}
+MAX_PRODUCTS = 4096  # in one graph
+
+
+@dataclass(frozen=True)
+class Product:
+    """One product of a graph, as the exporter made it (exporter/products.py): its kind, the
+    output of its MatMulNBits node, and the graph's names of its other parts (PRODUCT_PARTS).
+    engine/linear.py runs it by edgelite's own operator where the kind has a vector path."""
+
+    kind: str
+    node: str
+    parts: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     file: str  # the ONNX graph
@@ -77,6 +102,9 @@ class FileEntry:
     narrow_resident_bytes: int = 0
     narrow_scratch_bytes: int = 0
     narrow_load_peak_bytes: int = 0
+    # its products' kinds (None: an export made before they were listed, whose products stay
+    # onnxruntime's: `edgelite-export upgrade DIR` lists them)
+    products: tuple[Product, ...] | None = None
 
     @property
     def resident(self) -> int:
@@ -266,7 +294,32 @@ def _entry(raw: Any, where: str) -> FileEntry:
         _int(raw.get("load_peak_bytes", 0), f"{where}.load_peak_bytes"),
         _int(raw.get("narrow_resident_bytes", 0), f"{where}.narrow_resident_bytes"),
         _int(raw.get("narrow_scratch_bytes", 0), f"{where}.narrow_scratch_bytes"),
-        _int(raw.get("narrow_load_peak_bytes", 0), f"{where}.narrow_load_peak_bytes"))
+        _int(raw.get("narrow_load_peak_bytes", 0), f"{where}.narrow_load_peak_bytes"),
+        _products(raw.get("products"), f"{where}.products"))
+
+
+def _products(raw: Any, where: str) -> tuple[Product, ...] | None:
+    if raw is None:
+        return None
+    if type(raw) is not list or len(raw) > MAX_PRODUCTS:
+        raise ManifestError(f"{where} must be a list of at most {MAX_PRODUCTS} products")
+    out = []
+    for i, p in enumerate(raw):
+        at = f"{where}[{i}]"
+        if type(p) is not dict or set(p) - {"kind", "node", "parts"}:
+            raise ManifestError(f"{at} must be an object of kind, node and parts")
+        kind = p.get("kind")
+        if kind not in PRODUCT_PARTS:
+            raise ManifestError(f"{at}.kind {str(kind)[:20]!r} is not one of {', '.join(PRODUCT_PARTS)}")
+        parts = p.get("parts", {})
+        required, optional = PRODUCT_PARTS[kind]
+        if type(parts) is not dict or not required <= set(parts) <= required | optional:
+            may = f" (and may name {', '.join(sorted(optional))})" if optional else ""
+            raise ManifestError(f"{at}.parts of a {kind} product must name "
+                                f"{', '.join(sorted(required)) or 'nothing'}{may}")
+        out.append(Product(kind, _str(p.get("node"), f"{at}.node", 4096),
+                           {k: _str(v, f"{at}.parts.{k}", 4096) for k, v in parts.items()}))
+    return tuple(out)
 
 
 def _rope(raw: Any, head_dim: int, where: str) -> dict[str, Any]:

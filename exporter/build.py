@@ -23,7 +23,7 @@ import numpy as np
 from edgelite import heap
 from edgelite import manifest as mf
 from edgelite.errors import EdgeliteError
-from edgelite_export import graph, memory, reference_text, resident, source, weights
+from edgelite_export import graph, memory, products, reference_text, resident, source, weights
 from edgelite_export.blocks import Blocks
 
 if TYPE_CHECKING:  # torch and transformers load only once the source is known to be supported
@@ -101,7 +101,7 @@ def _entry(out: Path, name: str, param_bytes: int, flops: int, act: int, kv: int
     p = out / name
     return mf.FileEntry(name, mf.sha256_file(p), p.stat().st_size, param_bytes, flops, act, kv,
                         tuple(mf.DataFile(d.name, mf.sha256_file(d), d.stat().st_size) for d in data),
-                        window)
+                        window, products=products.products_of(p))
 
 
 def _row(what: str, paths: list[Path], t0: float) -> dict[str, Any]:

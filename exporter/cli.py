@@ -1,4 +1,5 @@
-"""edgelite-export SOURCE --out DIR [--quantize none|int8|int4] [--mode exact|fast]"""
+"""edgelite-export SOURCE --out DIR [--quantize none|int8|int4] [--mode exact|fast]
+edgelite-export upgrade DIR   (list the products of an export made before product kinds)"""
 
 from __future__ import annotations
 
@@ -84,7 +85,29 @@ def _run(args: argparse.Namespace, console: Console) -> object:
         return build.run(args.source, args.out, opts, progress)
 
 
+def upgrade(argv: list[str]) -> int:
+    """`edgelite-export upgrade DIR`: the manifest of an older export gets its product table."""
+    if len(argv) != 1:
+        print("usage: edgelite-export upgrade DIR", file=sys.stderr)
+        return 2
+    try:
+        from edgelite_export.products import upgrade as run
+    except ImportError as exc:
+        print(f"error: edgelite-export needs the PC-side packages ({exc.name} is missing)", file=sys.stderr)
+        return 1
+    try:
+        count = run(Path(argv[0]))
+    except EdgeliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{argv[0]}: {count} products listed in its manifest (its files are unchanged)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["upgrade"]:
+        return upgrade(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

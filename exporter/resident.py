@@ -107,7 +107,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
 
     # (each figure twice where this machine runs edgelite's product operators: with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
-    narrow = linear.narrow(RuntimeConfig(threads=1))
+    narrow = linear.narrow(RuntimeConfig(threads=1), m)
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
 
     def run(piece: str) -> tuple[int, int, int, int]:

@@ -208,3 +208,23 @@ def test_no_class_is_over_300_lines() -> None:
             if isinstance(node, ast.ClassDef):
                 size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
                 assert size <= 300, f"{path.relative_to(root)}: class {node.name} has {size} lines"
+
+
+# pieces of the exporter's tensor names (exporter/graph.py): the node learns which product is
+# which from the manifest (FileEntry.products, exporter/products.py), never by rebuilding them
+EXPORTER_NAMES = ("MatMulNBits/output_0", "/output_0", "base_fp16", ".scales", ".minima", "block_sums",
+                  ".6bit", ".qweight", ".shift", ".mult")
+
+
+def test_no_exporter_tensor_name_is_rebuilt_in_edgelite() -> None:
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hits = [f for f in EXPORTER_NAMES if f in node.value]
+                assert not hits, f"{path.relative_to(PKG.parent)}:{node.lineno}: {hits}"
+
+
+def test_no_module_is_over_600_lines() -> None:
+    for path in [*PKG.rglob("*.py"), *PKG.rglob("*.c"), *PKG.rglob("*.h")]:
+        lines = len(path.read_text().splitlines())
+        assert lines <= 600, f"{path.relative_to(PKG.parent)} has {lines} lines"

@@ -173,21 +173,21 @@ def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, 
     assert peak <= 200, peak
 
 
-def test_a_node_counts_what_layers_hold_with_its_own_products(exported, node_factory, tmp_path) -> None:
-    """A layer that holds 72 MiB with onnxruntime's MatMulNBits and 2 MiB with engine/matmul.c's
-    products (the manifest's narrow figure): a node that runs them takes two within 200 MiB;
-    the same node with --no-matmul-kernel refuses them, naming what it counted."""
+def test_a_node_counts_what_layers_hold_with_its_own_products(ggufs, node_factory, tmp_path) -> None:
+    """A layer that holds 72 MiB with onnxruntime's MatMulNBits and 2 MiB with edgelite's own
+    products (the manifest's narrow figure): a node that runs every kind its layers list takes
+    two within 200 MiB; the same node with --no-matmul-kernel refuses them, naming what it
+    counted."""
     import dataclasses
-    import shutil
 
     from edgelite.config import RuntimeConfig
     from edgelite.engine import linear
+    from edgelite_export import build
 
-    if not linear.narrow(RuntimeConfig(threads=1)):
-        pytest.skip("this CPU has no AVX-512 VNNI and VBMI: not every product is narrow here")
-    model = tmp_path / "big"
-    shutil.copytree(exported["llama"], model)
+    model = build.run(str(ggufs["Q4_1"]), tmp_path / "big", build.Options(steps=4)).out
     m = mf.load(model)
+    if not linear.narrow(RuntimeConfig(threads=1), m):
+        pytest.skip("this CPU has no vector path for MatMul4: its products are not narrow here")
     big = [dataclasses.replace(e, resident_bytes=72 << 20, narrow_resident_bytes=2 << 20) for e in m.layers]
     mf.write(dataclasses.replace(m, layers=big), model)
     for extra, code in (((), 0), (("--no-matmul-kernel",), 1)):

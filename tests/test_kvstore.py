@@ -22,14 +22,8 @@ import pytest
 import edgelite
 from edgelite.cli.localnodes import TOKEN
 from edgelite.config import WireLimits
-from edgelite.engine.kvstore import (
-    KVStore,
-    Layout,
-    block_hashes,
-    encode,
-    layout_from_json,
-    read_header,
-)
+from edgelite.engine.kvfile import Layout, encode, layout_from_json, read_header
+from edgelite.engine.kvstore import KVStore, block_hashes
 from edgelite.errors import NodeError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
@@ -341,7 +335,8 @@ import edgelite
 from edgelite.cli.localnodes import TOKEN
 from edgelite.ids import NodeAddr
 from edgelite.planner.model import Plan, Stage
-from edgelite.engine.kvstore import KVStore, Layout
+from edgelite.engine.kvfile import Layout
+from edgelite.engine.kvstore import KVStore
 layout = Layout("f" * 64, 0, 29, 3, 64)
 store = KVStore(Path(sys.argv[1]), 1 << 40, 16)
 tokens = np.arange(2000, dtype=np.int32)

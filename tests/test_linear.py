@@ -133,7 +133,7 @@ def test_a_k_quant_export_runs_its_q4_k_and_q6_k_products_in_matmul4k_and_matmul
     out = build.run(str(ggufs["Q4_K+Q6_K"]), tmp_path / "fast", build.Options(steps=4)).out
     m = mf.load(out)
     files = export_files(m, verify=False)
-    ops = [op for e in (*m.layers, m.head) for op in _ops(linear.products(files.graph(e)))]
+    ops = [op for e in (*m.layers, m.head) for op in _ops(linear.products(files.graph(e), e.products or ()))]
     assert "MatMul4K" in ops and "MatMul6" in ops and "MatMulNBits" not in ops, ops
     assert "MatMul4" not in ops and "MatMul" not in ops and "ReduceSum" not in ops, ops
     ids = np.array([[5, 17, 42, 8, 99, 3, 61, 7, 23, 11, 2, 90]])
@@ -159,9 +159,9 @@ def test_a_fast_export_runs_its_4_bit_products_in_matmul4_and_its_head_in_matmul
     files = export_files(m, verify=False)
     two = m.layers[:2]
     joined = onnxgraph.join([files.graph(e) for e in two], files.locate, "two", [e.file for e in two])
-    before, after = _ops(joined), _ops(linear.products(joined))
+    before, after = _ops(joined), _ops(linear.products(joined, linear.listed(two, m.name)))
     assert before.count("MatMulNBits") == 8 and after.count("MatMul4") == 8 and "MatMulNBits" not in after
-    head = _ops(linear.products(files.graph(m.head)))
+    head = _ops(linear.products(files.graph(m.head), m.head.products or ()))
     assert head.count("MatMul8") == 1 and "MatMulNBits" not in head
     assert LayerRange(m, 0, 1, cfg, files).matmul is not None
     assert LayerRange(m, 0, 1, RuntimeConfig(threads=1, matmul_kernel=False), files).matmul is None
@@ -170,3 +170,59 @@ def test_a_fast_export_runs_its_4_bit_products_in_matmul4_and_its_head_in_matmul
     out = {on: _log_probs(smollm2_int4, ids, on) for on in (False, True)}
     kl = float((np.exp(out[False]) * (out[False] - out[True])).sum(-1).mean())
     assert kl < 1e-2 and (out[False].argmax(-1) == out[True].argmax(-1)).mean() >= 0.9
+
+
+def test_an_export_that_lists_no_products_keeps_them_until_upgraded(
+        smollm2_int4: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The rewrite takes only the products the manifest lists (their kinds come from the
+    exporter, exporter/products.py). An export made before they were listed runs every product
+    as MatMulNBits and says so once; `edgelite-export upgrade DIR` lists them again (the same
+    table the export wrote), and its files are unchanged."""
+    import json
+    import logging
+
+    from edgelite_export.cli import main as export_main
+
+    _library("MatMul4", "MatMul8")
+    m = mf.load(smollm2_int4)
+    assert all(e.products for e in (*m.layers, m.head)), "a fresh export lists its products"
+    assert {p.kind for e in m.layers for p in e.products or ()} == {"q4"}
+    assert [p.kind for p in m.head.products or ()] == ["q8"]
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in smollm2_int4.iterdir():
+        if f.name != mf.MANIFEST_NAME:
+            (old / f.name).symlink_to(f)
+    data = json.loads((smollm2_int4 / mf.MANIFEST_NAME).read_text())
+    for e in (data["embed"], data["head"], *data["layers"]):
+        del e["products"]
+    (old / mf.MANIFEST_NAME).write_text(json.dumps(data))
+    stale = mf.load(old)
+    files = export_files(stale, verify=False)
+    with caplog.at_level(logging.WARNING, "edgelite.engine.linear"):
+        listed = linear.listed(stale.layers[:2], stale.name)
+        linear.listed(stale.layers[2:4], stale.name)  # (said once)
+    assert listed == [] and len([r for r in caplog.records if "upgrade" in r.getMessage()]) == 1
+    assert "MatMul4" not in _ops(linear.products(files.graph(stale.layers[0]), listed))
+    assert export_main(["upgrade", str(old)]) == 0
+    fresh = mf.load(old)
+    assert [e.products for e in fresh.layers] == [e.products for e in m.layers]
+    assert fresh.head.products == m.head.products and fresh.fingerprint == m.fingerprint
+    ops = _ops(linear.products(files.graph(fresh.layers[0]), linear.listed(fresh.layers[:1], fresh.name)))
+    assert ops.count("MatMul4") == 4 and "MatMulNBits" not in ops
+
+
+def test_a_manifests_product_table_is_checked_when_read(smollm2_int4: Path) -> None:
+    """A product of an unknown kind, or without the parts its kind needs, is a one-line
+    ManifestError naming it (a node never guesses)."""
+    import json
+
+    data = json.loads((smollm2_int4 / mf.MANIFEST_NAME).read_text())
+    bad = json.loads(json.dumps(data))
+    bad["layers"][3]["products"][0]["kind"] = "q5"
+    with pytest.raises(mf.ManifestError, match=r"layers\[3\]\.products\[0\]\.kind 'q5'"):
+        mf.parse(bad, smollm2_int4)
+    bad = json.loads(json.dumps(data))
+    bad["layers"][0]["products"][0] = {"kind": "q4_k", "node": "x", "parts": {"output": "y"}}
+    with pytest.raises(mf.ManifestError, match=r"parts of a q4_k product must name min_base"):
+        mf.parse(bad, smollm2_int4)

@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from edgelite.engine.kvstore import write_atomic
+from edgelite.engine.kvfile import write_atomic
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from edgelite.engine.kvstore import write_atomic
+from edgelite.engine.kvfile import write_atomic
 from edgelite.errors import EdgeliteError
 from edgelite.paths import home
 

@@ -29,7 +29,7 @@ import numpy as np
 from edgelite.config import RuntimeConfig
 from edgelite.engine import attention, invariant, kernels, linear, norms, onerow, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
-from edgelite.engine.kvstore import Layout
+from edgelite.engine.kvfile import Layout
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
 from edgelite.manifest import FileEntry, Manifest, check_file, kv_row_values
@@ -141,7 +141,8 @@ class LayerRange:
         elif self.cfg.invariant:
             model = invariant.pad_attention(model)
         if self.matmul is not None:
-            model = linear.products(model, self.cfg.threads, kernels.matmul_kinds(self.matmul))
+            model = linear.products(model, linear.listed(entries, m.name), self.cfg.threads,
+                                    kernels.matmul_kinds(self.matmul))
         if self.library or self.matmul:  # (the norms onnxruntime's ARM and x86 builds give otherwise)
             model = norms.norms(model)
         if self.cfg.invariant:  # (the products onnxruntime still computes)

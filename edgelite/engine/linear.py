@@ -1,44 +1,48 @@
 """Products with narrow weights by edgelite's own operators (engine/kernels), in place of onnxruntime's
-MatMulNBits, rewritten as a range (or the head) loads: no re-export.
+MatMulNBits, rewritten as a range (or the head) loads: no re-export. Which product is which
+kind, and which of the graph's tensors hold its parts, the manifest says (`FileEntry.products`,
+written by the exporter: this module knows no exporter tensor name); each part's dtype and
+shape are checked here before it is used, and a product that fails stays MatMulNBits.
 
-- A fast export's 4-bit products in blocks of 32 (MatMulNBits, bits 4, block_size 32,
+- A fast export's 4-bit products in blocks of 32 (`q4`: MatMulNBits, bits 4, block_size 32,
   accuracy_level 4, no zero points: the exporter centres them at 8) become MatMul4: the
   export's codes and scales, interleaved four columns at a time (Reshape, Concat padding the
   blocks to a multiple of 4 with zeros, Transpose). onnxruntime then holds 4 bits and a float
   scale per 32 weights where MatMulNBits packs them again at about 6.
-- Its Q4_K products (the same 4-bit MatMulNBits, whose scales are a float16 per 256 weights,
-  `<name>.scales.base_fp16`, times a byte per block, `<name>.scales.mult`, with the separate
-  minima product the exporter adds: x's block sums by `<name>.minima`, the block's minimum,
-  `<name>.minima.base.*` times `factor` (1 or -1), plus 8 times its scale) become one MatMul4K:
-  the codes as MatMul4 takes them, each block's two bytes (a super-block's scale multiples of
-  the four columns, then their minimum multiples) and each super-block's two float16s.
-  4.625 bits a weight where MatMul4 and the float minima product read about 6, and three fewer
-  operators a product.
-- Its large 8-bit products in blocks of 32 (MatMulNBits bits 8, block_size 32, accuracy_level
-  4, no zero points, at least EIGHT_FROM weights: the int4 exports' 8-bit head, a big model's
-  Q8_0 products) become MatMul8 on the same codes and scales, interleaved the same way; rows of
-  a chunk (a prompt, a speculative step's positions) share each column's codes. Smaller ones
-  stay in the caches, where MatMulNBits' kernel is the faster.
-- Its Q6_K products (MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes the
-  export stores at 6 bits, `<B>.6bit` with the constant `<B>.low` added, and whose scales are
-  a float16 per 256 weights, `<S>.base_fp16`, times a signed byte per block, `<S>.mult`: see
-  exporter/graph.py) become MatMul6 on that stream and those scales, interleaved the same way:
-  6.56 bits a weight where MatMulNBits holds about 12.
+- Its Q4_K products (`q4_k`: the same 4-bit MatMulNBits, whose scales are a float16 per 256
+  weights, `scale_base`, times a byte per block, `scale_mult`, with the separate minima
+  product the exporter adds to it: x's block sums by the block's minimum, `min_base` times
+  `min_mult` times `min_factor` (1 or -1), plus 8 times its scale) become one MatMul4K: the
+  codes as MatMul4 takes them, each block's two bytes (a super-block's scale multiples of the
+  four columns, then their minimum multiples) and each super-block's two float16s. 4.625 bits
+  a weight where MatMul4 and the float minima product read about 6, and three fewer operators
+  a product.
+- Its large 8-bit products in blocks of 32 (`q8`: at least EIGHT_FROM weights: the int4
+  exports' 8-bit head, a big model's Q8_0 products) become MatMul8 on the same codes and
+  scales, interleaved the same way; rows of a chunk (a prompt, a speculative step's positions)
+  share each column's codes. Smaller ones stay in the caches, where MatMulNBits' kernel is the
+  faster.
+- Its Q6_K products (`q6_k`: MatMulNBits bits 8, block_size 16, accuracy_level 4, whose codes
+  the export stores at 6 bits, `stream`, with the constant `low` added, and whose scales are a
+  float16 per 256 weights times a signed byte per block) become MatMul6 on that stream and
+  those scales, interleaved the same way: 6.56 bits a weight where MatMulNBits holds about 12.
 
 The interleaving nodes work on initializers only, so engine/fold.py computes them before
 onnxruntime sees the graph (into its mapping: no copy), and a decode step reads each
 product's bytes as one stream. Only the kinds whose operators have their vector path in the
 library (`kernels.matmul_kinds`: all four with AVX-512 VNNI and VBMI and on ARM, MatMul4 and
-MatMul8 with AVX2; a Q4_K product then goes to MatMul4 beside its minima product); elsewhere onnxruntime's
-own kernels are faster, and the graph is left as it is. Any other product (exact mode, other
-widths, zero points, a form the names above do not find) stays MatMulNBits. What the rewrite
-leaves unread (a replaced product's minima, block sums no product reads any more) is dropped.
+MatMul8 with AVX2; a Q4_K product then goes to MatMul4 beside its minima product); elsewhere
+onnxruntime's own kernels are faster, and the graph is left as it is. Any other product
+(exact mode, other widths, zero points, one the manifest does not list) stays MatMulNBits.
+What the rewrite leaves unread (a replaced product's minima, block sums no product reads any
+more) is dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +76,7 @@ from edgelite.engine.onnxgraph import (
     with_opset,
 )
 from edgelite.errors import ModelFileError
+from edgelite.manifest import FileEntry, Manifest, Product
 
 BLOCK = 32  # the weights a block (one scale) MatMul4 takes
 GROUP = 4  # columns interleaved together
@@ -83,7 +88,9 @@ UNIT8 = 64  # MatMul8: the weights of a column it reads at a time (K a multiple)
 # in the caches, 0.85-0.9x; 576 x 49,152, a head, 1.18x for 1 row and 1.45x for 4; 2048 x 8192
 # 1.0-1.3x)
 EIGHT_FROM = 1 << 22
-SHIFT = 8.0  # the codes' centre, whose part of a Q4_K block's weights its minima carry
+KIND_OPS = {"q4": "MatMul4", "q4_k": "MatMul4K", "q6_k": "MatMul6", "q8": "MatMul8"}  # kind -> its operator
+_UNLISTED: set[str] = set()  # exports said to list no products (once each)
+log = logging.getLogger(__name__)
 P = "edgelite_mm"  # names of what the rewrite adds
 RESIDENT = (f"{P}/",)  # its folded weights, read in place at every step (session.open_model)
 
@@ -97,20 +104,36 @@ def library(cfg: RuntimeConfig) -> Path | None:
     return found if found is not None and kernels.matmul_kinds(found) else None
 
 
-def narrow(cfg: RuntimeConfig) -> bool:
-    """Whether this device runs every kind of product in the library (a range then holds its
-    weights as the export stores them: the planner's `narrow`); with some kinds only (AVX2),
-    the others stay MatMulNBits and it is counted as if all did."""
+def listed(entries: Iterable[FileEntry], what: str) -> list[Product]:
+    """The products the manifest lists for these graphs (an export made before it listed them
+    has its products run by onnxruntime, which is said once)."""
+    entries = list(entries)
+    if any(e.products is None for e in entries) and what not in _UNLISTED:
+        _UNLISTED.add(what)
+        log.warning("%s: the export does not list its products' kinds (made before they were "
+                    "listed): they stay onnxruntime's MatMulNBits, which holds more memory; run "
+                    "`edgelite-export upgrade DIR` on the export (or export it again)", what)
+    return [p for e in entries for p in (e.products or ())]
+
+
+def narrow(cfg: RuntimeConfig, manifest: Manifest) -> bool:
+    """Whether this device holds the model's layers as the export stores them: the library
+    runs every product kind its layers list (the planner's `narrow`, and what this module then
+    does: one capability set, kernels.matmul_kinds). A device with some of the kinds (AVX2: q4
+    and q8) still runs those, and holds less than it is counted for."""
     found = library(cfg)
-    return found is not None and kernels.fast_matmul(found)
+    kinds = {p.kind for e in manifest.layers for p in (e.products or ())}
+    return found is not None and bool(kinds) and {KIND_OPS[k] for k in kinds} <= kernels.matmul_kinds(found)
 
 
-def products(model: bytes, threads: int = 1, kinds: frozenset[str] = frozenset(kernels.MATMUL_OPS)) -> bytes:
-    """The graph with each eligible MatMulNBits (see the module's text) a MatMul4, MatMul4K,
-    MatMul6 or MatMul8 node, of `kinds` (the library's vector paths: kernels.matmul_kinds; the
-    session must register engine/kernels' library); unchanged when it has none."""
+def products(model: bytes, listed: Iterable[Product], threads: int = 1,
+             kinds: frozenset[str] = frozenset(kernels.MATMUL_OPS)) -> bytes:
+    """The graph with each eligible product of `listed` (the manifest's: see the module's
+    text) a MatMul4, MatMul4K, MatMul6 or MatMul8 node, of `kinds` (the library's vector paths:
+    kernels.matmul_kinds; the session must register engine/kernels' library); unchanged when
+    it has none."""
     try:
-        rewrite = _Rewrite(threads, kinds)
+        rewrite = _Rewrite(threads, kinds, {p.node: p for p in listed})
         out = with_graph(model, rewrite.graph)
         return with_opset(out, kernels.DOMAIN, 1) if rewrite.count else model
     except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
@@ -127,8 +150,8 @@ def _shape(attrs: dict[str, int | float], inputs: list[str], bits: int, block: i
 
 
 class _Rewrite:
-    def __init__(self, threads: int, kinds: frozenset[str]) -> None:
-        self.threads, self.kinds = threads, kinds
+    def __init__(self, threads: int, kinds: frozenset[str], listed: dict[str, Product]) -> None:
+        self.threads, self.kinds, self.listed = threads, kinds, listed
         self.count = 0
         self.consts: dict[str, Field] = {}
 
@@ -152,15 +175,22 @@ class _Rewrite:
             inputs, outputs, rest = node
             attrs = node_attrs(rest)
             k, n = int(attrs.get("K", 0)), int(attrs.get("N", 0))
+            product = self.listed.get(outputs[0]) if outputs else None
+            kind = product.kind if product is not None else ""
             new = None
-            if _shape(attrs, inputs, 4, BLOCK, BLOCK):  # (a Q4_K's whole, else the codes and scales)
-                new = (self._four_k(self.count + 1, inputs, outputs[0], k, n, inits, nodes, replaced)
-                       if k % SUPER == 0 and "MatMul4K" in self.kinds else None)
+            if kind in ("q4", "q4_k") and _shape(attrs, inputs, 4, BLOCK, BLOCK):
+                # (a Q4_K's whole, else its codes and scales beside its minima product)
+                if kind == "q4_k" and k % SUPER == 0 and "MatMul4K" in self.kinds:
+                    assert product is not None
+                    new = self._four_k(self.count + 1, inputs, outputs[0], k, n, inits, nodes,
+                                       product.parts, replaced)
                 if new is None and "MatMul4" in self.kinds:
                     new = self._four(self.count + 1, inputs, outputs[0], k, n)
-            elif _shape(attrs, inputs, 8, BLOCK6, SUPER) and "MatMul6" in self.kinds:
-                new = self._six(self.count + 1, inputs, outputs[0], k, n, inits)
-            elif _shape(attrs, inputs, 8, BLOCK, UNIT8) and k * n >= EIGHT_FROM and "MatMul8" in self.kinds:
+            elif kind == "q6_k" and _shape(attrs, inputs, 8, BLOCK6, SUPER) and "MatMul6" in self.kinds:
+                assert product is not None
+                new = self._six(self.count + 1, inputs, outputs[0], k, n, inits, product.parts)
+            elif (kind == "q8" and _shape(attrs, inputs, 8, BLOCK, UNIT8) and k * n >= EIGHT_FROM
+                  and "MatMul8" in self.kinds):
                 new = self._eight(self.count + 1, inputs, outputs[0], k, n)
             if new is None:
                 items.append(field)
@@ -223,39 +253,26 @@ class _Rewrite:
         return nodes
 
     def _four_k(self, i: int, inputs: list[str], out: str, k: int, n: int, inits: dict[str, Tensor],
-                nodes: dict[str, tuple[str, list[str], list[str]]], replaced: set[str]) -> list[Field] | None:
-        """The nodes of one MatMul4K on a Q4_K product's codes, scales and minima (None when the
-        product is not in that form); the minima product's MatMul and Add it replaces go into
-        `replaced`."""
-        a, codes, scales = inputs
-        name = out.removesuffix("/MatMulNBits/output_0")
-        mins = f"{name}.minima"
-        adds = [o for o, (op, ins, _) in nodes.items() if op == "Add" and out in ins]
-        if name == out or scales != f"{name}.scales/Flatten/output_0" or len(adds) != 1:
-            return None
-        add_ins = nodes[adds[0]][1]
-        other = add_ins[1] if add_ins[0] == out else add_ins[0]
-        product = nodes.get(other)
-        total = nodes.get(mins)
-        shifted = nodes.get(f"{mins}/Mul/output_0")
+                nodes: dict[str, tuple[str, list[str], list[str]]], parts: dict[str, str],
+                replaced: set[str]) -> list[Field] | None:
+        """The nodes of one MatMul4K on a Q4_K product's codes, scales and minima (None when its
+        parts are not what a Q4_K product's are); the minima product and the Add it replaces go
+        into `replaced`."""
+        a, codes, _ = inputs
+        total, other = parts["output"], parts["minima"]
+        summed, product = nodes.get(total), nodes.get(other)
         supers = k // SUPER
-        d, sc = inits.get(f"{name}.scales.base_fp16"), inits.get(f"{name}.scales.mult")
-        e, m = inits.get(f"{mins}.base.base_fp16"), inits.get(f"{mins}.base.mult")
-        shift, factor = inits.get(f"{mins}.shift"), inits.get(f"{mins}.base.factor")
-        based = f"{mins}.base/factor/Mul/output_0" if factor is not None else f"{mins}.base/Flatten/output_0"
-        sums = f"{a}/block_sums{BLOCK}/ReduceSum/output_0"
-        if (product is None or product[0] != "MatMul" or product[1] != [sums, mins]
-                or total is None or total[0] != "Transpose" or nodes.get(total[1][0], ("",))[0] != "Add"
-                or sorted(nodes[total[1][0]][1]) != sorted([based, f"{mins}/Mul/output_0"])
-                or shifted is None or shifted[1] != [scales, f"{mins}.shift"]
-                or f"{name}.scales.factor" in inits
+        d, sc = inits.get(parts["scale_base"]), inits.get(parts["scale_mult"])
+        e, m = inits.get(parts["min_base"]), inits.get(parts["min_mult"])
+        factor = inits.get(parts["min_factor"]) if "min_factor" in parts else None
+        if (summed is None or summed[0] != "Add" or sorted(summed[1]) != sorted([out, other])
+                or product is None or product[0] != "MatMul"
                 or any(t is None or t.dtype != np.float16 or t.dims != [n, supers] for t in (d, e))
                 or any(t is None or t.dtype != np.uint8 or t.dims != [n, k // BLOCK] for t in (sc, m))
-                or not _scalar(shift, SHIFT)
-                or (factor is not None and _scalar(factor, None) not in (1.0, -1.0))):
+                or ("min_factor" in parts and _scalar(factor, None) not in (1.0, -1.0))):
             return None
         assert d is not None and e is not None and sc is not None and m is not None
-        replaced.update([other, adds[0]])
+        replaced.update([other, total])
         t = f"{P}/{i}"
         nodes_out: list[Field] = []
         add = _adder(nodes_out)
@@ -274,20 +291,17 @@ class _Rewrite:
                    for x, label in ((d.name, "d"), (e_half, "e"))]
         base = add("Concat", grouped, f"{t}/base", axis=1)
         base = add("Transpose", [base], f"{t}/base4k", perm=[0, 2, 1])
-        nodes_out.append((GRAPH_NODE, 2, make_node("MatMul4K", [a, c, mult, base], [adds[0]], f"{t}/MatMul4K",
+        nodes_out.append((GRAPH_NODE, 2, make_node("MatMul4K", [a, c, mult, base], [total], f"{t}/MatMul4K",
                                                    kernels.DOMAIN, K=k, N=n, threads=self.threads)))
         return nodes_out
 
     def _six(self, i: int, inputs: list[str], out: str, k: int, n: int,
-             inits: dict[str, Tensor]) -> list[Field] | None:
-        """The nodes of one MatMul6 on a Q6_K product's stored stream and scales (None when the
-        product is not in that form)."""
-        a, codes, scales = inputs
-        tail = "/Flatten/output_0"
-        if not scales.endswith(tail):
-            return None
-        stream, low = inits.get(f"{codes}.6bit"), inits.get(f"{codes}.low")
-        base, mult = inits.get(f"{scales[:-len(tail)]}.base_fp16"), inits.get(f"{scales[:-len(tail)]}.mult")
+             inits: dict[str, Tensor], parts: dict[str, str]) -> list[Field] | None:
+        """The nodes of one MatMul6 on a Q6_K product's stored stream and scales (None when its
+        parts are not what a Q6_K product's are)."""
+        a = inputs[0]
+        stream, low = inits.get(parts["stream"]), inits.get(parts["low"])
+        base, mult = inits.get(parts["scale_base"]), inits.get(parts["scale_mult"])
         supers = k // SUPER
         if (stream is None or low is None or base is None or mult is None
                 or stream.dtype != np.uint8 or stream.dims != [n * k // 8, 6]

@@ -88,7 +88,8 @@ class _Piece:
         model = onnxgraph.relocated(files.graph(entry), files.locate)
         library = linear.library(cfg) if products else None
         if library is not None:
-            model = norms.norms(linear.products(model, cfg.threads, kernels.matmul_kinds(library)))
+            model = norms.norms(linear.products(model, linear.listed([entry], manifest.name),
+                                                cfg.threads, kernels.matmul_kinds(library)))
         if cfg.invariant:  # (the products onnxruntime still computes)
             model = onerow.pad_products(model, cfg)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
-from edgelite.engine.kvstore import KVStore, Layout, layout_from_json, to_end
+from edgelite.engine.kvfile import Layout, layout_from_json
+from edgelite.engine.kvstore import KVStore, to_end
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m

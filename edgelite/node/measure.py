@@ -8,8 +8,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from edgelite import manifest as mf
 from edgelite.config import NodeConfig, RuntimeConfig
 from edgelite.engine import kernels, linear
 from edgelite.engine.profile import host_profile
@@ -97,8 +99,9 @@ class Measure:
         # hold); the kernel library is built (or known not to build) unless it says "building"
         narrow: dict[str, bool] = {}
         if msg.manifest is not None:
+            manifest = mf.parse(msg.manifest, Path(self.store.blobs.dir))
             narrow["narrow_products"] = await asyncio.get_running_loop().run_in_executor(
-                self.compute_pool, linear.narrow, runtime)
+                self.compute_pool, linear.narrow, runtime, manifest)
         return m.ProfileReply(id=msg.id, profile={"node": self.name, "threads": self.cfg.runtime.threads,
                                                   "provider": self.cfg.runtime.provider, "kernel": kernel,
                                                   **flops, **host_profile(), **budget, **narrow})

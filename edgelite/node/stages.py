@@ -24,9 +24,9 @@ import numpy as np
 from edgelite import manifest as mf
 from edgelite.config import MAX_ROLLBACK, RuntimeConfig
 from edgelite.engine.kv import Slot
-from edgelite.engine.kvstore import Layout
+from edgelite.engine.kvfile import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
-from edgelite.engine.linear import library  # (edgelite's product operators: what layers hold)
+from edgelite.engine.linear import narrow  # (edgelite's product operators: what layers hold)
 from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
@@ -144,7 +144,7 @@ class StageStore:
             layers = self.ranges.get(key)
             if layers is None:
                 scratch = max(self.scratch_bytes, own := m.scratch_for(max_chunk))
-                self.limits.fits(m, first, last, self._resident(), scratch, bool(library(self.runtime)))
+                self.limits.fits(m, first, last, self._resident(), scratch, narrow(self.runtime, m))
                 layers = LayerRange(m, first, last, self.runtime, self.files(m))
                 try:
                     self.limits.held(m, first, last, self._resident(), scratch)

@@ -211,7 +211,7 @@ def _client_profile(manifest: Manifest | None, threads: int, matmul_kernel: bool
     cfg = RuntimeConfig(threads=threads, verify_hashes=False, matmul_kernel=matmul_kernel)
     prof = host_profile()
     if manifest is not None:
-        prof["narrow_products"] = linear.narrow(cfg)
+        prof["narrow_products"] = linear.narrow(cfg, manifest)
         layer = LayerRange(manifest, 0, 0, cfg, export_files(manifest, verify=False))
         try:
             secs = range_decode_seconds(layer)

@@ -26,7 +26,6 @@ __all__ = [
     "HEAD_DIMS",
     "MATMUL_OPS",
     "building",
-    "fast_matmul",
     "library",
     "matmul_kinds",
     "paths",
@@ -84,12 +83,6 @@ def matmul_kinds(library: Path) -> frozenset[str]:
     except AttributeError:
         return frozenset()
     return frozenset(op for i, op in enumerate(MATMUL_OPS) if mask >> i & 1)
-
-
-def fast_matmul(library: Path) -> bool:
-    """Whether every product kind runs on a vector path here: a range's weights are then held as
-    the export stores them, whatever their kind (the planner's `narrow`)."""
-    return matmul_kinds(library) == frozenset(MATMUL_OPS)
 
 
 def paths(library: Path) -> str:

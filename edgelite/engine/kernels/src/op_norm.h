@@ -1,0 +1,91 @@
+/* The norms: Norm, SkipNorm (ops.c includes this file: the operators compile as one unit, beside the paths).
+ *
+ * Their inputs and attributes: below.
+ */
+#ifndef EDGELITE_OP_NORM_H
+#define EDGELITE_OP_NORM_H
+
+/* ---- norms -------------------------------------------------------------------------------- *
+ * Norm (x, scale; epsilon) -> y, and SkipNorm (x, skip, scale; epsilon) -> y, sum: RMS norms
+ * over the last axis, d (a multiple of 8) values; scale (d); skip as x. What
+ * SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization compute (engine/norms.py
+ * rewrites them), the same bits on every ISA. */
+#define NORM_MAX_D (1 << 16)
+
+typedef struct {
+    struct custom_op op;
+    const char *op_name;
+    int skip;
+} norm_op;
+
+typedef struct {
+    api_t api;
+    int skip;
+    float eps;
+} norm_state;
+
+static void norm_compute(void *state, void *ctx) {
+    const norm_state *st = (const norm_state *)state;
+    api_t api = st->api;
+    size_t count = st->skip ? 3 : 2, rank[3] = {0};
+    const void *in[3] = {NULL};
+    int64_t d[3][MM_MAX_RANK];
+    void *data[3] = {NULL};
+    for (size_t i = 0; i < count; i++)
+        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)) ||
+            !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
+            return;
+    int64_t rows = 1, dim = d[0][rank[0] - 1];
+    for (size_t i = 0; i + 1 < rank[0]; i++)
+        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return;
+    void *outs[2] = {NULL, NULL}, *y = NULL, *sum = NULL;
+    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, d[0], rank[0], &outs[0])) || !outs[0] ||
+        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[0], &y)))
+        return;
+    if (st->skip && ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, d[0], rank[0], &outs[1])) && outs[1])
+        (void)ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[1], &sum));
+    int scale_at = st->skip ? 2 : 1;
+    int fits = dim >= LANES && dim % LANES == 0 && dim <= NORM_MAX_D && rank[scale_at] == 1 && d[scale_at][0] == dim &&
+               (!st->skip || (rank[1] == rank[0] && !memcmp(d[1], d[0], rank[0] * sizeof(int64_t))));
+    if (!fits) { /* (the graph is ours: never expected) zeros */
+        if (rows > 0 && dim > 0) memset(y, 0, (size_t)(rows * dim) * sizeof(float));
+        return;
+    }
+    nm_path->norm((const float *)data[0], st->skip ? (const float *)data[1] : NULL, (const float *)data[scale_at],
+                  st->eps, rows, dim, (float *)y, (float *)sum);
+}
+
+static void *norm_create(const struct custom_op *op, api_t api, const void *info) {
+    choose_once();
+    norm_state *st = (norm_state *)calloc(1, sizeof(norm_state));
+    if (!st) return NULL;
+    st->api = api;
+    st->skip = ((const norm_op *)op)->skip;
+    st->eps = 1e-6f;
+    (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "epsilon", &st->eps);
+    return st;
+}
+
+static const char *norm_name(const struct custom_op *op) { return ((const norm_op *)op)->op_name; }
+static int norm_type(const struct custom_op *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t norm_inputs(const struct custom_op *op) { return ((const norm_op *)op)->skip ? 3 : 2; }
+static size_t norm_outputs(const struct custom_op *op) { return ((const norm_op *)op)->skip ? 2 : 1; }
+static int norm_output_kind(const struct custom_op *op, size_t i) { (void)op; return i ? 1 : 0; /* (sum optional) */ }
+
+#define NORM_OP(label, skip)                                                                                    \
+    {{OP_VERSION, norm_create, norm_name, mm_provider, norm_type, norm_inputs, norm_type, norm_outputs,         \
+      norm_compute, mm_destroy, mm_required, norm_output_kind},                                                  \
+     label, skip}
+
+static const norm_op norm_ops[2] = {NORM_OP("Norm", 0), NORM_OP("SkipNorm", 1)};
+
+/* a norm without onnxruntime (tests, the ARM harness): rows x d (skip and sum may be NULL) */
+EXPORT int edgelite_norm(const float *x, const float *skip, const float *g, float eps, int64_t rows, int64_t d,
+                         float *y, float *sum) {
+    choose_once();
+    if (rows < 1 || d < LANES || d % LANES || d > NORM_MAX_D) return -1;
+    nm_path->norm(x, skip, g, eps, rows, d, y, sum);
+    return 0;
+}
+
+#endif
