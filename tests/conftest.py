@@ -162,3 +162,25 @@ def netns():
         for pid in pids:
             subprocess.run(["kill", "-9", pid], capture_output=True)
         subprocess.run(["ip", "netns", "del", full], capture_output=True)
+
+
+# ---- test tiers (pyproject's markers): every test is exactly one of these; `pytest -m unit`
+# runs in a minute or two with no model, no process and no compiler
+TIERS = ("unit", "engine", "e2e")
+# fixtures a unit test may not use: each builds or exports a model, starts processes or compiles
+HEAVY = {"exported", "hf_models", "smollm2", "smollm2_int4", "ggufs", "node_factory", "netns",
+         "kernel_paths"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test has exactly one tier (its own mark, or its module's `pytestmark`); a unit
+    test uses no fixture that builds a model, starts a process or compiles."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: tiers {tiers or 'none'} (mark it one of {', '.join(TIERS)})")
+        elif tiers == ["unit"] and (heavy := HEAVY & set(getattr(item, "fixturenames", ()))):
+            wrong.append(f"{item.nodeid}: a unit test uses {', '.join(sorted(heavy))}")
+    if wrong:
+        raise pytest.UsageError("tests out of their tiers:\n  " + "\n  ".join(wrong))

@@ -22,11 +22,13 @@ def _chat(model: Path, **kw) -> tuple[str, list[int], str]:
     return asyncio.run(main())
 
 
+@pytest.mark.engine
 def test_connect_locally_and_chat(exported) -> None:
     text, ids, finish = _chat(exported["llama"], max_tokens=12)
     assert len(ids) == 12 and finish == "length" and text
 
 
+@pytest.mark.engine
 def test_stop_strings_end_the_reply_before_them(exported) -> None:
     model = exported["llama"]
     text, _, _ = _chat(model, max_tokens=24)
@@ -36,6 +38,7 @@ def test_stop_strings_end_the_reply_before_them(exported) -> None:
     assert finish == "stop" and cut == text[: text.index(stop)]
 
 
+@pytest.mark.engine
 def test_a_seed_makes_sampling_repeatable(exported) -> None:
     model = exported["llama"]
     a = _chat(model, max_tokens=16, temperature=1.5, seed=7)[1]
@@ -44,6 +47,7 @@ def test_a_seed_makes_sampling_repeatable(exported) -> None:
     assert a == b and a != c
 
 
+@pytest.mark.unit
 def test_the_public_names_load_on_use() -> None:
     assert set(edgelite.__all__) == set(edgelite._EXPORTS)
     for name in edgelite.__all__:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 PKG = Path(__file__).parent.parent / "edgelite"
 LAYERS = {"config": 0, "errors": 0, "heap": 0, "ids": 0, "manifest": 0, "paths": 0, "engine": 1,
           "reply": 1, "net": 1, "planner": 1, "node": 2, "prober": 2, "client": 3, "serve": 3, "__init__": 4,

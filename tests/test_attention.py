@@ -22,6 +22,8 @@ from edgelite.engine.kernels import build
 from edgelite.engine.session import options
 from edgelite.errors import ModelFileError
 
+pytestmark = pytest.mark.engine
+
 D, CAP, ROT = 16, 320, 16
 
 

@@ -12,10 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN
 from edgelite.prober.emulator import EmulatorProcess, LinkSpec
 from models import as_if_large
+
+pytestmark = pytest.mark.e2e
 
 FAST, SLOW = LinkSpec(delay_ms=8.0), LinkSpec(delay_ms=60.0)
 

@@ -27,6 +27,7 @@ def _random_raw(kind: str, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(N, -1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", sorted(blocks.TRANSCODERS))
 def test_transcode_equals_gguf_dequantize(kind: str) -> None:
     raw = _random_raw(kind, np.random.default_rng(len(kind)))
@@ -50,6 +51,7 @@ def test_transcode_equals_gguf_dequantize(kind: str) -> None:
         assert np.array_equal(got.scale_factored.value(), got.scale)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("quant, bits", [(blocks.quantize_int8, 8), (blocks.quantize_int4, 4)])
 def test_quantizing_floats_and_packing(quant, bits: int) -> None:
     w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
@@ -67,6 +69,7 @@ def test_quantizing_floats_and_packing(quant, bits: int) -> None:
         assert b.zero_points() is None  # the default 128
 
 
+@pytest.mark.unit
 def test_rows_concat_and_reorder() -> None:
     raw = _random_raw("Q4_1", np.random.default_rng(3))
     b = blocks.from_q4_1(raw, N, K)
@@ -77,6 +80,7 @@ def test_rows_concat_and_reorder() -> None:
                                                    N, K)]) is None
 
 
+@pytest.mark.engine
 def test_an_exact_head_and_the_embedding_share_one_tied_table(tmp_path) -> None:
     """In exact mode a tied 8-bit table (Q8_0) is written once, as its two 4-bit halves, and
     both graphs read it: embedding rows equal the table's values, the head's logits x W^T."""
@@ -115,6 +119,7 @@ def _embed_and_head(folder, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, n
     return normed, logits
 
 
+@pytest.mark.engine
 def test_a_tied_table_of_narrow_codes_is_stored_once_at_its_own_width(tmp_path) -> None:
     """Fast mode, a tied table of 6-bit codes in 8-bit storage (Q6_K's): the embedding, the
     head's product and the head's exact rows read one 6-bit copy of the codes, and each gives
@@ -147,6 +152,7 @@ def test_a_tied_table_of_narrow_codes_is_stored_once_at_its_own_width(tmp_path) 
     assert np.allclose(rescored[top], exact[top], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_codes_narrower_than_their_storage_are_widened_exactly_when_loaded(bits: int,
                                                                            tmp_path) -> None:

@@ -7,10 +7,14 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from edgelite.cli.localnodes import TOKEN
 from edgelite.reply.jsonprefix import JsonPrefix
 from edgelite.reply.jsonschema import fits
 from models import as_if_large
+
+pytestmark = pytest.mark.e2e
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -32,6 +32,7 @@ def _outputs(layers: LayerRange, hidden: np.ndarray, cuts: list[int]) -> np.ndar
     return np.concatenate(out, axis=1)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_position_is_the_same_however_its_step_was_cut(exported, arch: str) -> None:
     m = mf.load(exported[arch])

@@ -30,6 +30,8 @@ from edgelite.serve.native import NativeDoor
 from edgelite.serve.scheduler import Scheduler
 from edgelite.serve.users import User
 
+pytestmark = pytest.mark.e2e
+
 USERS = {"u": User("u", "t-u", 1)}
 HI = [{"role": "user", "content": "hello there"}]
 # (what is wrong, the request's fields as both doors take them)

@@ -24,6 +24,7 @@ def _layers(model: Path, cfg: RuntimeConfig = CFG) -> LayerRange:
     return LayerRange(m, 0, m.num_layers - 1, cfg, export_files(m))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_chunked_prompt_equals_one_pass(exported, arch: str) -> None:
     """A prompt of 23 tokens in chunks of 16 + 4 + 4 (the last padded from 3) gives the same
@@ -43,6 +44,7 @@ def test_chunked_prompt_equals_one_pass(exported, arch: str) -> None:
     assert s.length == 24 and np.isfinite(whole).all()
 
 
+@pytest.mark.engine
 def test_a_range_in_several_sessions_equals_one(exported) -> None:
     """Layers split over sessions by weight bytes (here one a session) give the same prompt
     outputs, decode steps (bytes lane included) and batches as one session of them all."""
@@ -63,6 +65,7 @@ def test_a_range_in_several_sessions_equals_one(exported) -> None:
         np.testing.assert_allclose(a.reshape(-1), b.reshape(-1), atol=2e-5, rtol=0)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
     """Sessions of different lengths in slots 0, 1 and 3 of one slab (slot 2 holds a session
@@ -94,6 +97,7 @@ def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
     np.testing.assert_allclose(batch.step(slots[2], steps[2:3]), want[2][0], atol=2e-5, rtol=0)
 
 
+@pytest.mark.engine
 def test_shapes_stay_bounded_and_memory_goes_back(tmp_path: Path) -> None:
     """A 1,000-token conversation (prompts and replies of every length) runs at no more than
     |chunks| + 1 distinct shapes per layer session; its KV pages go back when it ends."""
@@ -126,6 +130,7 @@ def test_shapes_stay_bounded_and_memory_goes_back(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.unit
 def test_prompt_cut_runs_fewest_padded_tokens() -> None:
     """chunks_of covers the prompt in order with chunks no longer than the largest size, and
     no other cut of its tail (whole chunks or single tokens, then one padded chunk) runs fewer
@@ -156,6 +161,7 @@ def test_prompt_cut_runs_fewest_padded_tokens() -> None:
     assert [b - a for a, b in chunks_of(18, sizes, 4)] == [16, 1, 1]  # not 16 + 2 padded to 16
 
 
+@pytest.mark.unit
 def test_a_pipelines_prompt_is_cut_into_the_chunks_that_keep_its_stages_busy() -> None:
     """Through P stages, chunks taking c_1..c_k each are done after sum(c) + (P - 1) max(c):
     chunks_of picks the cap size (none below min_cap) whose cut gives the least of that, and

@@ -12,6 +12,8 @@ from conftest import ARCHS, run_cli
 from edgelite import manifest as mf
 from edgelite.errors import SourceNotFound, VerificationFailed
 
+pytestmark = pytest.mark.engine
+
 
 def hf_greedy(hf_dir: Path, prompt: list[int], n: int) -> list[int]:
     import models

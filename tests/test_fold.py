@@ -17,6 +17,8 @@ from edgelite.engine.layers import LayerRange, export_files
 from edgelite.engine.runtime import Embedding, Head
 from edgelite.errors import ModelFileError
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def q6k(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -10,12 +10,15 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from edgelite.config import WireLimits
 from edgelite.net import messages as m
 from edgelite.net.frames import pack
 from edgelite.net.framethread import FrameThread
 from edgelite.net.schema import Message
+
+pytestmark = pytest.mark.unit
 
 
 class Recorder(FrameThread):

@@ -16,6 +16,8 @@ from edgelite import manifest as mf
 from edgelite.client.local import LocalBackend
 from test_distributed import _tokens
 
+pytestmark = pytest.mark.engine
+
 WIDTHS = {"Q4_1": {4}, "Q5_0": {4, 2}, "Q8_0": {8}, "Q4_K+Q6_K": {4, 8}, "Q2_K+Q3_K+Q5_K": {4, 2}}
 
 

@@ -15,6 +15,8 @@ from edgelite.errors import EdgeliteError
 from edgelite.reply.jsonprefix import JsonPrefix
 from edgelite.reply.jsonschema import check_reply_schema, fits
 
+pytestmark = pytest.mark.unit
+
 VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12)
     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),

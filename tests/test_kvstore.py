@@ -45,6 +45,7 @@ def toks(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.int32)
 
 
+@pytest.mark.unit
 def test_float16_kv_is_stored_at_its_width_and_only_for_its_layout(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     half = Layout("f" * 64, 0, 2, 2, 8, "float16")
@@ -59,6 +60,7 @@ def test_float16_kv_is_stored_at_its_width_and_only_for_its_layout(tmp_path: Pat
     assert layout_from_json(half.to_json()) == half
 
 
+@pytest.mark.unit
 def test_the_longest_stored_prefix_comes_back_exactly(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     a = toks(70)
@@ -83,6 +85,7 @@ def test_the_longest_stored_prefix_comes_back_exactly(tmp_path: Path) -> None:
     assert store.put(LAYOUT, a[:10], kv_for(a[:10])) == 0  # shorter than a block: not kept
 
 
+@pytest.mark.unit
 def test_some_layers_of_an_entry_come_back_and_a_peers_layout_is_checked(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     a = toks(50)
@@ -104,6 +107,7 @@ def test_some_layers_of_an_entry_come_back_and_a_peers_layout_is_checked(tmp_pat
             layout_from_json(bad)
 
 
+@pytest.mark.unit
 def test_placements_point_each_stage_at_where_its_layers_were_stored(tmp_path: Path,
                                                                      monkeypatch) -> None:
     from edgelite.client import placements as pl
@@ -128,6 +132,7 @@ def test_placements_point_each_stage_at_where_its_layers_were_stored(tmp_path: P
     assert pl.load("fp") == old
 
 
+@pytest.mark.unit
 def test_an_extended_conversation_replaces_its_older_entry_and_the_budget_holds(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     a = toks(100)
@@ -145,6 +150,7 @@ def test_an_extended_conversation_replaces_its_older_entry_and_the_budget_holds(
 
 
 
+@pytest.mark.unit
 def test_a_save_written_behind_is_found_by_the_next_lookup_and_its_copies_are_bounded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """put_later returns before the disk write (a finished request does not wait for fsync);
@@ -194,6 +200,7 @@ def test_a_save_written_behind_is_found_by_the_next_lookup_and_its_copies_are_bo
         KVStore(tmp_path / "other", 1 << 30, BLOCK).put_later(LAYOUT, c, kv_for(c)[:, :1])
 
 
+@pytest.mark.unit
 def test_a_hash_collision_cannot_return_wrong_kv(tmp_path: Path) -> None:
     """Make the index claim another sequence's block hash: the token ids decide."""
     store = KVStore(tmp_path, 1 << 30, BLOCK)
@@ -205,6 +212,7 @@ def test_a_hash_collision_cannot_return_wrong_kv(tmp_path: Path) -> None:
     assert store.get(LAYOUT, b) is None
 
 
+@pytest.mark.unit
 def test_the_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
     store = KVStore(tmp_path, 1 << 30, BLOCK)
     a = toks(64)
@@ -287,6 +295,7 @@ def _corruptions(good: bytes, other: bytes) -> list[tuple[str, bytes]]:
     return out
 
 
+@pytest.mark.unit
 def test_100_corruptions_are_misses_never_wrong_kv(tmp_path: Path) -> None:
     a, b = toks(40, 3), toks(40, 4)
     src = KVStore(tmp_path / "src", 1 << 30, BLOCK)
@@ -348,6 +357,7 @@ while True:
 """
 
 
+@pytest.mark.e2e  # (a writer process, killed)
 def test_a_writer_killed_mid_write_leaves_nothing_that_reads_as_an_entry(tmp_path: Path) -> None:
     layout = Layout("f" * 64, 0, 29, 3, 64)
     for delay in (0.05, 0.3, 0.7):
@@ -369,6 +379,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_reads_as_an_entry(tmp_pat
 
 
 
+@pytest.mark.unit
 def test_encode_round_trips_the_header() -> None:
     t = toks(20)
     header, payload = encode(LAYOUT, t, kv_for(t))
@@ -620,6 +631,7 @@ def test_steps_wait_for_a_restore_still_reading_and_a_failed_one_is_computed(exp
         assert reused >= 90 if imported else reused == 0
 
 
+@pytest.mark.engine
 def test_chat_session_continues_a_conversation_from_its_file(exported, tmp_path) -> None:
     model = exported["llama"]
     env = {**os.environ, "EDGELITE_HOME": str(tmp_path)}
@@ -649,6 +661,7 @@ def test_chat_session_continues_a_conversation_from_its_file(exported, tmp_path)
     assert "Traceback" not in broken.stderr
 
 
+@pytest.mark.engine
 def test_a_restore_fills_a_reserved_slot_that_is_the_sessions_only_when_it_passed(exported, tmp_path,
                                                                                   monkeypatch) -> None:
     """The client part's restore: the entry is read straight into a reserved slot; a corrupt

@@ -19,6 +19,8 @@ from edgelite.engine.runtime import LocalChain
 from edgelite.engine.session import options
 from edgelite.reply.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.engine
+
 
 def _library(*ops: str) -> Path:
     """The kernel library, where its `ops` have their vector path (MatMul4 and MatMul8: AVX2 or

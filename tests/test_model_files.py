@@ -12,6 +12,8 @@ from conftest import run_cli
 from edgelite import manifest as mf
 from edgelite.errors import ManifestError
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture
 def model_copy(exported: dict[str, Path], tmp_path: Path) -> Path:

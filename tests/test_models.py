@@ -27,6 +27,7 @@ def _blob(store: BlobStore, data: bytes, age_s: float = 0.0) -> str:
     return sha
 
 
+@pytest.mark.unit
 def test_the_blob_store_makes_room_from_unused_files_only(tmp_path) -> None:
     store = BlobStore(tmp_path, quota_bytes=3000, grace_s=60)
     old = _blob(store, b"a" * 1000, age_s=3600)

@@ -13,6 +13,8 @@ from edgelite.config import RuntimeConfig
 from edgelite.engine import onerow
 from edgelite.engine.session import options
 
+pytestmark = pytest.mark.engine
+
 K, N = 576, 960  # SmolLM2's first product of a layer
 CFG = RuntimeConfig(threads=1)
 

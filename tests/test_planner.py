@@ -64,6 +64,7 @@ def _solve_value(p: Problem, solver) -> float:
     return plan.value if plan.spans else math.inf
 
 
+@pytest.mark.unit
 def test_property_milp_dp_brute_force_agree() -> None:
     rng = random.Random(1234)
     checked = feasible = 0
@@ -101,6 +102,7 @@ def _lossy_case(qos: bool) -> Problem:
     return Problem((layer,) * 12, devices, links, weights)
 
 
+@pytest.mark.unit
 def test_qos_term_alone_avoids_a_lossy_link() -> None:
     hops = lambda pl: {frozenset((a[0], b[0])) for a, b in itertools.pairwise(pl.spans)}  # noqa: E731
     blind = solve(_lossy_case(qos=False))
@@ -113,6 +115,7 @@ def test_qos_term_alone_avoids_a_lossy_link() -> None:
         assert solve(_lossy_case(qos=True), solver).value == pytest.approx(aware.value)
 
 
+@pytest.mark.unit
 def test_memory_forces_a_third_device() -> None:
     layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304)
     devices = (Device("C", 1e10, 300 * MiB, beta=1.0), Device("A", 1e10, 500 * MiB, beta=1.0),
@@ -125,6 +128,7 @@ def test_memory_forces_a_third_device() -> None:
     assert {d for d, _, _ in solve(small).spans} == {0, 1}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("solver", ["dp", "milp-literal", "milp-aggregated"])
 def test_a_device_that_runs_narrow_products_holds_more_layers(solver: str) -> None:
     """The same 9 layers take 100 MiB each, 60 on a device whose products are edgelite's: A
@@ -142,6 +146,7 @@ def test_a_device_that_runs_narrow_products_holds_more_layers(solver: str) -> No
                    for d, a, b in plan.spans if d < 2)
 
 
+@pytest.mark.unit
 def test_infeasible_says_how_much_is_short() -> None:
     layer = Layer(flops=1e7, mem_bytes=100 * MiB, out_bytes=2304)
     devices = (Device("C", 1e10, 200 * MiB, beta=1.0), Device("A", 1e10, 300 * MiB, beta=1.0))
@@ -150,6 +155,7 @@ def test_infeasible_says_how_much_is_short() -> None:
         solve(p)
 
 
+@pytest.mark.unit
 def test_unreachable_device_is_not_used() -> None:
     layer = Layer(flops=1e8, mem_bytes=10 * MiB, out_bytes=2304)
     devices = (Device("C", 1e9, 1000 * MiB), Device("fast-but-cut-off", 1e12, 1000 * MiB))
@@ -157,12 +163,14 @@ def test_unreachable_device_is_not_used() -> None:
     assert plan.spans == [(0, 0, 3)]
 
 
+@pytest.mark.unit
 def test_solver_reports_status() -> None:
     plan = solve(_lossy_case(qos=True), "milp-aggregated")
     assert plan.status == "optimal" and plan.solver == "highs-milp-aggregated"
     assert plan_milp.available()
 
 
+@pytest.mark.unit
 def test_solve_types_the_plan_with_names_and_addresses() -> None:
     from edgelite.ids import NodeAddr
     from edgelite.planner.solve import solve as typed_solve
@@ -177,6 +185,7 @@ def test_solve_types_the_plan_with_names_and_addresses() -> None:
     assert plan.predicted is not None and plan.predicted.total > 0
 
 
+@pytest.mark.unit
 def test_a_client_short_of_room_for_layer_0_leaves_every_layer_to_the_nodes() -> None:
     """Client-first only where the client has room: a client that cannot hold layer 0 gets a
     plan without it (the nodes hold every layer), not an error; one that can, keeps it."""
@@ -193,6 +202,7 @@ def test_a_client_short_of_room_for_layer_0_leaves_every_layer_to_the_nodes() ->
         assert p.client_first == has_layer_0
 
 
+@pytest.mark.engine
 def test_a_plan_takes_smaller_prompt_chunks_where_memory_is_short(exported) -> None:
     """Where the layers do not fit beside a 256-token chunk's scratch, the plan takes the
     largest chunk that fits (Plan.max_chunk) instead of failing; with room it sets none; with

@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from edgelite.config import SchedulerConfig
 from edgelite.serve.scheduler import Request, Scheduler
+
+pytestmark = pytest.mark.unit
 
 CFG = SchedulerConfig(context_limit=512, patience_s=1.0, max_requests=4, max_step_tokens=300,
                       kv_tokens=600, max_preemptions=2)

@@ -39,6 +39,7 @@ async def _ids(backend, prompt: list[int], cfg: GenerationConfig,
                                                speculation=spec) if p.token_id is not None]
 
 
+@pytest.mark.unit
 def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
     look = Lookup(max_ngram=3)
     assert look.propose([1, 2, 3, 4], 3).tokens == []  # nothing seen twice
@@ -47,6 +48,7 @@ def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
     assert look.propose([1, 2, 3, 4, 1, 2, 9, 2, 3], 4).tokens == [4, 1, 2, 9]  # "2 3" wins
 
 
+@pytest.mark.unit
 def test_pacer_speculates_only_where_it_pays() -> None:
     slow_link = Pacer(step_ms=40.0, compute_ms=4.0)  # links take most of a step
     loopback = Pacer(step_ms=10.0, compute_ms=10.0)
@@ -59,6 +61,7 @@ def test_pacer_speculates_only_where_it_pays() -> None:
     assert loopback.k() == 0
 
 
+@pytest.mark.unit
 def test_pacer_counts_only_the_drafts_at_hand() -> None:
     """A lookup that found one token cannot fill a 4-position step: its gain is one draft's,
     against the wider step's whole cost."""
@@ -72,6 +75,7 @@ def test_pacer_counts_only_the_drafts_at_hand() -> None:
     assert pacer.k(most=1) == 0  # one: it does not
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["lookup", "lookup-3", "draft"])
 def test_greedy_ids_are_the_same_with_speculation_locally(exported, mode: str) -> None:
     m = mf.load(exported["llama"])
@@ -101,6 +105,7 @@ def test_greedy_ids_are_the_same_with_speculation_locally(exported, mode: str) -
     asyncio.run(main())
 
 
+@pytest.mark.e2e
 def test_greedy_ids_are_the_same_with_speculation_on_3_nodes(exported, node_factory) -> None:
     """Rejected drafts are rolled back on the client's layer and every node stage by the next
     step's start; the ids equal the local engine's without speculation."""
@@ -148,6 +153,7 @@ def _p_value(a: np.ndarray, b: np.ndarray) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+@pytest.mark.engine
 def test_sampled_tokens_keep_the_models_distribution(exported) -> None:
     """At temperature 1 on a tiny model's own logits: the token at a verified position, over
     4,000 seeded replies each, drawn plainly and through verification of a draft chosen
@@ -179,6 +185,7 @@ def test_sampled_tokens_keep_the_models_distribution(exported) -> None:
     assert _p_value(plain, wrong) < 0.01
 
 
+@pytest.mark.engine
 def test_a_stage_rolls_back_only_a_few_positions(exported) -> None:
     m = mf.load(exported["llama"])
     chain = LocalChain(m, RuntimeConfig(threads=1))
@@ -190,6 +197,7 @@ def test_a_stage_rolls_back_only_a_few_positions(exported) -> None:
     chain.end("s")
 
 
+@pytest.mark.engine
 def test_speculate_draft_refuses_another_tokenizer(exported, tmp_path: Path) -> None:
     """A draft whose tokenizer maps text to other ids (here: two vocabulary entries
     swapped) is refused when the model is connected, naming the draft."""

@@ -8,6 +8,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "termux_setup.sh"
 SHIM = """#!/usr/bin/env bash
 echo "{name} $*" >> "{log}"

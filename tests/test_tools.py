@@ -64,6 +64,7 @@ def _valid(call: dict[str, Any]) -> bool:
             and all(isinstance(v, int | float) and not isinstance(v, bool) for v in args.values()))
 
 
+@pytest.mark.unit
 def test_tools_outside_the_rules_are_refused_naming_what() -> None:
     assert [t.name for t in parse_tools(json.dumps([WEATHER, ADD]))] == ["weather", "add"]
     for tools, words in (({"a": 1}, "must be a list"), ([], "must be a list of 1"),
@@ -79,6 +80,7 @@ def test_tools_outside_the_rules_are_refused_naming_what() -> None:
             parse_tools(json.dumps(tools))
 
 
+@pytest.mark.unit
 def test_a_calls_schema_takes_the_tools_calls_only() -> None:
     tools = parse_tools(json.dumps([WEATHER, ADD]))
     schema = call_schema(tools, "auto")
@@ -91,6 +93,7 @@ def test_a_calls_schema_takes_the_tools_calls_only() -> None:
     assert not fits(call_schema(tools, "add"), '{"name": "weather"')
 
 
+@pytest.mark.engine
 def test_prompts_show_tools_and_earlier_calls_as_the_template_writes_them(exported) -> None:
     manifest = load(exported["llama"])
     chatml, tagged = Tokenizer(manifest), Tokenizer(dataclasses.replace(manifest, chat_template=TAGGED))

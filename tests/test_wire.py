@@ -20,6 +20,8 @@ from edgelite.net.frames import Conn, decode, pack, read_frame, unpack
 from edgelite.net.handshake import connect, server_handshake
 from edgelite.net.tensors import decode_tensor
 
+pytestmark = pytest.mark.unit
+
 LIMITS = WireLimits(max_frame_bytes=1 << 20, max_tensor_elements=1 << 16)
 
 

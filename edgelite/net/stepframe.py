@@ -167,7 +167,8 @@ def lane_frame(prefix: bytes, tail: memoryview, compute_ms: float, since_s: floa
                out: bytes | memoryview) -> bytes:
     """The whole next frame of a `lone_step`: its trace entry (this stage's compute and its
     time since the step came in, `since_s` a perf_counter() reading), then the output."""
-    entry = PAIR.pack(round(compute_ms * 1e3), round((time.perf_counter() - since_s) * 1e6))
+    entry = PAIR.pack(min(max(round(compute_ms * 1e3), 0), U32),  # (clamped as encode_fields does)
+                      min(max(round((time.perf_counter() - since_s) * 1e6), 0), U32))
     return b"".join((prefix, entry, tail, out))
 
 
