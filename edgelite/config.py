@@ -69,7 +69,7 @@ class RuntimeConfig:
     kv_slab_slots: int = 4  # sessions sharing one preallocated KV slab (a batch stays in one)
     # a fast (int8-activation) head's best candidates are recomputed exactly (0: off)
     exact_head_candidates: int = 32
-    # every row of a step is computed as it would be in any other step (engine/invariant.py):
+    # every row of a step is computed as it would be in any other step (engine/passes/invariant.py):
     # the reply does not depend on chunking, the split, the KV store or load; decode steps of
     # several sessions then run one by one (onnxruntime batches only one-row steps)
     invariant: bool = True
@@ -81,10 +81,10 @@ class RuntimeConfig:
     # where `invariant`, attention runs in edgelite's own operator (engine/kernels: C built for
     # the device, in the background from a node's start, else at first use), which reads the
     # valid KV once a step; off, or where no C compiler works, onnxruntime's operators
-    # (engine/attention.py, engine/invariant.py)
+    # (engine/passes/attention.py, engine/passes/invariant.py)
     attention_kernel: bool = True
     # fast-mode 4-bit, Q4_K, Q6_K and 8-bit products in edgelite's own operators (the same
-    # library: engine/linear.py), which read the weights as stored (4 bits and a float scale a
+    # library: engine/passes/linear.py), which read the weights as stored (4 bits and a float scale a
     # block; Q6_K's 6.56 bits) where onnxruntime's MatMulNBits packs them again; only the kinds
     # the device has a vector path for (kernels.matmul_kinds), else onnxruntime's
     matmul_kernel: bool = True

@@ -27,7 +27,7 @@ KV_AUTO = "auto"  # RuntimeConfig.kv_dtype: chosen per export (Manifest.kv_dtype
 
 def kv_row_values(dtype: str, head_dim: int) -> int:
     """The values one head's KV row of `dtype` holds: head_dim, and an int8 row's step (two
-    bytes: engine/attention.py)."""
+    bytes: engine/passes/attention.py)."""
     return head_dim + 2 * (dtype == "int8")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 MAX_DIM = 1 << 20  # no model dimension is larger (a manifest saying so is corrupt)
@@ -70,7 +70,7 @@ MAX_PRODUCTS = 4096  # in one graph
 class Product:
     """One product of a graph, as the exporter made it (exporter/products.py): its kind, the
     output of its MatMulNBits node, and the graph's names of its other parts (PRODUCT_PARTS).
-    engine/linear.py runs it by edgelite's own operator where the kind has a vector path."""
+    engine/passes/linear.py runs it by edgelite's own operator where the kind has a vector path."""
 
     kind: str
     node: str
@@ -97,7 +97,7 @@ class FileEntry:
     # the most it held while it loaded (widening scales in memory), where above resident_bytes
     load_peak_bytes: int = 0
     # the same three where its products run in edgelite's product operators (a device with
-    # AVX-512 VNNI and VBMI: engine/linear.py), measured where the exporter's machine has them;
+    # AVX-512 VNNI and VBMI: engine/passes/linear.py), measured where the exporter's machine has them;
     # 0: not measured (the figures above hold, the larger)
     narrow_resident_bytes: int = 0
     narrow_scratch_bytes: int = 0

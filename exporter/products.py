@@ -1,6 +1,6 @@
 """Each product's kind, for the manifest: which MatMulNBits of a graph is a Q4_0-like 4-bit
 product, a Q4_K product (with its minima product), a Q6_K product or an 8-bit one, and which
-of the graph's tensors hold its parts. The node reads these (edgelite/engine/linear.py) to run
+of the graph's tensors hold its parts. The node reads these (edgelite/engine/passes/linear.py) to run
 the products by its own operators; it never rebuilds this exporter's tensor names.
 
 The names are graph.py's (`Linears`): a product `<name>/MatMulNBits` on `<name>.qweight` and

@@ -103,7 +103,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     this platform cannot tell (no /proc)."""
     if rss_bytes() == 0:
         return m
-    from edgelite.engine import linear
+    from edgelite.engine.passes import linear
 
     # (each figure twice where this machine runs edgelite's product operators: with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)

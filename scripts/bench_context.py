@@ -4,7 +4,7 @@
 - Attention alone, per layer, at 1,000 and 4,000 positions of context: one decode step through
   30 attention layers in one session run, as a range runs them (each layer its own KV, laid out
   as engine/kv.py's pool holds a session's, so each reads its KV from memory, not cache), for
-  onnxruntime's GroupQueryAttention (what `--no-invariant` runs), engine/attention.py's plain
+  onnxruntime's GroupQueryAttention (what `--no-invariant` runs), engine/passes/attention.py's plain
   operators and edgelite's kernel (engine/kernels), with float32, float16 and (the kernel's) int8 KV.
   Each path's KV bytes read per second against the machine's read bandwidth, measured in the
   same run (numpy's sum over one 512 MiB array).
@@ -99,8 +99,8 @@ def attention(model: Path, rounds: int, reps: int) -> dict:
     from edgelite import manifest as mf
     from edgelite.config import RuntimeConfig
     from edgelite.engine import kernels
-    from edgelite.engine.attention import plain_attention
     from edgelite.engine.kernels import twins
+    from edgelite.engine.passes.attention import plain_attention
     from edgelite.manifest import KV_ITEM, kv_row_values
 
     m = mf.load(model)

@@ -1,4 +1,4 @@
-"""What row-invariant attention (engine/invariant.py, issue 41) costs: decode tok/s and time to
+"""What row-invariant attention (engine/passes/invariant.py, issue 41) costs: decode tok/s and time to
 first token with it on and off, on the int4 fast SmolLM2 export, 1 thread.
 
 Each measurement runs in a fresh process; on and off take turns round by round (the order

@@ -1,4 +1,4 @@
-"""engine/attention.py: GroupQueryAttention rewritten in plain operators over the valid KV, or
+"""engine/passes/attention.py: GroupQueryAttention rewritten in plain operators over the valid KV, or
 into edgelite's own operator (engine/kernels), gives onnxruntime's own results (float32 KV),
 the same bit for bit however a sequence's steps are cut (float32 and float16 KV), for grouped,
 one-per-head and windowed attention, packed or not. engine/kernels/build.py builds, checks
@@ -17,8 +17,8 @@ from onnx import TensorProto, helper
 
 from edgelite.config import RuntimeConfig
 from edgelite.engine import kernels
-from edgelite.engine.attention import plain_attention
 from edgelite.engine.kernels import build
+from edgelite.engine.passes.attention import plain_attention
 from edgelite.engine.session import options
 from edgelite.errors import ModelFileError
 

@@ -52,7 +52,7 @@ def _llama_on_a_node(exported, node_factory, seed: int) -> tuple[
     random generator."""
     model = exported["llama"]
     m = mf.load(model)
-    # (batches: only where rows need not be invariant, engine/invariant.py)
+    # (batches: only where rows need not be invariant, engine/passes/invariant.py)
     return (model, m, node_factory(extra=("--no-invariant",)),
             LayerRange(m, 0, m.num_layers - 1, RuntimeConfig(threads=1, invariant=False),
                        export_files(m)), np.random.default_rng(seed))

@@ -1,4 +1,4 @@
-"""The same request gives the same answer (engine/invariant.py): each position's output is the
+"""The same request gives the same answer (engine/passes/invariant.py): each position's output is the
 same bit for bit however its step was cut (one token, chunks, padding), so a reply's ids and
 log probabilities do not depend on the KV store, the split or other sessions running beside
 it. The full check, on SmolLM2 with failover and HTTP, is scripts/check_determinism.py."""

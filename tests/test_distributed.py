@@ -181,7 +181,7 @@ def test_a_node_counts_what_layers_hold_with_its_own_products(ggufs, node_factor
     import dataclasses
 
     from edgelite.config import RuntimeConfig
-    from edgelite.engine import linear
+    from edgelite.engine.passes import linear
     from edgelite_export import build
 
     model = build.run(str(ggufs["Q4_1"]), tmp_path / "big", build.Options(steps=4)).out

@@ -16,7 +16,7 @@ from edgelite.engine.runtime import LocalChain
 
 CFG = RuntimeConfig(threads=1, prefill_chunks=(4, 16), kv_buckets=(32, 64, 128, 256),
                     kv_slab_slots=4)
-BATCHING = replace(CFG, invariant=False)  # (batches of decode steps: engine/invariant.py)
+BATCHING = replace(CFG, invariant=False)  # (batches of decode steps: engine/passes/invariant.py)
 
 
 def _layers(model: Path, cfg: RuntimeConfig = CFG) -> LayerRange:

@@ -1,4 +1,4 @@
-"""edgelite's MatMul4, MatMul4K, MatMul6 and MatMul8 and engine/linear.py's rewrite of a
+"""edgelite's MatMul4, MatMul4K, MatMul6 and MatMul8 and engine/passes/linear.py's rewrite of a
 fast export's 4-bit, Q4_K, Q6_K and 8-bit MatMulNBits products (issue 35)."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernels, linear, onnxgraph
+from edgelite.engine import kernels, onnxgraph
 from edgelite.engine.kernels import twins
 from edgelite.engine.kernels.models import matmul_model
 from edgelite.engine.layers import LayerRange, export_files
+from edgelite.engine.passes import linear
 from edgelite.engine.runtime import LocalChain
 from edgelite.engine.session import options
 from edgelite.reply.tokenizer import Tokenizer
@@ -201,7 +202,7 @@ def test_an_export_that_lists_no_products_keeps_them_until_upgraded(
     (old / mf.MANIFEST_NAME).write_text(json.dumps(data))
     stale = mf.load(old)
     files = export_files(stale, verify=False)
-    with caplog.at_level(logging.WARNING, "edgelite.engine.linear"):
+    with caplog.at_level(logging.WARNING, "edgelite.engine.passes.linear"):
         listed = linear.listed(stale.layers[:2], stale.name)
         linear.listed(stale.layers[2:4], stale.name)  # (said once)
     assert listed == [] and len([r for r in caplog.records if "upgrade" in r.getMessage()]) == 1

@@ -1,4 +1,4 @@
-"""Products whose one-row kernel is not their several-row one (engine/onerow.py): a row comes
+"""Products whose one-row kernel is not their several-row one (engine/passes/onerow.py): a row comes
 out the same alone and in a step of several, bit for bit, on any machine."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import onerow
+from edgelite.engine.passes import onerow
 from edgelite.engine.session import options
 
 pytestmark = pytest.mark.engine

@@ -206,7 +206,7 @@ def test_smollm2_generate_calls_a_tool(smollm2_int4, tmp_path: Path) -> None:
 @pytest.mark.parametrize("matmul_kernel", [True, False])
 def test_smollm2_prompt_lookup_keeps_the_greedy_ids(smollm2_int4, matmul_kernel: bool) -> None:
     """A verification step's rows are computed as decode steps' are (engine/matmul.c's products,
-    or without them onnxruntime's, padded by engine/onerow.py where they differ): with prompt
+    or without them onnxruntime's, padded by engine/passes/onerow.py where they differ): with prompt
     lookup the replies are the plain ones. (On a CPU whose MatMulNBits computes one row otherwise
     than several, these left their plain ids at tokens 25 and 31 before.)"""
     import edgelite

@@ -27,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import attention, invariant, kernels, linear, norms, onerow, onnxgraph, rope
+from edgelite.engine import kernels, onnxgraph, rope
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvfile import Layout
+from edgelite.engine.passes import linear, pipeline
+from edgelite.engine.passes.base import apply
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, KVBudgetExceeded, ModelFileError
 from edgelite.manifest import FileEntry, Manifest, check_file, kv_row_values
@@ -88,6 +90,7 @@ class LayerRange:
     cfg: RuntimeConfig
     files: ModelFiles
     bindings: dict[tuple[int, int, int, int], Binding] = field(default_factory=dict)
+    passes: list[str] = field(default_factory=list)  # the graph passes it loaded with (passes/pipeline.py)
 
     def __post_init__(self) -> None:
         m = self.manifest
@@ -97,8 +100,8 @@ class LayerRange:
                                 "(drop --no-invariant, or use --kv-dtype float32)")
         # invariant: attention by edgelite's own operator where it could be built (the
         # library, engine/kernels), else for a 16-bit KV in onnxruntime's plain operators
-        # over the valid KV (engine/attention.py) and for float32 its GroupQueryAttention with
-        # one-row steps padded to two rows (engine/invariant.py); not invariant:
+        # over the valid KV (engine/passes/attention.py) and for float32 its GroupQueryAttention with
+        # one-row steps padded to two rows (engine/passes/invariant.py); not invariant:
         # GroupQueryAttention as it is, batching decode steps of several sessions
         attend = self.cfg.invariant and self.cfg.attention_kernel and m.head_dim in kernels.HEAD_DIMS
         self.library = kernels.library(self.cfg) if attend else None
@@ -135,18 +138,9 @@ class LayerRange:
         entries = m.layers[lo:hi + 1]
         model = onnxgraph.join([self.files.graph(e) for e in entries], self.files.locate,
                                f"layers_{lo}_{hi}", [e.file for e in entries])
-        if self.plain:
-            model = attention.plain_attention(model, m.head_dim, m.rotary_dim, self.kv_dtype,
-                                              self.library is not None, self.cfg.threads)
-        elif self.cfg.invariant:
-            model = invariant.pad_attention(model)
-        if self.matmul is not None:
-            model = linear.products(model, linear.listed(entries, m.name), self.cfg.threads,
-                                    kernels.matmul_kinds(self.matmul))
-        if self.library or self.matmul:  # (the norms onnxruntime's ARM and x86 builds give otherwise)
-            model = norms.norms(model)
-        if self.cfg.invariant:  # (the products onnxruntime still computes)
-            model = onerow.pad_products(model, self.cfg)
+        chosen = pipeline.for_range(m, entries, self.cfg, self.kv_dtype, self.library, self.matmul)
+        self.passes = [p.name for p in chosen]
+        model = apply(model, chosen)
         return open_model(model, self.files.folder, self.cfg, f"layers {lo}-{hi} of {m.name}",
                           self.library or self.matmul, linear.RESIDENT if self.matmul else ())
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from edgelite.config import RuntimeConfig
-from edgelite.engine import kernels, linear, norms, onerow, onnxgraph
+from edgelite.engine import onnxgraph
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvstore import KVStore, open_store
 from edgelite.engine.layers import LayerRange, ModelFiles, export_files
+from edgelite.engine.passes import linear, pipeline
+from edgelite.engine.passes.base import apply
 from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, ModelFileError
 from edgelite.manifest import FileEntry, Manifest
@@ -85,13 +87,10 @@ class _Piece:
     def __init__(self, manifest: Manifest, entry: FileEntry, cfg: RuntimeConfig, files: ModelFiles,
                  what: str, products: bool = False) -> None:
         """`products`: its MatMulNBits by edgelite's product operators where they can (linear.py)."""
-        model = onnxgraph.relocated(files.graph(entry), files.locate)
         library = linear.library(cfg) if products else None
-        if library is not None:
-            model = norms.norms(linear.products(model, linear.listed([entry], manifest.name),
-                                                cfg.threads, kernels.matmul_kinds(library)))
-        if cfg.invariant:  # (the products onnxruntime still computes)
-            model = onerow.pad_products(model, cfg)
+        chosen = pipeline.for_piece(entry, manifest.name, cfg, library)
+        self.passes = [p.name for p in chosen]
+        model = apply(onnxgraph.relocated(files.graph(entry), files.locate), chosen)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,
                                   linear.RESIDENT if library else ())
 

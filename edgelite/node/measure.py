@@ -13,7 +13,8 @@ from typing import Any
 
 from edgelite import manifest as mf
 from edgelite.config import NodeConfig, RuntimeConfig
-from edgelite.engine import kernels, linear
+from edgelite.engine import kernels
+from edgelite.engine.passes import linear
 from edgelite.engine.profile import host_profile
 from edgelite.errors import ProtocolError
 from edgelite.net import messages as m

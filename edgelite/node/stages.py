@@ -26,7 +26,7 @@ from edgelite.config import MAX_ROLLBACK, RuntimeConfig
 from edgelite.engine.kv import Slot
 from edgelite.engine.kvfile import Layout
 from edgelite.engine.layers import LayerRange, ModelFiles
-from edgelite.engine.linear import narrow  # (edgelite's product operators: what layers hold)
+from edgelite.engine.passes.linear import narrow  # (edgelite's product operators: what layers hold)
 from edgelite.engine.profile import resident_bytes
 from edgelite.errors import EdgeliteError, ModelFileError, ProtocolError
 from edgelite.ids import NodeAddr
@@ -384,9 +384,9 @@ class StageStore:
                 "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": kv_bytes, "kv_budget_bytes": self.limits.address_budget_bytes,
                 "kv_node_budget_bytes": self.limits.kv_budget_bytes,
-                "kv_buckets": list(self.runtime.kv_buckets),
-                "kv_dtype": self.runtime.kv_dtype, "invariant": self.runtime.invariant,
-                "provider": self.runtime.provider,
+                "kv_buckets": list(self.runtime.kv_buckets), "kv_dtype": self.runtime.kv_dtype,
+                "invariant": self.runtime.invariant, "provider": self.runtime.provider,
                 "runs": runs, "slot_moves": self.slot_moves,
                 "ms_per_run": ms / runs if runs else 0.0,
-                "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last]} for s in mine]}
+                "stages": [{"plan_id": s.plan_id, "layers": [s.first, s.last],
+                            "passes": s.layers.passes} for s in mine]}

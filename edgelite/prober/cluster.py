@@ -205,8 +205,8 @@ def _client_profile(manifest: Manifest | None, threads: int, matmul_kernel: bool
     """This device (the client) measured like a node: on the model's layer 0 when given, and
     whether it runs edgelite's product operators (what a layer then holds: the manifest's narrow
     figures)."""
-    from edgelite.engine import linear
     from edgelite.engine.layers import LayerRange, export_files
+    from edgelite.engine.passes import linear
 
     cfg = RuntimeConfig(threads=threads, verify_hashes=False, matmul_kernel=matmul_kernel)
     prof = host_profile()

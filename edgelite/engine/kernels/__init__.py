@@ -76,7 +76,7 @@ def _exports(library: Path) -> ctypes.CDLL | None:
 
 def matmul_kinds(library: Path) -> frozenset[str]:
     """The library's products that run on a vector path on this CPU (the others would run the
-    plain reference, slower than onnxruntime's MatMulNBits: engine/linear.py leaves them)."""
+    plain reference, slower than onnxruntime's MatMulNBits: engine/passes/linear.py leaves them)."""
     lib = _exports(library)
     try:
         mask = int(lib.edgelite_matmul_fast()) if lib is not None else 0

@@ -6,7 +6,7 @@ builds its own). A process builds at most once, in a thread of its own (`start`:
 it as it starts; a range that loads waits for it, `library`).
 
 Where no compiler works, or the check fails (a crash there is a failed check: the process that
-asked lives), the operators fall back to onnxruntime's (engine/attention.py, engine/linear.py
+asked lives), the operators fall back to onnxruntime's (engine/passes/attention.py, engine/passes/linear.py
 leave the graph), slower at long contexts, and it says so once.
 """
 

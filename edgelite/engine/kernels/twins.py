@@ -1,6 +1,6 @@
 """numpy twins of the kernel library's operators (what each computes, in float64 where it
 sums: a path must agree with its twin within rounding, and with the reference path bit for bit),
-and the weights' layouts the operators take (as engine/linear.py's nodes make them)."""
+and the weights' layouts the operators take (as engine/passes/linear.py's nodes make them)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _block_product(a: np.ndarray, w: np.ndarray, scales: np.ndarray) -> np.ndarr
 def interleaved(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """MatMul4's codes (N/4, B/4, 4, 64) and scales (N/4, B/4, 4, 4) from MatMulNBits' (N,
     K/32, 16) and (N, K/32): blocks padded with zeros to B, a multiple of 4, four columns
-    interleaved (as engine/linear.py's nodes make them)."""
+    interleaved (as engine/passes/linear.py's nodes make them)."""
     n, blocks = scales.shape
     pad = -blocks % 4
     codes = np.concatenate([codes, np.zeros((n, pad, 16), np.uint8)], axis=1)
@@ -91,7 +91,7 @@ def interleaved4k(
     codes: np.ndarray, sc: np.ndarray, mins: np.ndarray, d: np.ndarray, e: np.ndarray
 ) -> tuple[np.ndarray, ...]:
     """MatMul4K's codes (as MatMul4's), multiples (N/4, K/256, 2, 4, 8) and float16 bases (N/4,
-    K/256, 8) from matmul4k's arrays (as engine/linear.py's nodes make them)."""
+    K/256, 8) from matmul4k's arrays (as engine/passes/linear.py's nodes make them)."""
     n, supers = d.shape
     mult = np.stack([x.reshape(n // 4, 4, supers, 8).transpose(0, 2, 1, 3) for x in (sc, mins)], axis=2)
     base = np.concatenate([d.reshape(n // 4, 4, supers), e.reshape(n // 4, 4, supers)], axis=1)
@@ -110,7 +110,7 @@ def matmul8(a: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero: int) -> 
 
 def interleaved8(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """MatMul8's codes (N/4, K/64, 4, 64) and scales (N/4, K/64, 4, 2) from MatMulNBits' (N,
-    K/32, 32) and (N, K/32) (as engine/linear.py's nodes make them)."""
+    K/32, 32) and (N, K/32) (as engine/passes/linear.py's nodes make them)."""
     n, blocks = scales.shape
     return (
         np.ascontiguousarray(codes.reshape(n // 4, 4, blocks // 2, 64).transpose(0, 2, 1, 3)),
@@ -139,7 +139,7 @@ def pack6(codes: np.ndarray) -> np.ndarray:
 
 def interleaved6(codes: np.ndarray, mult: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, ...]:
     """MatMul6's codes (N/4, K/256, 4, 192), mult (N/4, K/256, 4, 16) and base (N/4, K/256, 4)
-    from codes (N, K), mult (N, K/16) and base (N, K/256) (as engine/linear.py's nodes make
+    from codes (N, K), mult (N, K/16) and base (N, K/256) (as engine/passes/linear.py's nodes make
     them from the export's stream)."""
     n, k = codes.shape
     s = k // 256

@@ -1,7 +1,7 @@
 /* The products: MatMul4, MatMul6, MatMul4K, MatMul8 (ops.c includes this file: the operators compile as one unit, beside the paths).
  *
  * MatMul4, MatMul6, MatMul4K, MatMul8: products with narrow weights read as they are stored
- * (engine/linear.py rewrites a fast export's MatMulNBits as a range loads):
+ * (engine/passes/linear.py rewrites a fast export's MatMulNBits as a range loads):
  *   MatMul4: 4-bit codes in blocks of 32 (MatMulNBits bits 4, block_size 32, accuracy_level 4,
  *   zero point 8): 4 bits and a float scale a block, where MatMulNBits holds about 6.
  *     inputs:  a       float32 (..., K)

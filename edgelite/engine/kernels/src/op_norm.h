@@ -8,7 +8,7 @@
 /* ---- norms -------------------------------------------------------------------------------- *
  * Norm (x, scale; epsilon) -> y, and SkipNorm (x, skip, scale; epsilon) -> y, sum: RMS norms
  * over the last axis, d (a multiple of 8) values; scale (d); skip as x. What
- * SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization compute (engine/norms.py
+ * SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization compute (engine/passes/norms.py
  * rewrites them), the same bits on every ISA. */
 #define NORM_MAX_D (1 << 16)
 

@@ -113,7 +113,7 @@ EXPORT const char *edgelite_kernel_paths(void) {
     return text;
 }
 
-/* bit i: product i (MM4, MM6, MM4K, MM8) runs on a vector path here (engine/linear.py rewrites
+/* bit i: product i (MM4, MM6, MM4K, MM8) runs on a vector path here (engine/passes/linear.py rewrites
  * only those: elsewhere onnxruntime's MatMulNBits is the faster) */
 EXPORT int edgelite_matmul_fast(void) {
     choose_once();

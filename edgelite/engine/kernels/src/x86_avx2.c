@@ -1,6 +1,6 @@
 /* The AVX2 path (AVX2, FMA, F16C; chosen where cpuid says the CPU and the OS have them):
  * MatMul4 and MatMul8 in 8 lanes (MatMul4K and MatMul6 stay the reference's: onnxruntime's
- * MatMulNBits is faster than them here, and engine/linear.py leaves those), the attention's
+ * MatMulNBits is faster than them here, and engine/passes/linear.py leaves those), the attention's
  * float tiles compiled for this ISA and the int8 one's whole blocks by i8_avx2.h. The same bits
  * as the reference (kernels.h's canonical order).
  *

@@ -72,10 +72,8 @@ from edgelite.engine.onnxgraph import (
     node_attrs,
     node_parts,
     value_name,
-    with_graph,
-    with_opset,
 )
-from edgelite.errors import ModelFileError
+from edgelite.engine.passes.base import Pass, apply
 from edgelite.manifest import FileEntry, Manifest, Product
 
 BLOCK = 32  # the weights a block (one scale) MatMul4 takes
@@ -126,18 +124,19 @@ def narrow(cfg: RuntimeConfig, manifest: Manifest) -> bool:
     return found is not None and bool(kinds) and {KIND_OPS[k] for k in kinds} <= kernels.matmul_kinds(found)
 
 
+def products_pass(listed: Iterable[Product], threads: int = 1,
+                  kinds: frozenset[str] = frozenset(kernels.MATMUL_OPS)) -> Pass:
+    """The pass that makes each eligible product of `listed` (the manifest's: see the module's
+    text) a MatMul4, MatMul4K, MatMul6 or MatMul8 node, of `kinds` (the library's vector paths:
+    kernels.matmul_kinds; the session must register engine/kernels' library)."""
+    rewrite = _Rewrite(threads, kinds, {p.node: p for p in listed})
+    return Pass("products", rewrite.graph, "cannot rewrite the graph's products", ours=True)
+
+
 def products(model: bytes, listed: Iterable[Product], threads: int = 1,
              kinds: frozenset[str] = frozenset(kernels.MATMUL_OPS)) -> bytes:
-    """The graph with each eligible product of `listed` (the manifest's: see the module's
-    text) a MatMul4, MatMul4K, MatMul6 or MatMul8 node, of `kinds` (the library's vector paths:
-    kernels.matmul_kinds; the session must register engine/kernels' library); unchanged when
-    it has none."""
-    try:
-        rewrite = _Rewrite(threads, kinds, {p.node: p for p in listed})
-        out = with_graph(model, rewrite.graph)
-        return with_opset(out, kernels.DOMAIN, 1) if rewrite.count else model
-    except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
-        raise ModelFileError(f"cannot rewrite the graph's products: {exc}") from exc
+    """The model with `products_pass` run over it."""
+    return apply(model, [products_pass(listed, threads, kinds)])
 
 
 def _shape(attrs: dict[str, int | float], inputs: list[str], bits: int, block: int, k_multiple: int) -> bool:

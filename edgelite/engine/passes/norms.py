@@ -28,24 +28,22 @@ from edgelite.engine.onnxgraph import (
     node_attrs,
     node_parts,
     value_name,
-    with_graph,
-    with_opset,
 )
-from edgelite.errors import ModelFileError
+from edgelite.engine.passes.base import Pass, apply
 
 LANES = 8  # the kernel's vector lanes: d must be a multiple
 MAX_D = 1 << 16  # the largest d the kernel takes
 
 
+def norms_pass() -> Pass:
+    """The pass that makes each eligible norm (see the module's text) an edgelite Norm or
+    SkipNorm (the session must register engine/kernels' library)."""
+    return Pass("norms", _Rewrite().graph, "cannot rewrite the graph's norms", ours=True)
+
+
 def norms(model: bytes) -> bytes:
-    """The graph with each eligible norm (see the module's text) an edgelite Norm or SkipNorm;
-    unchanged when it has none (the session must register engine/kernels' library)."""
-    try:
-        rewrite = _Rewrite()
-        out = with_graph(model, rewrite.graph)
-        return with_opset(out, DOMAIN, 1) if rewrite.count else model
-    except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
-        raise ModelFileError(f"cannot rewrite the graph's norms: {exc}") from exc
+    """The model with `norms_pass` run over it."""
+    return apply(model, [norms_pass()])
 
 
 class _Rewrite:

@@ -15,12 +15,13 @@ one row runs it on that row and a copy (Gather with the indices [0, 0]) and keep
 row of its result. Steps of several rows run as they are (indices 0..m-1). The price is a
 two-row product in a one-row step: SmolLM2 int4 fast decoded at 0.81x (1 thread, AVX2,
 onnxruntime's products). By default a fast export's products there are edgelite's (engine/kernels)
-(row-invariant, and faster: engine/linear.py), so this pays only for what stays MatMulNBits:
+(row-invariant, and faster: engine/passes/linear.py), so this pays only for what stays MatMulNBits:
 with --no-matmul-kernel, or a K-quant export's kinds without AVX-512.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
@@ -43,18 +44,16 @@ from edgelite.engine.onnxgraph import (
     NODE_OUTPUT,
     UINT8,
     Field,
-    each_node,
     encode,
     hidden_input,
     make_node,
     make_tensor,
     make_value_info,
     node_attrs,
-    with_graph,
     with_opset,
 )
+from edgelite.engine.passes.base import Pass, apply, each_replaced
 from edgelite.engine.session import options
-from edgelite.errors import ModelFileError
 
 log = logging.getLogger(__name__)
 
@@ -112,32 +111,30 @@ def product_model(kind: Kind, k: int, n: int) -> bytes:
     return with_opset(with_opset(model, "", 17), "com.microsoft", 1)
 
 
+def pad_products_pass(cfg: RuntimeConfig) -> Pass:
+    """The pass that gives each MatMulNBits that `varies` on this machine two rows in a
+    one-row step (see the module's text)."""
+    return Pass("products-padded", lambda graph: _pad_graph(graph, cfg),
+                "cannot make the products row-invariant")
+
+
 def pad_products(model: bytes, cfg: RuntimeConfig) -> bytes:
-    """The model with each MatMulNBits that `varies` on this machine given two rows in a
-    one-row step (see the module's text); unchanged where none does."""
-    try:
-        return with_graph(model, lambda graph: _pad_graph(graph, cfg))
-    except (ValueError, UnicodeDecodeError, IndexError) as exc:
-        raise ModelFileError(f"cannot make the products row-invariant: {exc}") from exc
+    """The model with `pad_products_pass` run over it (unchanged where no product varies)."""
+    return apply(model, [pad_products_pass(cfg)])
 
 
 def _pad_graph(graph: bytes, cfg: RuntimeConfig) -> bytes:
-    items: list[Field] = []
-    count = 0
-    for field, node in each_node(graph, "MatMulNBits"):
-        if node is None:
-            items.append(field)
-            continue
-        inputs, outputs, rest = node
+    def pad(inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field] | None:
         attrs = node_attrs(rest)
         kind = (int(attrs.get("bits", 4)), int(attrs.get("block_size", 0)),
                 int(attrs.get("accuracy_level", 0)))
         if kind[2] not in PADDED_LEVELS or not varies(kind, cfg):
-            items.append(field)
-            continue
-        count += 1
-        items += padded_node(PREFIX, f"{PREFIX}/{count}", "MatMulNBits", inputs, outputs, rest, (0,), -2,
-                             f"{PREFIX}/minus2_1d")
+            return None
+        tag = f"{PREFIX}/{next(counter)}"
+        return padded_node(PREFIX, tag, "MatMulNBits", inputs, outputs, rest, (0,), -2, f"{PREFIX}/minus2_1d")
+
+    counter = itertools.count(1)
+    items, count = each_replaced(graph, "MatMulNBits", pad)
     if not count:
         return graph
     hidden = hidden_input(graph, "hidden")  # (batch, rows, width): a range's or the head's
@@ -150,7 +147,7 @@ def padded_node(prefix: str, tag: str, op: str, inputs: list[str], outputs: list
                 rows_at: tuple[int, ...], axis: int, axis_1d: str) -> list[Field]:
     """A node of type `op` whose inputs at `rows_at` are gathered by the shared indices
     (`prefix`/rows, on `axis`) and whose first output keeps the step's m rows (a Slice on that
-    axis, `axis_1d` the constant naming it); its other outputs as they are. (engine/invariant.py
+    axis, `axis_1d` the constant naming it); its other outputs as they are. (engine/passes/invariant.py
     pads its attention so.)"""
     items: list[Field] = []
     new = list(inputs)
@@ -173,7 +170,7 @@ def row_indices(prefix: str, hidden: str) -> list[Field]:
     """The nodes a graph padded so shares, named under `prefix`: m, the step's rows (the hidden
     input's second dimension); pad, 1 when m is 1, else 0; rows, the indices [0, ..., m - 1],
     or [0, 0] when m is 1; m_1d, m as a 1-d tensor (a slice's end); and the constants they
-    use (zero, one, zero_1d). engine/invariant.py's padded attention shares them too."""
+    use (zero, one, zero_1d). engine/passes/invariant.py's padded attention shares them too."""
     p = prefix
     spec = [("Gather", ["shape", "one"], "m", {"axis": 0}),
             ("Equal", ["m", "one"], "single", {}), ("Cast", ["single"], "pad", {"to": INT64}),

@@ -25,7 +25,7 @@ decoded, in any chunking, after a KV store restore or a rollback: every product 
 two rows (a KV head's query group; a model whose groups are one head each runs its rows
 twice), onnxruntime's float MatMul gives each row the same result whatever the number of
 rows, and a masked position adds exactly nothing. Without the kernel a float32 KV keeps
-GroupQueryAttention (engine/invariant.py pads its one-row steps): measured on SmolLM2, these
+GroupQueryAttention (engine/passes/invariant.py pads its one-row steps): measured on SmolLM2, these
 operators decode at about its speed and faster at long contexts, but a prompt chunk
 materialises its scores, mask sum and probabilities whole, so prefill takes 1.3-2.2x as long
 (scripts/bench_context.py, docs/benchmarks.md).
@@ -62,9 +62,8 @@ from edgelite.engine.onnxgraph import (
     make_tensor,
     node_attrs,
     value_name,
-    with_graph,
-    with_opset,
 )
+from edgelite.engine.passes.base import Pass, apply
 from edgelite.errors import ModelFileError
 
 ELEM = {"float32": FLOAT, "float16": FLOAT16, "int8": INT8}
@@ -82,19 +81,23 @@ def _node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str
     return GRAPH_NODE, 2, make_node(op, inputs, outputs, name, domain, **attrs)
 
 
-def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32",
-                    use_kernel: bool = False, threads: int = 1) -> bytes:
-    """The joined range with each GroupQueryAttention rewritten (see the module's text); its KV
-    inputs and outputs of `kv_dtype` ("float32" or "float16"). `use_kernel`: attention by
-    edgelite's operator (the session must register engine/kernels' library), a
-    prompt chunk's on up to `threads` threads."""
+def attention_pass(head_dim: int, rotary_dim: int, kv_dtype: str = "float32", use_kernel: bool = False,
+                   threads: int = 1) -> Pass:
+    """The pass that rewrites a joined range's GroupQueryAttention (see the module's text); its
+    KV inputs and outputs of `kv_dtype`. `use_kernel`: attention by edgelite's operator (the
+    session must register engine/kernels' library), a prompt chunk's on up to `threads`
+    threads; else onnxruntime's plain operators over the valid KV."""
     if kv_dtype not in ELEM:
         raise ModelFileError(f"KV dtype {kv_dtype!r}: one of {', '.join(ELEM)}")
-    try:
-        out = with_graph(model, _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel, threads).graph)
-        return with_opset(out, kernels.DOMAIN, 1) if use_kernel else out
-    except (ValueError, KeyError, UnicodeDecodeError, IndexError) as exc:
-        raise ModelFileError(f"cannot rewrite the range's attention: {exc}") from exc
+    return Pass("attend-kernel" if use_kernel else "attend-plain",
+                _Rewrite(head_dim, rotary_dim, kv_dtype, use_kernel, threads).graph,
+                "cannot rewrite the range's attention", ours=use_kernel)
+
+
+def plain_attention(model: bytes, head_dim: int, rotary_dim: int, kv_dtype: str = "float32",
+                    use_kernel: bool = False, threads: int = 1) -> bytes:
+    """The model with `attention_pass` run over it."""
+    return apply(model, [attention_pass(head_dim, rotary_dim, kv_dtype, use_kernel, threads)])
 
 
 class _Rewrite:

@@ -23,56 +23,54 @@ steps one session at a time.
 
 from __future__ import annotations
 
-from edgelite.engine import onerow
 from edgelite.engine.onnxgraph import (
     GRAPH_INIT,
     GRAPH_NODE,
     INT32,
     INT64,
     Field,
-    each_node,
     encode,
     hidden_input,
     make_node,
     make_tensor,
-    with_graph,
 )
-from edgelite.errors import ModelFileError
+from edgelite.engine.passes import onerow
+from edgelite.engine.passes.base import Pass, apply, each_replaced
 
 PREFIX = "edgelite_invariant"  # names of what the rewrite adds
 
 
-def pad_attention(model: bytes) -> bytes:
-    """The model with each GroupQueryAttention given two rows for a one-row step (see the
+def pad_attention_pass() -> Pass:
+    """The pass that gives each GroupQueryAttention two rows for a one-row step (see the
     module's text)."""
-    try:
-        return with_graph(model, _pad_graph)
-    except (ValueError, UnicodeDecodeError, IndexError) as exc:
-        raise ModelFileError(f"cannot make the range's attention row-invariant: {exc}") from exc
+    return Pass("attend-padded", _pad_graph, "cannot make the range's attention row-invariant")
+
+
+def pad_attention(model: bytes) -> bytes:
+    """The model with `pad_attention_pass` run over it."""
+    return apply(model, [pad_attention_pass()])
 
 
 def _pad_graph(graph: bytes) -> bytes:
-    items: list[Field] = []
-    count = 0
-    for field, node in each_node(graph, "GroupQueryAttention"):
-        if node is None:
-            items.append(field)
-            continue
-        inputs, outputs, rest = node
-        count += 1
-        tag = f"{PREFIX}/{count}"
+    shared: list[str] = []  # (seqlens, total: the range's own inputs, shared by its layers)
+
+    def pad(inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field]:
+        tag = f"{PREFIX}/{len(shared) // 2 + 1}"
         new_inputs = list(inputs)
-        seqlens, total = inputs[5], inputs[6]  # (the range's own inputs, shared by its layers)
+        seqlens, total = inputs[5], inputs[6]
+        shared[:] = [*shared, seqlens, total]
         new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
         # query, key, value gathered (key and value are empty when packed)
-        items += onerow.padded_node(PREFIX, tag, "GroupQueryAttention", new_inputs, outputs, rest,
-                                    (0, 1, 2), 1, f"{PREFIX}/one_1d")
+        return onerow.padded_node(PREFIX, tag, "GroupQueryAttention", new_inputs, outputs, rest,
+                                  (0, 1, 2), 1, f"{PREFIX}/one_1d")
+
+    items, count = each_replaced(graph, "GroupQueryAttention", pad)
     if not count:
         return graph
     hidden = hidden_input(graph)
     if not hidden:
         raise ValueError("the range has no hidden_* input")
-    return encode([*_shared(hidden, seqlens, total), *items,
+    return encode([*_shared(hidden, shared[-2], shared[-1]), *items,
                    *((GRAPH_INIT, 2, c) for c in _constants())])
 
 
