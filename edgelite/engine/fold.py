@@ -32,18 +32,38 @@ from typing import Any
 
 import numpy as np
 
-from edgelite.engine.onnxgraph import Field, encode, fields, value_name
+from edgelite.engine.onnxgraph import (  # (protobuf field numbers: onnxgraph.py, their one home)
+    ATTR_I,
+    ATTR_INTS,
+    ATTR_NAME,
+    ATTR_S,
+    EXTERNAL,
+    GRAPH_INIT,
+    GRAPH_NODE,
+    GRAPH_OUTPUT,
+    MODEL_GRAPH,
+    NODE_ATTR,
+    NODE_DOMAIN,
+    NODE_INPUT,
+    NODE_OP,
+    NODE_OUTPUT,
+    TENSOR_DIMS,
+    TENSOR_EXTERNAL,
+    TENSOR_INT32,
+    TENSOR_INT64,
+    TENSOR_LOCATION,
+    TENSOR_NAME,
+    TENSOR_RAW,
+    TENSOR_TYPE,
+    Field,
+    encode,
+    fields,
+    value_name,
+)
 from edgelite.errors import ModelFileError
 
 log = logging.getLogger(__name__)
 
-# protobuf field numbers (onnx.proto)
-MODEL_GRAPH = 7
-GRAPH_NODE, GRAPH_INIT, GRAPH_OUTPUT = 1, 5, 12
-NODE_INPUT, NODE_OUTPUT, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 4, 5, 7
-ATTR_NAME, ATTR_I, ATTR_S, ATTR_INTS = 1, 3, 4, 8
-T_DIMS, T_TYPE, T_INT32, T_INT64, T_NAME, T_RAW, T_EXTERNAL, T_LOCATION = 1, 2, 5, 7, 8, 9, 13, 14
-EXTERNAL = 1
 DTYPES: dict[int, np.dtype[Any]] = {
     1: np.dtype(np.float32), 2: np.dtype(np.uint8), 3: np.dtype(np.int8), 4: np.dtype(np.uint16),
     5: np.dtype(np.int16), 6: np.dtype(np.int32), 7: np.dtype(np.int64), 9: np.dtype(np.bool_),
@@ -164,19 +184,19 @@ def tensor(buf: bytes) -> Tensor | None:
     t = Tensor("", DTYPES[1], [])
     code, external = 0, False
     for number, wire, value in fields(buf):
-        if number == T_DIMS:
+        if number == TENSOR_DIMS:
             t.dims += _ints(value, wire)
-        elif number == T_TYPE:
+        elif number == TENSOR_TYPE:
             code = int(value)
-        elif number == T_NAME:
+        elif number == TENSOR_NAME:
             t.name = bytes(value).decode()  # type: ignore[arg-type]
-        elif number == T_RAW:
+        elif number == TENSOR_RAW:
             t.raw = bytes(value)  # type: ignore[arg-type]
-        elif number in (T_INT32, T_INT64):
+        elif number in (TENSOR_INT32, TENSOR_INT64):
             t.ints += _ints(value, wire)
-        elif number == T_LOCATION:
+        elif number == TENSOR_LOCATION:
             external = int(value) == EXTERNAL
-        elif number == T_EXTERNAL:
+        elif number == TENSOR_EXTERNAL:
             entry = {n: bytes(v) for n, _, v in fields(value)}  # type: ignore[arg-type]
             key, val = entry.get(1, b"").decode(), entry.get(2, b"").decode()
             if key == "location":
@@ -511,9 +531,9 @@ def _declare(name: str, dtype: np.dtype[Any], shape: tuple[int, ...], location: 
     nbytes = int(np.prod(shape)) * dtype.itemsize if shape else dtype.itemsize
     ext = [encode([(1, 2, k.encode()), (2, 2, v.encode())])
            for k, v in (("location", location), ("offset", "0"), ("length", str(nbytes)))]
-    items: list[Field] = [*((T_DIMS, 0, d) for d in shape), (T_TYPE, 0, CODES[dtype]),
-                          (T_NAME, 2, name.encode()), *((T_EXTERNAL, 2, e) for e in ext),
-                          (T_LOCATION, 0, EXTERNAL)]
+    items: list[Field] = [*((TENSOR_DIMS, 0, d) for d in shape), (TENSOR_TYPE, 0, CODES[dtype]),
+                          (TENSOR_NAME, 2, name.encode()), *((TENSOR_EXTERNAL, 2, e) for e in ext),
+                          (TENSOR_LOCATION, 0, EXTERNAL)]
     return encode(items)
 
 

@@ -23,11 +23,12 @@ VALUE_NAME, VALUE_TYPE = 1, 2  # ValueInfoProto; its TypeProto's tensor, and tha
 TYPE_TENSOR, TENSOR_ELEM, TENSOR_SHAPE, SHAPE_DIM, DIM_VALUE, DIM_PARAM = 1, 1, 2, 1, 1, 2
 NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP, NODE_ATTR, NODE_DOMAIN = 1, 2, 3, 4, 5, 7
 ATTR_NAME, ATTR_I, ATTR_INTS, ATTR_TYPE, ATTR_KIND_INT, ATTR_KIND_INTS = 1, 3, 8, 20, 2, 7
-ATTR_F, ATTR_KIND_FLOAT = 2, 1
+ATTR_F, ATTR_S, ATTR_KIND_FLOAT = 2, 4, 1
 OPSET_DOMAIN, OPSET_VERSION = 1, 2
 TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_RAW = 1, 2, 8, 9
 FLOAT, UINT8, INT8, INT32, INT64, FLOAT16 = 1, 2, 3, 6, 7, 10  # TensorProto data types
-TENSOR_EXTERNAL = 13
+TENSOR_INT32, TENSOR_INT64, TENSOR_EXTERNAL, TENSOR_LOCATION = 5, 7, 13, 14
+EXTERNAL = 1  # TensorProto.data_location: its bytes in an external file
 ENTRY_KEY, ENTRY_VALUE = 1, 2
 Field = tuple[int, int, bytes | int]  # (number, wire type, value: bytes for type 2, else int)
 
