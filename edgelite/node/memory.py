@@ -1,6 +1,24 @@
 """A node's memory rules: what layers and KV it may take on, within `--memory-mb` (the whole
 process), its KV budget, and each client address's share of that budget. Pure checks on
-figures; the store (stages.py) supplies what is held now."""
+figures; the store (stages.py) supplies what is held now.
+
+Memory that tells the truth, end to end: the exporter measures what each piece holds once
+loaded (exporter/resident.py: each kind of layer, the embedding and the head loaded three
+times in a process of their own, the growth after the first averaged; a layer's scratch is
+the peak above that while a 256-token chunk runs) into the manifest (`resident_bytes`,
+`scratch_bytes`; unmeasured: weights x 2.2 and an estimate from the hidden size), and where
+the exporting machine runs every product kind the export lists in edgelite's operators, the
+same measured with them (`narrow_*`). Each device says whether it does (`narrow_products` in
+its profile, from engine/passes/linear.py `narrow`, the same test this module's load check
+is given), and the planner counts a layer there at its narrow figure (`Layer.narrow_mem_bytes`;
+the client's embedding and head too). A budget (`--memory-mb`, `--client-memory-mb`) bounds
+the whole process: the probe reports each process's resident set, and the planner gives a
+device its budget less that, less one chunk's scratch, and counts each layer as what it holds
+plus its KV for `--context` tokens; where the layers do not fit beside a 256-token chunk's
+scratch it tries smaller chunks (64, 16) and the plan records the largest that fits
+(`Plan.max_chunk`, which each node is told and enforces). A node refuses a load that would
+take it over its budget (`Limits.fits`, before; `held`, after, with the real figure) and a
+session or KV growth beyond it (`admit`, called by StageStore)."""
 
 from __future__ import annotations
 
