@@ -158,9 +158,12 @@ class NodeConfig:
     # a profile asked while the kernel library still builds (from the node's start) waits this
     # long for it, then answers with onnxruntime's figures and says the kernel is building
     kernel_wait_s: float = 10.0
-    max_connections: int = 128  # open authenticated connections (control and data), all peers
-    # connections not yet authenticated have their own budget (all of them, and from one
-    # address), each at most handshake_timeout_s: strangers cannot keep clients out
+    # open connections (control and data, authenticated or not: net/admission.py), all peers
+    # and from one address; those not yet authenticated have their own budget within it (all
+    # of them, and from one address), each at most handshake_timeout_s: strangers cannot keep
+    # clients out
+    max_connections: int = 192
+    max_connections_per_address: int = 128
     max_unauthenticated: int = 64
     max_unauthenticated_per_address: int = 16
     # requests of one control connection run at once (each answered when it is done, so a
@@ -277,6 +280,12 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 7080
     handshake_timeout_s: float = 5.0
+    # the native door's connections (net/admission.py): open, from one address, and of them
+    # not yet authenticated, all and from one address
+    max_connections: int = 256
+    max_connections_per_address: int = 64
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_address: int = 16
     idle_timeout_s: float = 600.0  # a client connection silent this long is closed
     max_prompt_chars: int = 131_072  # (about 30,000 tokens of English: the cheap guard before tokenizing)
     max_tokens_limit: int = 2048  # the most a request may ask for

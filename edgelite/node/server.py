@@ -36,6 +36,7 @@ from edgelite.engine import kernels
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
+from edgelite.net.admission import Admission, AdmissionLimits
 from edgelite.net.budget import ByteBudget
 from edgelite.net.discovery import respond
 from edgelite.net.frames import Conn, bound_port, detach, listen, pack
@@ -85,15 +86,14 @@ class Node:
         self.conns: set[Conn] = set()  # open client connections, closed on shutdown
         self.handlers: set[asyncio.Task[None]] = set()  # their handler tasks (owned by the server)
         self.bad_handshakes = 0
-        self.refused_connections = 0
         self.restarts = 0  # data plane threads restarted after dying
         self.udp: asyncio.DatagramTransport | None = None
         self.discovery: asyncio.DatagramTransport | None = None  # answers `--nodes auto`
         self.udp_port = 0
         self.owners: dict[str, int] = {}  # client key -> its open control connections
         self.frame_budget = ByteBudget(c.max_held_frame_bytes)  # requests' frames, all connections
-        self.strangers: dict[str, int] = {}  # address -> its connections not yet authenticated
-        self.refused_strangers = 0  # connections refused before the handshake (their budget)
+        self.admission = Admission(AdmissionLimits(c.max_connections, c.max_connections_per_address,
+                                                   c.max_unauthenticated, c.max_unauthenticated_per_address))
         self.clients: dict[str, Client] = {}  # client key -> whose KV, from where
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         # the requests by concern: sessions and their KV, what is deployed, measurements
@@ -178,32 +178,27 @@ class Node:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
         conn = Conn(reader, writer, self.limits, f"{host}:{port}")
-        c, strangers, theirs = self.cfg, sum(self.strangers.values()), self.strangers.get(host, 0)
-        if strangers >= c.max_unauthenticated or theirs >= c.max_unauthenticated_per_address:
-            # (strangers have a budget of their own: a flood of them does not keep clients out)
-            self.refused_strangers += 1
-            log.debug("%s: refused before the handshake: %d connections not authenticated, %d of "
-                      "them from there", conn.peer, strangers, theirs)
-            await conn.close()
-            return
-        if len(self.conns) >= c.max_connections:
-            self.refused_connections += 1
-            log.warning("%s: refused: %d connections open (max_connections)", conn.peer, len(self.conns))
-            await try_send(conn, m.Error(message=f"this node has {len(self.conns)} connections "
-                                                       f"open, its limit; try later"))
+        c = self.cfg
+        refused = self.admission.arrive(host)
+        if refused is not None:
+            if refused.budget == "strangers":  # (closed unanswered: a flood costs little)
+                log.debug("%s: refused before the handshake: %s", conn.peer, refused.why)
+            else:
+                log.warning("%s: refused: %s", conn.peer, refused.why)
+                await try_send(conn, m.Error(message=f"this node refused the connection: {refused.why}; "
+                                                     "try later"))
             await conn.close()
             return
         me = asyncio.current_task()
         if me is not None:
             self.handlers.add(me)
         owner, stranger = None, True
-        self.strangers[host] = self.strangers.get(host, 0) + 1
         try:
             fps = sorted({s.manifest.fingerprint for s in self.store.stages.values()})
             auth = await asyncio.wait_for(
                 server_handshake(conn, self.token, self.name, fps, self.port, self.udp_port),
                 c.handshake_timeout_s)
-            self._stranger_gone(host)
+            self.admission.authenticated(host)
             stranger = False
             self.conns.add(conn)
             owner = auth.client or f"anon{secrets.token_hex(16)}"  # (logs show its first 8: anon + 4 hex)
@@ -220,8 +215,7 @@ class Node:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", conn.peer, exc)
         finally:
-            if stranger:
-                self._stranger_gone(host)
+            self.admission.leave(host, not stranger)
             if owner is not None:
                 self.owners[owner] -= 1
                 if not self.owners[owner]:
@@ -232,11 +226,6 @@ class Node:
             self.conns.discard(conn)
             self.handlers.discard(me)  # type: ignore[arg-type]
             await conn.close()
-
-    def _stranger_gone(self, host: str) -> None:
-        self.strangers[host] -= 1
-        if not self.strangers[host]:
-            del self.strangers[host]
 
     async def _data(self, conn: Conn, msg: m.OpenData, fingerprint: str | None) -> bool:
         """Hand this connection to the data plane: `in` carries steps into this node, `sink`
@@ -270,8 +259,8 @@ class Node:
             "steps_waiting_for_restores": d.steps_waiting,
             "data_plane": {"alive": d.thread.is_alive(), "failures": d.failures,
                            "restarts": self.restarts},
-            "connections": len(self.conns), "refused_connections": self.refused_connections,
-            "refused_strangers": self.refused_strangers,
+            "connections": len(self.conns), "refused_connections": self.admission.refused["connections"],
+            "refused_strangers": self.admission.refused["strangers"],
             "frame_budget": {"held": self.frame_budget.held, "waited": self.frame_budget.waited},
             **self.sessions.stats(), **self.store.stats(owner)})
 

@@ -38,6 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgelite.config import HttpConfig
 from edgelite.errors import ProtocolError, QueueFull
+from edgelite.net.admission import Admission, AdmissionLimits
 from edgelite.net.frames import listen_error
 from edgelite.serve.ask import Ask, AskError
 from edgelite.serve.events import Embedded, Event, Failed, Finished, Token
@@ -70,27 +71,29 @@ class _Server(uvicorn.Server):
 
 
 def _protocol(cfg: HttpConfig) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the bounds it lacks: at most `max_connections` open, and
-    `max_connections_per_address` from one address (more are closed as they come: one
-    stranger cannot fill the server), and a request's headers must be in within `header_timeout_s`
-    of the connection (or of the previous reply): a client that opens connections and sends
-    nothing, or its headers a byte at a time, holds nothing for long."""
+    """uvicorn's h11 protocol with the bounds it lacks: net/admission.py's policy, as every
+    listener has it (at most `max_connections` open, `max_connections_per_address` from one
+    address; more are closed as they come, one stranger cannot fill the server: a request
+    authenticates by its own header, so every connection counts as a stranger), and a request's
+    headers must be in within `header_timeout_s` of the connection (or of the previous reply):
+    a client that opens connections and sends nothing, or its headers a byte at a time, holds
+    nothing for long."""
 
-    per_address: dict[str, int] = {}  # open connections by client address
+    admission = Admission(AdmissionLimits(cfg.max_connections, cfg.max_connections_per_address,
+                                          cfg.max_connections, cfg.max_connections_per_address))
 
     class Bounded(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._deadline: asyncio.TimerHandle | None = None
-            self._host = self.client[0] if self.client else "?"
-            per_address[self._host] = per_address.get(self._host, 0) + 1
-            if (len(self.connections) > cfg.max_connections
-                    or per_address[self._host] > cfg.max_connections_per_address):
-                log.info("HTTP connection from %s closed: %d open, %d from there "
-                         "(max_connections, max_connections_per_address)", self.client,
-                         len(self.connections) - 1, per_address[self._host] - 1)
+            host = self.client[0] if self.client else "?"
+            refused = admission.arrive(host)
+            if refused is not None:
+                log.info("HTTP connection from %s closed: %s", self.client, refused.why)
+                self._host: str | None = None
                 transport.close()
                 return
+            self._host = host
             self._arm()
 
         def _arm(self) -> None:
@@ -119,9 +122,7 @@ def _protocol(cfg: HttpConfig) -> type[H11Protocol]:
                 self._deadline.cancel()  # type: ignore[union-attr]
             host = getattr(self, "_host", None)
             if host is not None:
-                per_address[host] -= 1
-                if not per_address[host]:
-                    del per_address[host]
+                admission.leave(host, authenticated=False)
             super().connection_lost(exc)
 
     return Bounded

@@ -24,6 +24,7 @@ from typing import Any
 from edgelite.config import GatewayConfig, WireLimits
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.net import messages as m
+from edgelite.net.admission import Admission, AdmissionLimits
 from edgelite.net.frames import Conn, bound_port, listen
 from edgelite.net.handshake import server_handshake
 from edgelite.net.schema import Message
@@ -114,6 +115,9 @@ class NativeDoor:
         self.server: asyncio.Server | None = None
         self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
         self.floods = 0
+        self.admission = Admission(AdmissionLimits(
+            cfg.max_connections, cfg.max_connections_per_address, cfg.max_unauthenticated,
+            cfg.max_unauthenticated_per_address))
 
     @property
     def port(self) -> int:
@@ -127,14 +131,24 @@ class NativeDoor:
             self.server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        host, port = writer.get_extra_info("peername")[:2]
+        peer = f"{host}:{port}"
         conn = Conn(reader, writer, self.limits, peer)
+        refused = self.admission.arrive(host)
+        if refused is not None:  # (before anything is read: a flood costs little)
+            log.log(logging.DEBUG if refused.budget == "strangers" else logging.WARNING,
+                    "%s: refused: %s", peer, refused.why)
+            await conn.close()
+            return
         client: Client | None = None
+        authed = False
         try:
             auth = await asyncio.wait_for(
                 server_handshake(conn, self._secret, "edgelite-gateway",
                                  [self.gateway.backend.manifest.fingerprint]),
                 self.cfg.handshake_timeout_s)
+            self.admission.authenticated(host)
+            authed = True
             client = Client(conn, self.users[str(auth.user)], self.cfg)
             writing = asyncio.get_running_loop().create_task(client.write(), name=f"to {peer}")
             try:
@@ -153,6 +167,7 @@ class NativeDoor:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.debug("%s: connection ended: %r", peer, exc)
         finally:
+            self.admission.leave(host, authed)
             if client is not None:
                 client.gone = True  # the scheduling loop cancels its requests
                 self.gateway.wake.set()
@@ -183,7 +198,8 @@ class NativeDoor:
                 msg = m.parse(frame, self.limits)
                 if isinstance(msg, m.GatewayStatsRequest):
                     client.queue_frame(m.GatewayStats(id=msg.id, stats={**self.gateway.stats(),
-                                                                 "floods": self.floods}))
+                                                                 "floods": self.floods,
+                                                                 "refused": dict(self.admission.refused)}))
                 elif isinstance(msg, m.GenerateRequest):
                     await self.gateway.submit(client, msg.id, ask_of(msg))
                 elif isinstance(msg, m.GenerateCancel):
