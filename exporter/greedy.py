@@ -24,7 +24,7 @@ def runtime_config() -> RuntimeConfig:
 
 def run_range(layers: LayerRange, slot: Any, hidden: np.ndarray) -> np.ndarray:
     """hidden (1, n, hidden) through the range for a session, in the runtime's chunks."""
-    out = [layers.step(slot, hidden[:, a:b])
+    out = [layers.run(slot, hidden[:, a:b])
            for a, b in chunks_of(hidden.shape[1], layers.chunks, layers.cfg.chunk_overhead_tokens)]
     return np.concatenate(out, axis=1)
 

@@ -83,13 +83,13 @@ def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int
             before = rss_bytes()
         lr = LayerRange(m, j, j, cfg, files)
         slot = lr.pool.acquire()
-        lr.step(slot, np.zeros((1, 1, m.hidden_size), np.float32))
+        lr.run(slot, np.zeros((1, 1, m.hidden_size), np.float32))
         held.append(lr)
     resident = max(0, rss_bytes() - before) // (LOADS - 1)
     scratch, now = 0, rss_bytes()
     if _reset_peak():
         n = min(mf.SCRATCH_CHUNK, lr.pool.max_length - slot.length)  # (a tiny model's context)
-        lr.step(slot, np.full((1, n, m.hidden_size), 0.01, np.float32))
+        lr.run(slot, np.full((1, n, m.hidden_size), 0.01, np.float32))
         scratch = max(0, peak_rss_bytes() - now)
     return resident, scratch
 

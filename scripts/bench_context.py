@@ -176,12 +176,12 @@ def decode_ms(layers, context: int, steps: int, rng: np.random.Generator) -> tup
     slot = layers.pool.acquire()
     t0 = time.perf_counter()
     for a in range(0, context, layers.max_chunk):
-        layers.step(slot, prompt[:, a:a + layers.max_chunk])
+        layers.run(slot, prompt[:, a:a + layers.max_chunk])
     prefill = (time.perf_counter() - t0) * 1e3
-    layers.step(slot, token)
+    layers.run(slot, token)
     t0 = time.perf_counter()
     for _ in range(steps):
-        layers.step(slot, token)
+        layers.run(slot, token)
     ms = (time.perf_counter() - t0) / steps * 1e3
     layers.pool.release(slot)
     return prefill, ms
@@ -294,7 +294,7 @@ async def node_memory(model: Path, dtype: str) -> dict:
         pid = node.proc.pid
         loaded = node_rss(pid)
         ids = np.random.default_rng(0).integers(0, 1000, (1, 2000))
-        await be.step("s", ids)
+        await be.forward("s", ids)
         after = node_rss(pid)
         await be.end("s")
         await asyncio.sleep(0.5)

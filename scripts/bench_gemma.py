@@ -61,7 +61,7 @@ def kv_by_layer_type(model: Path, tokens: int = 2000) -> dict:
     slot = layers.pool.acquire()
     h = np.random.default_rng(0).standard_normal((1, tokens, m.hidden_size)).astype(np.float32)
     for a, b in chunks_of(tokens, layers.chunks):
-        layers.step(slot, h[:, a:b])
+        layers.run(slot, h[:, a:b])
     kv = layers.pool.view(slot)  # (layers, 2, kv_heads, positions, head_dim)
     per_page = PAGE // (m.head_dim * 4)
     out: dict[str, list[float]] = {"local": [], "global": []}

@@ -115,7 +115,7 @@ def time_layers(local: LocalBackend) -> list[float]:
             seconds.append((time.perf_counter() - t0) * 1e3)
         return out
 
-    local.chain.layers.step = timed  # type: ignore[method-assign]
+    local.chain.layers.run = timed  # type: ignore[method-assign]
     return seconds
 
 
@@ -137,7 +137,7 @@ async def prefill_ms(backends: dict[str, ClusterBackend], prompt: list[int], len
             ids = np.array([(prompt * (n // len(prompt) + 1))[:n]], np.int64)
             for name in (list(backends) if r % 2 == 0 else list(backends)[::-1]):
                 t0 = time.perf_counter()
-                await backends[name].step(f"prefill-{r}-{n}", ids)
+                await backends[name].forward(f"prefill-{r}-{n}", ids)
                 out[name][n].append((time.perf_counter() - t0) * 1e3)
                 await backends[name].end(f"prefill-{r}-{n}")
     return out

@@ -60,7 +60,7 @@ def simulate(cfg: SchedulerConfig, arrivals: list[tuple[float, int, int, int]]) 
         for w in s.waiting(now):  # promotes requests past their deadline, as step() would
             if w.overdue and w.rid not in late:
                 late[w.rid] = ahead + sum(1 for x in s.waiting() if x.overdue and x is not w)
-        d = s.step(now)
+        d = s.decide(now)
         if d.idle:
             now = reqs[i].arrival if i < len(reqs) else now + 0.01
             continue

@@ -61,8 +61,8 @@ def _llama_on_a_node(exported, node_factory, seed: int) -> tuple[
 def _solo(layers: LayerRange, prompt: np.ndarray, step: np.ndarray) -> np.ndarray:
     """Prefill then one decode step on its own: the decode step's output."""
     slot = layers.pool.acquire()
-    layers.step(slot, prompt)
-    out = layers.step(slot, step)
+    layers.run(slot, prompt)
+    out = layers.run(slot, step)
     layers.pool.release(slot)
     return out
 
@@ -147,8 +147,8 @@ def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, n
     prompt = rng.standard_normal((1, 5, m.hidden_size)).astype(np.float32)
     steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in range(4)]
     slot = layers.pool.acquire()
-    layers.step(slot, prompt)
-    want = [layers.step(slot, s) for s in steps]
+    layers.run(slot, prompt)
+    want = [layers.run(slot, s) for s in steps]
 
     async def main() -> None:
         async with _one_node(model, node) as (be, sink, steps_in):
@@ -196,7 +196,7 @@ def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, 
     prompts = [rng.standard_normal((1, n, m.hidden_size)).astype(np.float32) for n in lengths]
     mine = [layers.pool.acquire() for _ in lengths]  # the same steps run alone, here
     for slot, p in zip(mine, prompts, strict=True):
-        layers.step(slot, p)
+        layers.run(slot, p)
 
     async def main() -> None:
         async with _one_node(model, node) as (be, sink, steps_in):
@@ -217,7 +217,7 @@ def test_a_batchs_sessions_are_moved_next_to_each_other_with_their_kv(exported, 
                     got = await asyncio.wait_for(sink.recv(), 10)
                     i = int(got.session[1:])
                     assert got.error is None and got.start == position[i], got.error
-                    np.testing.assert_allclose(got.hidden, layers.step(mine[i], steps[i]),
+                    np.testing.assert_allclose(got.hidden, layers.run(mine[i], steps[i]),
                                                atol=1e-5, rtol=0)
                 for i in sessions:
                     position[i] += 1

@@ -26,7 +26,7 @@ def _outputs(layers: LayerRange, hidden: np.ndarray, cuts: list[int]) -> np.ndar
     slot = layers.pool.acquire()
     out, pos = [], 0
     for n in cuts:
-        out.append(layers.step(slot, hidden[:, pos:pos + n]))
+        out.append(layers.run(slot, hidden[:, pos:pos + n]))
         pos += n
     layers.pool.release(slot)
     return np.concatenate(out, axis=1)

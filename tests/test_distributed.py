@@ -224,7 +224,7 @@ def test_a_plan_of_small_chunks_is_kept_to_them(exported, node_factory) -> None:
             assert isinstance(backend, ClusterBackend)
             backend.plane.part.cfg = dataclasses.replace(backend.plane.part.cfg, prefill_chunks=(64,))
             try:  # (a client that ignores the plan's limit)
-                await backend.step("s2", np.array([prompt[:17]], np.int64))
+                await backend.forward("s2", np.array([prompt[:17]], np.int64))
             except EdgeliteError as exc:
                 return got, str(exc)
             return got, ""

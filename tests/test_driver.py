@@ -38,10 +38,10 @@ def test_a_prompt_goes_in_chunks_and_only_the_last_gives_a_token() -> None:
         calls.append((call.kind, call.ids, call.gives))
         out = d.took(call, onehot(9))
         assert (out.pieces != []) == call.gives
-    assert calls == [("step", [1, 2, 3], False), ("step", [4, 5, 6], False), ("step", [7], True)]
+    assert calls == [("forward", [1, 2, 3], False), ("forward", [4, 5, 6], False), ("forward", [7], True)]
     assert d.fed == [1, 2, 3, 4, 5, 6, 7] and d.tokens == [9]
     call = d.next_call(chunk=3)  # then one token a step
-    assert (call.kind, call.ids, call.gives) == ("step", [9], True)
+    assert (call.kind, call.ids, call.gives) == ("forward", [9], True)
 
 
 def test_an_imported_prefix_is_not_computed_again_unless_it_is_unusable() -> None:

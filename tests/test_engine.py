@@ -35,12 +35,12 @@ def test_chunked_prompt_equals_one_pass(exported, arch: str) -> None:
     tok = rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32)
     one = _layers(exported[arch], RuntimeConfig(threads=1, prefill_chunks=(32,)))
     s = one.pool.acquire()
-    whole, after_whole = one.step(s, x), one.step(s, tok)
+    whole, after_whole = one.run(s, x), one.run(s, tok)
     chunked = _layers(exported[arch])
     s = chunked.pool.acquire()
-    parts = [chunked.step(s, x[:, a:b]) for a, b in ((0, 16), (16, 20), (20, 23))]
+    parts = [chunked.run(s, x[:, a:b]) for a, b in ((0, 16), (16, 20), (20, 23))]
     np.testing.assert_allclose(np.concatenate(parts, 1), whole, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(chunked.step(s, tok), after_whole, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(chunked.run(s, tok), after_whole, atol=2e-5, rtol=0)
     assert s.length == 24 and np.isfinite(whole).all()
 
 
@@ -58,9 +58,9 @@ def test_a_range_in_several_sessions_equals_one(exported) -> None:
         lr = _layers(exported["llama"], replace(BATCHING, session_weights_mb=weights_mb))
         assert len(lr.sessions) == (1 if weights_mb else m.num_layers)
         s = lr.pool.acquire()
-        prompt, step = lr.step(s, x), lr.step(s, tok)
+        prompt, step = lr.run(s, x), lr.run(s, tok)
         raw = np.frombuffer(lr.decode_bytes(s, memoryview(tok.tobytes())), np.float32).copy()
-        outs.append((prompt, step, raw, lr.step_batch([s], tok)))
+        outs.append((prompt, step, raw, lr.run_batch([s], tok)))
     for a, b in zip(*outs, strict=True):
         np.testing.assert_allclose(a.reshape(-1), b.reshape(-1), atol=2e-5, rtol=0)
 
@@ -79,22 +79,22 @@ def test_batched_decode_equals_each_session_alone(exported, arch: str) -> None:
     want = []
     for p, t in zip(prompts, steps, strict=True):
         s = solo.pool.acquire()
-        solo.step(s, p)
-        want.append((solo.step(s, t[None]), solo.step(s, t[None])))
+        solo.run(s, p)
+        want.append((solo.run(s, t[None]), solo.run(s, t[None])))
         solo.pool.release(s)
     batch = _layers(exported[arch], BATCHING)
     slots = [batch.pool.acquire() for _ in lengths]
     for s, p in zip(slots, prompts, strict=True):
-        batch.step(s, p)
+        batch.run(s, p)
     stepping = [slots[0], slots[1], slots[3]]
     rows = steps[[0, 1, 3]]
-    first, second = batch.step_batch(stepping, rows), batch.step_batch(stepping, rows)
+    first, second = batch.run_batch(stepping, rows), batch.run_batch(stepping, rows)
     for i, k in enumerate((0, 1, 3)):
         np.testing.assert_allclose(first[i], want[k][0][0], atol=2e-5, rtol=0)
         np.testing.assert_allclose(second[i], want[k][1][0], atol=2e-5, rtol=0)
     assert [s.length for s in slots] == [7, 3, 9, 5]  # the idle session did not move
     # and the idle one still continues exactly as alone
-    np.testing.assert_allclose(batch.step(slots[2], steps[2:3]), want[2][0], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(batch.run(slots[2], steps[2:3]), want[2][0], atol=2e-5, rtol=0)
 
 
 @pytest.mark.engine

@@ -109,7 +109,7 @@ def test_windowed_layers_hold_at_most_their_window(family_exports: dict[tuple[st
     slot = layers.pool.acquire()
     h = np.random.default_rng(0).standard_normal((1, 200, m.hidden_size)).astype(np.float32)
     for a in range(0, 200, 50):
-        layers.step(slot, h[:, a:a + 50])
+        layers.run(slot, h[:, a:a + 50])
     kv = layers.pool.view(slot)  # (layers, 2, kv_heads, max_length, head_dim)
     assert slot.length == 200 and slot.released >= 100
     assert not kv[0, :, :, :100].any() and not kv[2, :, :, :100].any()  # given back: zeros

@@ -51,8 +51,8 @@ def _outputs(model: Path, fold: bool) -> list[np.ndarray]:
     slot = lr.pool.acquire()
     ids = np.array([[1, 7, 3, 12, 5]])
     x = Embedding(m, cfg, files).run(ids)
-    y = np.array(lr.step(slot, x))
-    y1 = np.array(lr.step(slot, x[:, -1:]))
+    y = np.array(lr.run(slot, x))
+    y1 = np.array(lr.run(slot, x[:, -1:]))
     return [x, y, y1, Head(m, cfg, files).run(y1)]
 
 

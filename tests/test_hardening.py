@@ -296,7 +296,7 @@ def test_a_client_touches_only_its_own_plans_and_sessions(exported, node_factory
         pa, pb = a.cluster.plan_id, b.cluster.plan_id
         try:
             session = new_session_id()
-            await a.step(session, np.array([[5, 6, 7]], np.int64))  # A's session, left open
+            await a.forward(session, np.array([[5, 6, 7]], np.int64))  # A's session, left open
             st = await _stats(b)  # B sees A's work only as counts
             assert pa not in json.dumps(st) and st["other_plans"] == 1
             assert [s["plan_id"] for s in st["stages"]] == [pb]
@@ -332,7 +332,7 @@ def test_a_client_touches_only_its_own_plans_and_sessions(exported, node_factory
             assert "this connection carries plan" in _text(await _reply(conn))
             await conn.close()
             # A's session goes on where it was (its KV untouched), and A's output is right
-            await a.step(session, np.array([[8]], np.int64))
+            await a.forward(session, np.array([[8]], np.int64))
             assert (await _stats(a))["own_sessions"] == 1
             assert await _tokens(a, [5, 6, 7], 10) == want
             ids = {new_session_id() for _ in range(100)}
@@ -490,9 +490,9 @@ def test_a_clients_plans_and_sessions_go_with_it(exported, node_factory) -> None
             for _ in range(8):  # deploy, open sessions, vanish without ending anything
                 be = await _cluster(model, [node.addr], [(0, 2)])
                 for s in range(3):
-                    await be.step(f"s{s}", np.array([[5, 6, 7]], np.int64))
+                    await be.forward(f"s{s}", np.array([[5, 6, 7]], np.int64))
                 with pytest.raises(NodeError, match="the limit is 3"):
-                    await be.step("fourth", np.array([[5, 6, 7]], np.int64))
+                    await be.forward("fourth", np.array([[5, 6, 7]], np.int64))
                 await be.plane.stop()  # no EndSession: the client is just gone
                 for link in be.cluster.links.values():
                     link.conn.writer.transport.abort()
@@ -804,7 +804,7 @@ def test_one_address_with_many_keys_leaves_kv_for_others(exported, node_factory)
         n = 0
         for i in range(8):
             try:
-                await be.step(f"{tag}{i}" + "0" * 28, ids)
+                await be.forward(f"{tag}{i}" + "0" * 28, ids)
             except NodeError as exc:
                 assert "max_address_kv_share" in str(exc) or "left" in str(exc), exc
                 break

@@ -107,10 +107,10 @@ def test_layer_flops_predict_decode_time(smollm2, node_factory) -> None:
             predicted_ms = layer.flops_per_token / prof["flops"] * 1e3
             import numpy as np
 
-            await be.step("p", np.full((1, 64), 5, np.int64))
+            await be.forward("p", np.full((1, 64), 5, np.int64))
             stats0 = (await link.request(m.StatsRequest(id=0), m.StatsReply, 5)).stats  # decode only
             for _ in range(40):
-                await be.step("p", np.full((1, 1), 5, np.int64))
+                await be.forward("p", np.full((1, 1), 5, np.int64))
             stats1 = (await link.request(m.StatsRequest(id=0), m.StatsReply, 5)).stats
             runs = stats1["runs"] - stats0["runs"]
             total = stats1["ms_per_run"] * stats1["runs"] - stats0["ms_per_run"] * stats0["runs"]

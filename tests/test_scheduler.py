@@ -41,7 +41,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now += dt
         self.steps += 1
         order = self.s.waiting(self.now)
-        d = self.s.step(self.now)
+        d = self.s.decide(self.now)
         # admission is in priority order, a prefix of the waiting order: nothing skips the head
         assert order[:len(d.admit)] == d.admit
         assert sum(r.prompt_len for r in d.admit) <= self.cfg.max_step_tokens
@@ -102,7 +102,7 @@ def test_equal_waits_higher_tier_first() -> None:
     s.submit(low)
     s.submit(high)
     assert s.waiting() == [high, low]
-    assert s.step(0.1).admit[0] is high
+    assert s.decide(0.1).admit[0] is high
 
 
 def test_overdue_request_outranks_any_new_arrival() -> None:
@@ -110,14 +110,14 @@ def test_overdue_request_outranks_any_new_arrival() -> None:
     old = Request("old", 0, 250, 100, 0.0)  # low tier, long: the lowest static priority
     s.submit(old)
     s.submit(Request("fill", 2, 250, 100, 0.0))
-    s.step(0.0)  # admits fill, then old does not fit the step's token budget
+    s.decide(0.0)  # admits fill, then old does not fit the step's token budget
     new = Request("new", 2, 10, 10, 1.5)  # high tier, short: the highest static priority
     s.submit(new)
     assert s.priority(new, 1.5) > s.priority(old, 0.5)  # before old is overdue
     assert s.priority(old, 1.5) > s.priority(new, 1.5)  # after: the wait term dominates
     assert s.waiting() == [new, old]
     assert s.waiting(1.5) == [old, new]  # promoted at its deadline
-    assert s.step(1.5).admit[0] is old
+    assert s.decide(1.5).admit[0] is old
 
 
 def test_decode_preempts_lowest_priority_and_resume_recomputes() -> None:
@@ -126,13 +126,13 @@ def test_decode_preempts_lowest_priority_and_resume_recomputes() -> None:
     a, b = Request("a", 2, 50, 60, 0.0), Request("b", 0, 50, 60, 0.0)
     s.submit(a)
     s.submit(b)
-    d = s.step(0.0)
+    d = s.decide(0.0)
     assert d.admit == [a, b]
     for r in d.admit:
         s.advance(r)
     preempted = []
     for t in range(1, 40):
-        d = s.step(t * 0.1)
+        d = s.decide(t * 0.1)
         preempted += d.preempt
         for r in d.resume + d.decode:
             s.advance(r)
@@ -148,17 +148,17 @@ def test_one_user_cannot_hold_every_slot_while_others_wait() -> None:
     hog = [Request(f"h{i}", 0, 10, 100, 0.0, user="hog") for i in range(6)]
     for r in hog:
         s.submit(r)
-    d = s.step(0.1)
+    d = s.decide(0.1)
     assert len(d.admit) == 4  # alone: all four slots
     for r in d.admit:
         s.advance(r)
     s.submit(Request("n", 0, 10, 10, 0.2, user="new"))
-    d = s.step(0.3)
+    d = s.decide(0.3)
     assert [r.rid for r in d.admit] == ["n"] and len(d.preempt) == 1
     victim = d.preempt[0]
     s.advance(d.admit[0])
     held = {r.rid: r.held for r in s.running}
-    d2 = s.step(0.35)  # 3 hog requests and 1 new one decode: hog decodes its share (2) only
+    d2 = s.decide(0.35)  # 3 hog requests and 1 new one decode: hog decodes its share (2) only
     assert sorted(r.user for r in d2.decode) == ["hog", "hog", "new"]
     assert [r.user for r in d2.paused] == ["hog"] and d2.paused[0].queue == "running"
     assert d2.paused[0].held == held[d2.paused[0].rid]  # paused: its KV is kept
@@ -168,7 +168,7 @@ def test_one_user_cannot_hold_every_slot_while_others_wait() -> None:
     assert victim.requeued == 1 and victim.preemptions == 0
     assert sum(r.user == "hog" for r in s.running) == 3
     s.submit(Request("n2", 0, 10, 10, 0.4, user="new"))
-    d = s.step(0.5)  # hog is above its share (2): n2 takes one of its slots, not a hog request
+    d = s.decide(0.5)  # hog is above its share (2): n2 takes one of its slots, not a hog request
     assert [r.rid for r in d.admit] == ["n2"]
     assert sum(r.user == "hog" for r in s.running) == 2
     assert all(r.user == "hog" for r in s.waiting())
@@ -181,13 +181,13 @@ def test_a_finished_requests_kv_stays_counted_until_it_is_released() -> None:
                                   max_step_tokens=600, kv_tokens=300, max_preemptions=2))
     a = Request("a", 0, 200, 1, 0.0)
     s.submit(a)
-    assert s.step(0.0).admit == [a]
+    assert s.decide(0.0).admit == [a]
     s.advance(a, done=True, keep_kv=True)
     assert a.queue == "finished" and s.kv_used == a.held > 0
     b = Request("b", 0, 200, 1, 0.1)
     s.submit(b)
-    assert s.step(0.1).admit == []  # b's 200 tokens do not fit beside a's
+    assert s.decide(0.1).admit == []  # b's 200 tokens do not fit beside a's
     s.release(a)
-    assert s.kv_used == 0 and s.step(0.2).admit == [b]
+    assert s.kv_used == 0 and s.decide(0.2).admit == [b]
     s.release(b)  # (not finished: nothing to release)
     assert s.kv_used == b.held > 0

@@ -121,10 +121,10 @@ class ClusterBackend:
         """Recent steps' timings (per stage, and the round trip)."""
         return self.plane.traces
 
-    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+    async def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
         self._check_lost()
         try:
-            return await self.plane.step(SessionId(session), ids)
+            return await self.plane.forward(SessionId(session), ids)
         except StepTimeout as exc:
             raise await self._diagnose(exc) from None
 
@@ -145,14 +145,14 @@ class ClusterBackend:
     async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
         self._check_lost()
         try:
-            return await self.plane.step(SessionId(session), ids, every=True)
+            return await self.plane.forward(SessionId(session), ids, every=True)
         except StepTimeout as exc:
             raise await self._diagnose(exc) from None
 
     async def hidden(self, session: str, ids: np.ndarray) -> np.ndarray:
         self._check_lost()
         try:
-            return await self.plane.step(SessionId(session), ids, every=True, normed=True)
+            return await self.plane.forward(SessionId(session), ids, every=True, normed=True)
         except StepTimeout as exc:
             raise await self._diagnose(exc) from None
 

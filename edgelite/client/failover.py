@@ -116,7 +116,7 @@ class FailoverBackend:
         is rebuilt from its history at its next step."""
         await self._recover(self.generation, "the gateway found the backend unhealthy")
 
-    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+    async def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
         return await self._run(session, Past(ids))
 
     async def verify(self, session: str, ids: np.ndarray) -> np.ndarray:
@@ -138,7 +138,7 @@ class FailoverBackend:
             return await self.inner.hidden(session, past.ids)
         if past.every:
             return await self.inner.verify(session, past.ids)
-        return await self.inner.step(session, past.ids)
+        return await self.inner.forward(session, past.ids)
 
     async def _run(self, session: str, now: Past) -> np.ndarray:
         failovers = 0

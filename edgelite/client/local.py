@@ -32,7 +32,7 @@ class LocalBackend:
         self.chain = LocalChain(manifest, cfg)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="local-onnx")
 
-    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+    async def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, self.chain.forward, session, ids)
 

@@ -111,7 +111,7 @@ class StepPlane(FrameThread):
     def attach(self, data_in: socket.socket, sink: socket.socket) -> None:
         self.call(lambda: self._attach(data_in, sink))
 
-    async def step(self, session: SessionId, ids: np.ndarray, every: bool = False,
+    async def forward(self, session: SessionId, ids: np.ndarray, every: bool = False,
                    normed: bool = False) -> np.ndarray:
         """Append ids (1, seq) to the session; the logits (vocab,) of its last position, or
         (`every`: seq within one chunk, sent as one step) (seq, vocab) of every position, or

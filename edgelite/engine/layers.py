@@ -219,7 +219,7 @@ class LayerRange:
         for session, io in zip(self.sessions, b.io, strict=True):
             session.run_with_iobinding(io)
 
-    def step(self, slot: Slot, hidden: np.ndarray) -> np.ndarray:
+    def run(self, slot: Slot, hidden: np.ndarray) -> np.ndarray:
         """Append hidden (1, n, hidden_size) to the session in `slot`; the range's output for
         those n positions."""
         n = hidden.shape[1]
@@ -262,7 +262,7 @@ class LayerRange:
             self.pool.expire(slot)
         return b.out_bytes
 
-    def step_batch(self, slots: list[Slot], hidden: np.ndarray) -> np.ndarray:
+    def run_batch(self, slots: list[Slot], hidden: np.ndarray) -> np.ndarray:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
         -> the same. Slots between them that are not stepping get a dummy token written past
         their real length (it is overwritten by their next step)."""

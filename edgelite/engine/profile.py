@@ -101,14 +101,14 @@ def range_decode_seconds(layers: LayerRange, past: int = 64, repeats: int = 20) 
     slot = layers.pool.acquire()
     try:
         prompt = rng.standard_normal((1, min(past, layers.max_chunk), h)).astype(np.float32)
-        layers.step(slot, prompt)
+        layers.run(slot, prompt)
         token = rng.standard_normal((1, 1, h)).astype(np.float32)
         start = slot.length
         evict = np.zeros(EVICT_BYTES // 4, np.float32)
 
         def step() -> None:
             slot.length = start  # every timed step writes the same position
-            layers.step(slot, token)
+            layers.run(slot, token)
 
         return median_seconds(step, repeats, before=lambda: np.add(evict, 1.0, out=evict))
     finally:

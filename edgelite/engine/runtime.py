@@ -227,7 +227,7 @@ class ClientPart:
         slot = self.slots.get(session)
         if slot is None:
             slot = self.slots[session] = self.prefix.pool.acquire()
-        return self.prefix.step(slot, hidden)
+        return self.prefix.run(slot, hidden)
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """The last stage's output (1, seq, hidden) -> logits (vocab,) of the last position."""

@@ -327,13 +327,13 @@ class StageStore:
     def compute(self, sess: Session, hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """hidden (1, n, hidden) through the stage's layers: (its output, ms)."""
         t0 = time.perf_counter()
-        out = sess.stage.layers.step(sess.slot, hidden)
+        out = sess.stage.layers.run(sess.slot, hidden)
         return out, self._ran(t0, sess)
 
     def compute_batch(self, sessions: list[Session], hidden: np.ndarray) -> tuple[np.ndarray, float]:
         """One decode token for each of several sessions of one stage, as one run."""
         t0 = time.perf_counter()
-        out = sessions[0].stage.layers.step_batch([s.slot for s in sessions], hidden)
+        out = sessions[0].stage.layers.run_batch([s.slot for s in sessions], hidden)
         return out, self._ran(t0, *sessions)
 
     def _ran(self, t0: float, *sessions: Session) -> float:

@@ -18,7 +18,7 @@ from edgelite.reply.driver import Call
 class Backend(Protocol):
     manifest: Manifest
 
-    async def step(self, session: str, ids: np.ndarray) -> np.ndarray:
+    async def forward(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, seq) appended to the session -> logits (vocab,) of the last position."""
         ...
 
@@ -93,4 +93,4 @@ def run(backend: Backend, session: str, call: Call) -> Awaitable[np.ndarray]:
         return backend.verify(session, batch)
     if call.kind == "hidden":
         return backend.hidden(session, batch)
-    return backend.step(session, batch)
+    return backend.forward(session, batch)

@@ -29,7 +29,7 @@ import numpy as np
 from edgelite.reply.loop import Piece, ReplyLoop
 from edgelite.reply.speculate import WIDTHS, Draft, Lookup, Pacer
 
-CallKind = Literal["step", "verify", "hidden"]
+CallKind = Literal["forward", "verify", "hidden"]
 
 
 class Pooling(Protocol):
@@ -131,13 +131,13 @@ class ReplyDriver:
         if self.pending:
             ids = self.pending[:chunk] if chunk else list(self.pending)
             del self.pending[:len(ids)]
-            kind: CallKind = "hidden" if self.pool is not None else "step"
+            kind: CallKind = "hidden" if self.pool is not None else "forward"
             return Call(kind, ids, gives=not self.pending and self.pool is None)
         assert self.reply is not None, "an embedding has nothing to decode"
         offered = draft if draft is not None else self._looked_up()
         if offered.tokens:
             return Call("verify", [self.tokens[-1], *offered.tokens], True, offered)
-        return Call("step", self.tokens[-1:], True)
+        return Call("forward", self.tokens[-1:], True)
 
     def _looked_up(self) -> Draft:
         """The lookup's drafts for this step, as many as the pacer says pay."""

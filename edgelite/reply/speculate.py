@@ -40,7 +40,7 @@ Draw = Callable[[np.ndarray], tuple[int, "np.ndarray | None"]]
 class DraftBackend(Protocol):
     """What a draft model runs on (client/local.py's LocalBackend)."""
 
-    async def step(self, session: str, ids: np.ndarray) -> np.ndarray: ...
+    async def forward(self, session: str, ids: np.ndarray) -> np.ndarray: ...
     async def rollback(self, session: str, n: int) -> None: ...
     async def end(self, session: str) -> None: ...
     async def close(self) -> None: ...
@@ -130,7 +130,7 @@ class DraftModel:
     async def _step(self, session: str, ids: list[int]) -> np.ndarray:
         """A step of the draft; one of a token or two is timed (the pacer's draft cost)."""
         t0 = asyncio.get_running_loop().time()
-        logits = await self.backend.step(session, np.array([ids], np.int64))
+        logits = await self.backend.forward(session, np.array([ids], np.int64))
         if len(ids) <= 2:
             ms = (asyncio.get_running_loop().time() - t0) * 1e3
             self.step_ms = ms if not self.step_ms else DECAY * self.step_ms + (1 - DECAY) * ms

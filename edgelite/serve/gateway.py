@@ -146,7 +146,7 @@ class Gateway:
             rejoin = getattr(self.backend, "rejoin", None)  # (a failover backend's)
             if rejoin is not None and await rejoin() is not None:  # nodes left out are back
                 self.figures.rejoins += 1
-            d = self.sched.step(time.monotonic())
+            d = self.sched.decide(time.monotonic())
             for r in d.preempt:
                 if r.queue == "waiting":  # put back for fair shares (not a preemption)
                     log.info("%s (user %s) gives its slot back to another user after %d tokens",

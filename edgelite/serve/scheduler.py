@@ -172,7 +172,7 @@ class Scheduler:
         return [e[2] for e in sorted(self.preempted)]
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self, now: float) -> Decision:
+    def decide(self, now: float) -> Decision:
         self._promote(now)
         d = Decision()
         if not self.preempted:
