@@ -232,3 +232,13 @@ def test_no_module_is_over_600_lines() -> None:
     for path in [*PKG.rglob("*.py"), *PKG.rglob("*.c"), *PKG.rglob("*.h")]:
         lines = len(path.read_text().splitlines())
         assert lines <= 600, f"{path.relative_to(PKG.parent)} has {lines} lines"
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """Each folder of edgelite/ with an __init__.py is listed in pyproject's packages (a package
+    left out installs without it: tests/test_core_install.py found engine/passes so)."""
+    import tomllib
+
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PKG.parent).parts) for p in PKG.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
