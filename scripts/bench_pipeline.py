@@ -106,7 +106,7 @@ def time_layers(local: LocalBackend) -> list[float]:
     """Record the single process's decoder-layer time per decode step (ms), to set beside the
     stages' own compute times: the rest of each backend's time is overhead."""
     seconds: list[float] = []
-    step = local.chain.layers.step
+    step = local.chain.layers.run
 
     def timed(slot, hidden):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()

@@ -110,3 +110,37 @@ def test_manifest_validation_errors(model_copy: Path) -> None:
     (model_copy / "manifest.json").write_text("{not json")
     with pytest.raises(ManifestError, match="not readable JSON"):
         mf.load(model_copy)
+
+
+@pytest.mark.parametrize("where", ["../canary.bin", "ABSOLUTE"])
+def test_weights_named_outside_the_folder_are_refused_unread(model_copy: Path, where: str) -> None:
+    """A graph whose initializer's external data names a file outside its folder (a relative
+    path up, or an absolute one), with the manifest's hashes made to match: refused with one
+    line naming it, and the outside file is never read (its access time, set in the past, stays)."""
+    import os
+
+    import onnx
+
+    canary = model_copy.parent / "canary.bin"
+    canary.write_bytes(b"\x01" * (1 << 20))
+    os.utime(canary, (946684800, canary.stat().st_mtime))  # (2000-01-01: relatime updates it on a read)
+    location = str(canary) if where == "ABSOLUTE" else where
+    path = model_copy / "layer_001.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    victim = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for entry in victim.external_data:
+        if entry.key == "location":
+            entry.value = location
+        elif entry.key == "offset":
+            entry.value = "0"
+    path.write_bytes(model.SerializeToString())
+    data = json.loads((model_copy / mf.MANIFEST_NAME).read_text())
+    layer = data["layers"][1]
+    layer["sha256"], layer["bytes"] = mf.sha256_file(path), path.stat().st_size
+    entries = [data["embed"], *data["layers"], data["head"]]
+    data["fingerprint"] = mf.fingerprint_of([s for e in entries
+                                             for s in (e["sha256"], *(d["sha256"] for d in e["data"]))])
+    (model_copy / mf.MANIFEST_NAME).write_text(json.dumps(data))
+    res = _generate(model_copy)
+    _assert_clean_error(res, "which its manifest does not list")
+    assert canary.stat().st_atime == 946684800, "the outside file was read"

@@ -58,7 +58,16 @@ def export_files(manifest: Manifest, verify: bool = True) -> ModelFiles:
                 checked.add(d.file)
         return check_file(manifest.path(e), e.sha256, e.bytes, verify).read_bytes()
 
-    return ModelFiles(manifest.root, graph, lambda name: name)
+    listed = {d.file for e in manifest.files for d in e.data}  # (plain names: manifest.py checks)
+
+    def locate(name: str) -> str:
+        """A graph's data file, only if the manifest lists it: never a path out of the folder."""
+        if name not in listed:
+            raise ModelFileError(f"a graph names data file {name[:200]!r}, which its manifest does "
+                                 f"not list (a model's weights are read from its own folder only)")
+        return name
+
+    return ModelFiles(manifest.root, graph, locate)
 
 
 @dataclass
