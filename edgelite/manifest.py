@@ -260,7 +260,7 @@ def _file_name(v: Any, where: str) -> str:
 
 
 def _sha(v: Any, where: str) -> str:
-    if type(v) is not str or not _SHA.match(v):
+    if type(v) is not str or not _SHA.fullmatch(v):
         raise ManifestError(f"{where} is not a sha256 hex digest")
     return v
 

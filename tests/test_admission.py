@@ -41,3 +41,4 @@ def test_leaving_gives_the_room_back_to_the_right_budget() -> None:
     assert a.connections == 1 and a.strangers == 1
     a.leave("y", authenticated=False)
     assert a.connections == 0 and a.strangers == 0
+

@@ -73,3 +73,21 @@ def test_tool_calls_in_the_history_are_checked() -> None:
     with pytest.raises(AskError) as caught:
         check(Ask(messages=bad), CFG)
     assert caught.value.param == "messages" and "messages[1]" in str(caught.value)
+
+
+def test_every_text_a_request_carries_counts_and_malformed_unicode_is_refused() -> None:
+    small = GatewayConfig(max_prompt_chars=100)
+    tools = json.dumps([{"type": "function", "function": {"name": "w", "description": "x" * 200,
+                                                          "parameters": {"type": "object"}}}])
+    with pytest.raises(AskError, match="max_prompt_chars"):
+        check(chat("hi", tools=tools), small)  # (the tools' text counts)
+    calls = json.dumps([{"name": "w", "arguments": {"a": "y" * 200}}])
+    with pytest.raises(AskError, match="max_prompt_chars"):
+        check(Ask(messages=[{"role": "user", "content": "a"},
+                            {"role": "assistant", "content": "", "tool_calls": calls}]), small)
+    check(chat("\U0001F600" * 25), small)  # 25 characters beyond the BMP count as 100
+    with pytest.raises(AskError, match="max_prompt_chars"):
+        check(chat("\U0001F600" * 26), small)
+    with pytest.raises(AskError, match="malformed Unicode") as caught:
+        check(chat("a\ud800b"), CFG)
+    assert caught.value.param == "messages"

@@ -211,8 +211,12 @@ def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(serve
         assert time.monotonic() - t0 < 2
     assert _metrics(base)["edgelite_up"] == 1
     with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
+        assert json.loads(r.read()) == {"status": "ok"}  # (a stranger learns nothing of the nodes)
+    req = urllib.request.Request(base.removesuffix("/v1") + "/health",
+                                 headers={"Authorization": "Bearer t-free"})
+    with urllib.request.urlopen(req, timeout=5) as r:
         health = json.loads(r.read())
-    # /health says where the layers run (a gateway in the background shows its plan there)
+    # /health says a user where the layers run (a gateway in the background shows its plan there)
     assert [st["layers"] for st in health["plan"]] == [[0, 0], [1, 2]], health
     assert all(st["addr"] for st in health["plan"]), health
     # streams read to [DONE] (one ended by a stop string) are not disconnects

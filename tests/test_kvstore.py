@@ -703,3 +703,38 @@ def test_a_restore_fills_a_reserved_slot_that_is_the_sessions_only_when_it_passe
         part.reserve("d")
     part.abandon("d", slot)
     assert pool.sessions == 2 and not part.restoring
+
+
+@pytest.mark.unit
+def test_crafted_files_in_the_store_are_misses_not_a_start_up_failure(tmp_path: Path) -> None:
+    """Entry files with a valid header checksum but any JSON inside (sections of the wrong
+    shape, a layout of the wrong types) are removed with a log line when the store opens; the
+    store starts and the good entry is still found."""
+    import hashlib
+    import json
+    import struct
+
+    from edgelite.engine import kvfile
+
+    good = KVStore(tmp_path, 1 << 30, BLOCK)
+    a = toks(40, 1)
+    good.put(LAYOUT, a, kv_for(a))
+    good.close()
+
+    def crafted(name: str, meta: object) -> None:
+        body = json.dumps(meta).encode()
+        fixed = kvfile._HEAD.pack(kvfile.MAGIC, kvfile.VERSION, len(body))
+        (tmp_path / (name + kvfile.SUFFIX)).write_bytes(fixed + body + hashlib.sha256(fixed + body).digest())
+
+    layout = LAYOUT.to_json()
+    crafted("a" * 16, {"layout": layout, "tokens": 2, "sections": [1, 2]})
+    crafted("b" * 16, {"layout": {**layout, "first": "zero"}, "tokens": 2, "sections": [[8, "x"], [0, "y"]]})
+    crafted("c" * 16, {"layout": layout, "tokens": 2, "sections": [["8", "x"], [0, "y"]]})
+    crafted("d" * 16, {"layout": [], "tokens": 1, "sections": [[4, "x"], [0, "y"]]})
+    (tmp_path / ("e" * 16 + kvfile.SUFFIX)).write_bytes(struct.pack("<8sII", kvfile.MAGIC, 1, 1 << 30))
+    (tmp_path / "index.sqlite").unlink()  # (indexed again from the files)
+    store = KVStore(tmp_path, 1 << 30, BLOCK)
+    assert store.entries == 1 and store.longest(LAYOUT, a) == len(a)
+    left = [p.name for p in tmp_path.glob("*" + kvfile.SUFFIX)]
+    assert len(left) == 1 and not left[0].startswith(tuple(c * 16 for c in "abcde")), left
+    store.close()

@@ -160,10 +160,15 @@ def read_header(path: Path) -> tuple[Layout, np.ndarray]:
     """An entry's layout and token ids (both checked)."""
     with open(path, "rb") as f:
         meta = _read_meta(f)
-        (tsize, tsha), _ = meta["sections"]
-        if tsize != 4 * meta["tokens"]:
-            raise CorruptEntry("token section size")
-        return Layout(**meta["layout"]), np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
+        try:  # (a crafted header may have any JSON here: every reading of it is a miss)
+            (tsize, tsha), _ = meta["sections"]
+            if type(tsize) is not int or tsize != 4 * meta["tokens"] or type(tsha) is not str:
+                raise CorruptEntry("token section size")
+            layout = layout_from_json(meta["layout"])
+            _ = layout.seed  # (its fields must make a layout's hash)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+            raise CorruptEntry(f"header fields: {exc}") from None
+        return layout, np.frombuffer(_section(f, tsize, tsha, "token ids"), "<i4")
 
 
 def read_entry(path: Path, layout: Layout, tokens: np.ndarray,

@@ -129,8 +129,12 @@ class KVStore:
                 log.warning("KV store: %s is not a valid entry (%s); removed", files[name].name, exc)
                 files[name].unlink(missing_ok=True)
                 continue
-            with self.lock:
-                self._index(name, layout, tokens, files[name].stat().st_size)
+            try:
+                with self.lock:
+                    self._index(name, layout, tokens, files[name].stat().st_size)
+            except (OSError, ValueError, TypeError, OverflowError) as exc:  # (a crafted file: a miss)
+                log.warning("KV store: %s could not be indexed (%s); removed", files[name].name, exc)
+                files[name].unlink(missing_ok=True)
 
     def _index(self, name: str, layout: Layout, tokens: np.ndarray, nbytes: int) -> None:
         hashes = block_hashes(layout, tokens, self.block)

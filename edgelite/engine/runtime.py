@@ -88,7 +88,7 @@ class _Piece:
                  what: str, products: bool = False) -> None:
         """`products`: its MatMulNBits by edgelite's product operators where they can (linear.py)."""
         library = linear.library(cfg) if products else None
-        chosen = pipeline.for_piece(entry, manifest.name, cfg, library)
+        chosen = pipeline.for_piece(manifest, entry, cfg, library)
         self.passes = [p.name for p in chosen]
         model = apply(onnxgraph.relocated(files.graph(entry), files.locate), chosen)
         self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,

@@ -35,7 +35,7 @@ _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_sha(value: object) -> str:
-    if not isinstance(value, str) or not _SHA.match(value):
+    if not isinstance(value, str) or not _SHA.fullmatch(value):
         raise ProtocolError(f"not a sha256 hex digest: {str(value)[:80]!r}")
     return value
 
@@ -179,7 +179,7 @@ class BlobStore:
     def _blobs(self) -> list[tuple[str, os.stat_result]]:
         out = []
         for p in self.dir.iterdir():
-            if _SHA.match(p.name) and (st := self._regular(p)) is not None:
+            if _SHA.fullmatch(p.name) and (st := self._regular(p)) is not None:
                 out.append((p.name, st))
         return out
 

@@ -29,7 +29,7 @@ OWNER_FILE = ".owner"  # in a pushed folder: who pushed it
 
 
 def plain_name(value: str, what: str) -> str:
-    if not _NAME.match(value) or value.endswith((".tmp", ".old")):
+    if not _NAME.fullmatch(value) or value.endswith((".tmp", ".old")):
         raise ProtocolError(f"{what} {value[:80]!r} is not a plain name (letters, digits, . _ -; "
                             f"at most 64)")
     return value
@@ -81,7 +81,7 @@ class Shelf:
         or one that does not read, is left out)."""
         out = []
         for folder in sorted(self.dir.iterdir()) if self.dir.is_dir() else []:
-            if not _NAME.match(folder.name) or folder.is_symlink() or not folder.is_dir():
+            if not _NAME.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
                 continue
             if (found := read_export(folder, self.owner(folder.name) or "")) is not None:
                 out.append(found)

@@ -70,8 +70,16 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
                                f"(got {msg['role'][:32]!r})", "messages")
             if "tool_calls" in msg:
                 _check_calls(msg, i)
-    chars = (sum(len(c["content"]) for c in ask.messages) if ask.messages is not None
-             else len(ask.text or ""))
+    texts = _texts(ask)
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise AskError("the request holds malformed Unicode (a lone surrogate)",
+                           "messages" if ask.messages is not None else "prompt") from None
+    # every text the request carries counts, a character beyond the BMP as the 4 a tokenizer
+    # may make of its bytes
+    chars = sum(len(t) + 3 * sum(ord(c) > 0xFFFF for c in t) for t in texts)
     if chars > cfg.max_prompt_chars:
         raise AskError(f"the prompt has {chars} characters; this server takes at most "
                        f"{cfg.max_prompt_chars} (max_prompt_chars)",
@@ -107,6 +115,13 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             or not all(0 < len(s) <= cfg.max_stop_chars for s in ask.stop)):
         raise AskError(f"stop must be a string or a list of up to {cfg.max_stops} non-empty "
                        f"strings of at most {cfg.max_stop_chars} characters", "stop")
+
+
+def _texts(ask: Ask) -> list[str]:
+    """Every text a request carries: its messages (and their earlier tool calls) or its prompt,
+    its tools, its schema."""
+    texts = [v for msg in ask.messages or () for k, v in msg.items() if k != "role" and isinstance(v, str)]
+    return [*texts, *(t for t in (ask.text, ask.tools, ask.json_schema) if t)]
 
 
 def _check_calls(msg: dict[str, str], i: int) -> None:

@@ -196,7 +196,15 @@ class HttpApi:
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "edgelite"}]})
 
     async def health(self, request: Request) -> Response:
+        """Whether the server can answer; where the layers run only to a user (a stranger learns
+        nothing of the nodes)."""
         gw = self.gateway
+        try:
+            self._user(request)
+        except ApiError:
+            ready = gw is not None and gw.ready
+            return JSONResponse({"status": "ok" if ready else "unavailable"},
+                                status_code=200 if ready else 503)
         if gw is None:
             return JSONResponse({"status": "starting", "detail": "the cluster is being planned "
                                  "and deployed"}, status_code=503)

@@ -1,5 +1,6 @@
 """Which passes a graph goes through as it loads, chosen by the configuration and the kernel
-library's capabilities, in the order they run (passes/base.py `apply` runs them):
+library's capabilities, in the order they run (passes/base.py `apply` runs them), every one
+after `admit` (passes/admit.py: the graph must be one the exporter writes):
 
 - a layer range: its attention (`attend-kernel`: the kernels' operator; `attend-plain`:
   onnxruntime's plain operators over the valid KV, a 16-bit KV without the kernel;
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from edgelite.config import RuntimeConfig
 from edgelite.engine import kernels
-from edgelite.engine.passes import attention, invariant, linear, norms, onerow
+from edgelite.engine.passes import admit, attention, invariant, linear, norms, onerow
 from edgelite.engine.passes.base import Pass
 from edgelite.manifest import FileEntry, Manifest
 
@@ -28,7 +29,7 @@ def for_range(m: Manifest, entries: Sequence[FileEntry], cfg: RuntimeConfig, kv_
               attend: Path | None, matmul: Path | None) -> list[Pass]:
     """A joined range's passes: `attend` the library its attention runs in (None: onnxruntime's
     operators), `matmul` the one its products do (linear.library)."""
-    chosen: list[Pass] = []
+    chosen: list[Pass] = [admit.admit_pass(m)]
     if attend is not None or kv_dtype != "float32":
         chosen.append(attention.attention_pass(m.head_dim, m.rotary_dim, kv_dtype, attend is not None,
                                                cfg.threads))
@@ -37,9 +38,9 @@ def for_range(m: Manifest, entries: Sequence[FileEntry], cfg: RuntimeConfig, kv_
     return chosen + _products(entries, m.name, cfg, matmul, attend is not None or matmul is not None)
 
 
-def for_piece(entry: FileEntry, name: str, cfg: RuntimeConfig, matmul: Path | None) -> list[Pass]:
+def for_piece(m: Manifest, entry: FileEntry, cfg: RuntimeConfig, matmul: Path | None) -> list[Pass]:
     """The head's passes (`matmul` its products' library), or the embedding's (None)."""
-    return _products([entry], name, cfg, matmul, matmul is not None)
+    return [admit.admit_pass(m), *_products([entry], m.name, cfg, matmul, matmul is not None)]
 
 
 def _products(entries: Sequence[FileEntry], name: str, cfg: RuntimeConfig, matmul: Path | None,

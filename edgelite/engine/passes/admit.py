@@ -1,0 +1,85 @@
+"""Graph admission: a graph a node (or the library) loads must be of the shapes edgelite's
+exporter writes, checked before any other pass and before onnxruntime sees it. A pushed model
+is data the node checks, not code it trusts:
+
+- only the operators the exporter emits, in their domains (no `Loop`, `If`, `Scan` or any
+  other control flow, no custom operator but the ones the exporter uses; edgelite's own are
+  added by the later passes, never taken from a file);
+- GroupQueryAttention's heads are the manifest's (`num_heads`, `kv_num_heads`);
+- MatMulNBits' sizes are bounded and agree with its weights: `bits` 2, 4 or 8, `block_size`
+  16 to 256, `K` a multiple of it, `K` and `N` at most MAX_DIM, and codes that are an
+  initializer have exactly (N, K / block_size, block_size x bits / 8) elements, so a product
+  allocates no more than its file holds.
+
+Anything else is refused with one line naming the node and what is wrong.
+"""
+
+from __future__ import annotations
+
+from edgelite.engine.fold import tensor
+from edgelite.engine.onnxgraph import (
+    GRAPH_INIT,
+    GRAPH_NODE,
+    NODE_DOMAIN,
+    NODE_NAME,
+    fields,
+    node_attrs,
+    node_parts,
+)
+from edgelite.engine.passes.base import Graph, Pass
+from edgelite.manifest import MAX_DIM, Manifest
+
+MS = "com.microsoft"
+# (domain, operator) the exporter writes (exporter/graph.py)
+ALLOWED = frozenset({
+    *(("", op) for op in ("Add", "Mul", "Reshape", "Transpose", "MatMul", "Gather", "Cast", "Unsqueeze",
+                          "Split", "Sigmoid", "ReduceSum", "Identity", "Concat", "BitShift",
+                          "SimplifiedLayerNormalization")),
+    *((MS, op) for op in ("MatMulNBits", "GroupQueryAttention", "GatherBlockQuantized", "FastGelu",
+                          "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization")),
+})
+BITS = (2, 4, 8)
+BLOCKS = (16, 32, 64, 128, 256)
+
+
+def admit_pass(m: Manifest) -> Pass:
+    """The pass that refuses a graph edgelite's exporter would not write (changes nothing)."""
+    return Pass("admit", lambda graph: _admit(graph, m), "the graph is not one edgelite's exporter writes")
+
+
+def _admit(graph: Graph, m: Manifest) -> Graph:
+    codes: dict[str, list[int]] = {}
+    for number, _, value in fields(graph):
+        if number == GRAPH_INIT:
+            t = tensor(value)  # type: ignore[arg-type]
+            if t is not None:
+                codes[t.name] = t.dims
+    for number, _, value in fields(graph):
+        if number != GRAPH_NODE:
+            continue
+        op, inputs, _, rest = node_parts(value)  # type: ignore[arg-type]
+        domain = next((bytes(v).decode() for n, _, v in rest if n == NODE_DOMAIN), "")  # type: ignore[arg-type]
+        name = next((bytes(v).decode() for n, _, v in rest if n == NODE_NAME), "?")[:120]  # type: ignore[arg-type]
+        if (domain, op) not in ALLOWED:
+            raise ValueError(f"node {name!r}: operator {domain + ':' if domain else ''}{op[:60]} is not one "
+                             f"the exporter writes (control flow and other custom operators are refused)")
+        attrs = node_attrs(rest)
+        if op == "GroupQueryAttention":
+            for attr, want in (("num_heads", m.num_heads), ("kv_num_heads", m.num_kv_heads)):
+                if attrs.get(attr) != want:
+                    raise ValueError(f"node {name!r}: {attr} is {attrs.get(attr)}, the manifest says {want}")
+        elif op == "MatMulNBits":
+            _product(name, attrs, inputs, codes)
+    return graph
+
+
+def _product(name: str, attrs: dict[str, int | float], inputs: list[str],
+             codes: dict[str, list[int]]) -> None:
+    k, n, bits, block = (int(attrs.get(a, 0)) for a in ("K", "N", "bits", "block_size"))
+    if bits not in BITS or block not in BLOCKS or not 0 < k <= MAX_DIM or not 0 < n <= MAX_DIM or k % block:
+        raise ValueError(f"node {name!r}: MatMulNBits K={k} N={n} bits={bits} block_size={block} is "
+                         f"outside what the exporter writes")
+    dims = codes.get(inputs[1]) if len(inputs) > 1 else None
+    if dims is not None and dims != [n, k // block, block * bits // 8]:
+        raise ValueError(f"node {name!r}: MatMulNBits K={k} N={n} needs codes of shape "
+                         f"{[n, k // block, block * bits // 8]}, its initializer is {dims[:8]}")
