@@ -211,7 +211,11 @@ async def plan(store: KVStore | None, stage: Layout, tokens: np.ndarray, sources
                                first=p.layout.first + p.within,
                                last=p.layout.first + p.within + p.count - 1),
                     m.KvExportReady, cfg.kv_fetch_timeout_s)
-                p.length, p.handle, p.size = min(ready.length, len(tokens)), ready.handle, ready.size
+                if ready.length > len(tokens):  # (a prefix of the tokens asked about, no longer:
+                    # what it claims is what would be allocated)
+                    raise ProtocolError(f"node {p.addr} claims {ready.length} positions of a "
+                                        f"{len(tokens)}-token prefix")
+                p.length, p.handle, p.size = ready.length, ready.handle, ready.size
                 if p.length and p.size != export_bytes(stage, p.count, ready.length):
                     raise ProtocolError(f"node {p.addr} offers {p.size} bytes for {ready.length} "
                                         f"positions of {p.count} layers")
