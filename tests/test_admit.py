@@ -4,6 +4,7 @@ any kernel sees it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -50,11 +51,10 @@ CASES: dict[str, tuple[Callable[[onnx.GraphProto], None], str]] = {
 
 
 @pytest.fixture(scope="module")
-def int4_model(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def int4_model(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     from edgelite_export import build
 
-    return build.run(str(hf_models["llama"]), tmp_path_factory.mktemp("admit") / "m",
-                     build.Options(quantize="int4", steps=4)).out
+    return build.run(str(ggufs["Q4_1"]), tmp_path_factory.mktemp("admit") / "m", build.Options(steps=4)).out
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -66,9 +66,15 @@ def test_a_graph_the_exporter_would_not_write_is_refused_naming_the_node(
     proto = onnx.load(str(path), load_external_data=False)
     change(proto.graph)
     path.write_bytes(proto.SerializeToString())
+    data = json.loads((model / mf.MANIFEST_NAME).read_text())  # (the manifest made to match: only
+    data["layers"][0].update(sha256=mf.sha256_file(path), bytes=path.stat().st_size)  # the graph lies)
+    entries = [data["embed"], *data["layers"], data["head"]]
+    data["fingerprint"] = mf.fingerprint_of([x for e in entries
+                                             for x in (e["sha256"], *(d["sha256"] for d in e["data"]))])
+    (model / mf.MANIFEST_NAME).write_text(json.dumps(data))
     m = mf.load(model)
     with pytest.raises(ModelFileError) as caught:
-        LayerRange(m, 0, 0, RuntimeConfig(threads=1), export_files(m, verify=False)).close()
+        LayerRange(m, 0, 0, RuntimeConfig(threads=1), export_files(m)).close()
     text = str(caught.value)
     assert text.startswith("the graph is not one edgelite's exporter writes: ") and says in text, text
     assert "\n" not in text
