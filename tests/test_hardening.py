@@ -139,15 +139,15 @@ def test_no_step_frame_stops_the_data_plane(exported, node_factory, tmp_path) ->
             await healthy.close()
             await attacker.close()
         # an honest client whose manifest disagrees with its files (num_kv_heads) gets a clear
-        # refusal at load, naming the field; nothing runs
+        # refusal at load (graph admission: the node and the attribute); nothing runs
         wrong = tmp_path / "wrong"
         shutil.copytree(model, wrong)
         j = json.loads((wrong / "manifest.json").read_text())
         j["num_kv_heads"] = 3
         (wrong / "manifest.json").write_text(json.dumps(j))
-        with pytest.raises(NodeError, match=r"num_kv_heads = 3.*has 1"):
+        with pytest.raises(NodeError, match=r"kv_num_heads is 1, the manifest says 3"):
             await _cluster(wrong, [node.addr], [(0, 2)])
-        with pytest.raises(EdgeliteError, match=r"num_kv_heads = 3.*has 1"):
+        with pytest.raises(EdgeliteError, match=r"kv_num_heads is 1, the manifest says 3"):
             LocalBackend(mf.load(wrong))
 
     asyncio.run(main())
