@@ -294,6 +294,9 @@ class GatewayConfig:
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # alternatives a request may ask for per token (OpenAI's bound)
     max_schema_chars: int = 32768  # a response_format json_schema's JSON text
+    # enum values, properties and anyOf branches of a schema or of the tools' (each candidate
+    # token is weighed against them: reply/jsonschema.py schema_size)
+    max_schema_values: int = 512
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
     max_requests_per_user: int = 8  # waiting + running at once; more are refused
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped

@@ -91,3 +91,22 @@ def test_every_text_a_request_carries_counts_and_malformed_unicode_is_refused() 
     with pytest.raises(AskError, match="malformed Unicode") as caught:
         check(chat("a\ud800b"), CFG)
     assert caught.value.param == "messages"
+
+
+def test_a_schema_or_tools_past_the_size_cap_is_refused_up_front() -> None:
+    """Each candidate token of a constrained reply is weighed against every enum value,
+    property and branch: a 3,000-value enum or a wide anyOf is refused before any work."""
+    small = GatewayConfig(max_schema_values=64)
+    wide = {"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(3000)]}}}
+    with pytest.raises(AskError, match="3001 enum values, properties and anyOf branches") as caught:
+        check(chat(response_format="json_schema", json_schema=json.dumps(wide)), CFG)
+    assert caught.value.param == "response_format"
+    branches = {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}] * 70}}}
+    with pytest.raises(AskError, match="max_schema_values"):
+        check(chat(response_format="json_schema", json_schema=json.dumps(branches)), small)
+    tools = json.dumps([{"type": "function", "function": {"name": f"t{i}", "parameters": {
+        "type": "object", "properties": {"x": {"enum": list(range(10))}}}}} for i in range(8)])
+    with pytest.raises(AskError, match="max_schema_values") as caught:
+        check(chat(tools=tools), small)
+    assert caught.value.param == "tools"
+    check(chat(tools=tools), CFG)  # (within the default)

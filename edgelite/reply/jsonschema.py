@@ -84,6 +84,21 @@ def check_schema(schema: Any, where: str = "schema", depth: int = 0) -> None:
             check_schema(sub, f"{where}.anyOf[{i}]", depth + 1)
 
 
+def schema_size(schema: Any) -> int:
+    """The alternatives a schema makes its constraint weigh for each candidate token: its enum
+    values, properties and anyOf branches, counted through its whole nesting (a reply's token
+    choice re-parses the prefix against each: the gateway bounds it, GatewayConfig's
+    max_schema_values)."""
+    if not isinstance(schema, dict):
+        return 0
+    props = schema.get("properties", {})
+    own = (len(schema.get("enum", ())) + (len(props) if isinstance(props, dict) else 0)
+           + len(schema.get("anyOf", ())))
+    subs = [*(props.values() if isinstance(props, dict) else ()), *schema.get("anyOf", ()),
+            *([schema["items"]] if "items" in schema else ())]
+    return own + sum(schema_size(sub) for sub in subs)
+
+
 def _types(schema: dict[str, Any], where: str = "schema") -> tuple[str, ...]:
     t = schema.get("type")
     if t is None:

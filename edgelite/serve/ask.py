@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from edgelite.config import GatewayConfig, GenerationConfig
 from edgelite.errors import EdgeliteError, ProtocolError
+from edgelite.reply.jsonschema import schema_size
 from edgelite.reply.loop import RESPONSE_FORMATS, parse_schema
-from edgelite.reply.tools import check_choice, parse_tools
+from edgelite.reply.tools import call_schema, check_choice, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -102,9 +103,10 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
             raise AskError(f"the JSON schema has more than {cfg.max_schema_chars} characters",
                            "response_format")
         try:
-            parse_schema(ask.json_schema or "")
+            schema = parse_schema(ask.json_schema or "")
         except EdgeliteError as exc:
             raise AskError(f"response_format json_schema: {exc}", "response_format") from None
+        _within_size(schema_size(schema), cfg, "response_format")
     _check_tools(ask, cfg)
     if ask.embedding and ask.text is None:
         raise AskError("an embedding is of a text (input), not of chat messages", "input")
@@ -156,10 +158,17 @@ def _check_tools(ask: Ask, cfg: GatewayConfig) -> None:
         tools = parse_tools(ask.tools)
     except EdgeliteError as exc:
         raise AskError(str(exc), "tools") from None
+    _within_size(schema_size(call_schema(tools, "auto")), cfg, "tools")
     try:
         check_choice(ask.tool_choice or "auto", tools)
     except EdgeliteError as exc:
         raise AskError(str(exc), "tool_choice") from None
+
+
+def _within_size(size: int, cfg: GatewayConfig, param: str) -> None:
+    if size > cfg.max_schema_values:
+        raise AskError(f"the schema has {size} enum values, properties and anyOf branches; this "
+                       f"server takes at most {cfg.max_schema_values} (max_schema_values)", param)
 
 
 def _within(value: float | None, name: str, lo: float, hi: float) -> None:

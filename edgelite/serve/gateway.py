@@ -13,6 +13,9 @@ step's calls go through the pipeline at once. A prompt is prefilled `prefill_chu
 time, one chunk per step, so a long prompt shares the pipeline with everyone else's decode steps
 instead of stalling their streams.
 
+A constrained reply's token choice (JSON, a schema, a tool call: many candidates weighed a
+token) runs off the event loop, and its schema is bounded up front (`max_schema_values`).
+
 A client that disconnects, or cancels one of its requests, has them cancelled (queued ones are
 never prefilled). When a node is lost (e.g. it restarted), every running request keeps its
 tokens and goes back to the queue; the gateway deploys the plan again (every
@@ -226,7 +229,12 @@ class Gateway:
         assert job.call is not None
         before = len(job.tokens)
         try:
-            out = job.driver.took(job.call, result)
+            reply = job.driver.reply
+            if reply is not None and constrained(reply.cfg):  # (a JSON or tool choice weighs many
+                # candidates a token: off the event loop, the doors keep answering meanwhile)
+                out = await asyncio.to_thread(job.driver.took, job.call, result)
+            else:
+                out = job.driver.took(job.call, result)
         except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
             log.warning("request %s failed: %s", r.rid[:12], exc)
             self.sched.advance(r, done=True)
