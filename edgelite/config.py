@@ -231,6 +231,9 @@ class ClientConfig:
     connect_timeout_s: float = 2.0
     local_host: str | None = None  # the address connections to nodes go from (None: any)
     step_timeout_s: float = 2.0  # no reply for a step within this -> the stage is declared dead
+    # ... or within this many times the plan's predicted ms a token, where that is longer (a
+    # large model on slow phones, a node under emulation: client/stepplane.py decode_timeout)
+    step_timeout_factor: float = 20.0
     prefill_timeout_s: float = 60.0  # a long prompt on a slow phone may take this long
     deploy_timeout_s: float = 120.0
     deploy_chunk_bytes: int = 4 * 1024 * 1024  # one upload frame

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 
@@ -237,9 +238,11 @@ async def _deploy(manifest: Manifest, plan: Plan, token: str, cfg: ClientConfig,
         sockets = await cluster.deploy(plan, routes, progress)
         assert sockets is not None
         stages = plan.remote
+        pr = plan.predicted
         plane = StepPlane(asyncio.get_running_loop(), part, cluster.plan_id,
                           stages[0].addr, stages[-1].addr, len(stages), cfg,  # type: ignore[arg-type]
-                          cluster.limits)
+                          cluster.limits, pr.expected if pr is not None and math.isfinite(pr.expected)
+                          else pr.total if pr is not None else 0.0)
         plane.start()
         plane.attach(*sockets)
     except BaseException:

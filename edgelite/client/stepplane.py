@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections import deque
@@ -82,13 +83,22 @@ class Job:
     normed: bool = False  # (with every) the final norm's output instead (Backend.hidden)
 
 
+def decode_timeout(cfg: ClientConfig, predicted_ms: float) -> float:
+    """How long a decode step may go unanswered before its stages are suspected: the configured
+    floor, or `step_timeout_factor` times the plan's predicted ms a token where longer."""
+    if not math.isfinite(predicted_ms) or predicted_ms <= 0:
+        return cfg.step_timeout_s
+    return max(cfg.step_timeout_s, cfg.step_timeout_factor * predicted_ms / 1e3)
+
+
 class StepPlane(FrameThread):
     def __init__(self, loop: asyncio.AbstractEventLoop, part: ClientPart, plan_id: PlanId,
                  first: NodeAddr, last: NodeAddr, nodes: int, cfg: ClientConfig,
-                 limits: WireLimits) -> None:
+                 limits: WireLimits, predicted_ms: float = 0.0) -> None:
         super().__init__("client-steps", limits, cfg.prefill_timeout_s, cfg.request_timeout_s,
                          cfg.shutdown_timeout_s)
         self.loop, self.part, self.plan_id, self.cfg = loop, part, plan_id, cfg
+        self.decode_timeout = decode_timeout(cfg, predicted_ms)
         self.first, self.last = first, last  # the nodes at each end of the data connections
         # the stages a prompt's chunks pass through (the client's layers, if any, and the
         # nodes'): how finely a prompt is cut (chunks_of)
@@ -225,7 +235,7 @@ class StepPlane(FrameThread):
                 self._fail_session(job.session, exc)
                 self._settle(job.fut, exc=exc)
                 return
-            timeout = (self.cfg.step_timeout_s if b - a == 1 else self.cfg.prefill_timeout_s) * (k + 1)
+            timeout = (self.decode_timeout if b - a == 1 else self.cfg.prefill_timeout_s) * (k + 1)
             step = self.steps
             self.steps += 1
             self.in_flight[job.session, step] = InFlight(job.session, step, b - a, job.fut,
