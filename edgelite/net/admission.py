@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,22 @@ class AdmissionLimits:
     strangers_per_address: int  # of those from one address
 
 
+class Bounded(Protocol):
+    """A listener's configuration (NodeConfig, GatewayConfig): its four admission limits."""
+
+    max_connections: int
+    max_connections_per_address: int
+    max_unauthenticated: int
+    max_unauthenticated_per_address: int
+
+
 class Admission:
+    @classmethod
+    def of(cls, cfg: Bounded) -> Admission:
+        """The policy with a listener's configured limits."""
+        return cls(AdmissionLimits(cfg.max_connections, cfg.max_connections_per_address,
+                                   cfg.max_unauthenticated, cfg.max_unauthenticated_per_address))
+
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.open: Counter[str] = Counter()  # address -> its connections
@@ -43,7 +59,7 @@ class Admission:
     def arrive(self, address: str) -> Refusal | None:
         """Count a new connection from `address` (None), or say why it is refused (it is then
         not counted)."""
-        lim, opened, strangers = self.limits, sum(self.open.values()), sum(self.unknown.values())
+        lim, opened, strangers = self.limits, self.connections, self.strangers
         if strangers >= lim.strangers or self.unknown[address] >= lim.strangers_per_address:
             refusal = Refusal("strangers", f"{strangers} connections not yet authenticated, "
                               f"{self.unknown[address]} of them from {address} (the limits: "

@@ -36,7 +36,7 @@ from edgelite.engine import kernels
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
-from edgelite.net.admission import Admission, AdmissionLimits
+from edgelite.net.admission import Admission
 from edgelite.net.budget import ByteBudget
 from edgelite.net.discovery import respond
 from edgelite.net.frames import Conn, bound_port, detach, listen, pack
@@ -92,8 +92,7 @@ class Node:
         self.udp_port = 0
         self.owners: dict[str, int] = {}  # client key -> its open control connections
         self.frame_budget = ByteBudget(c.max_held_frame_bytes)  # requests' frames, all connections
-        self.admission = Admission(AdmissionLimits(c.max_connections, c.max_connections_per_address,
-                                                   c.max_unauthenticated, c.max_unauthenticated_per_address))
+        self.admission = Admission.of(c)
         self.clients: dict[str, Client] = {}  # client key -> whose KV, from where
         self.orphaned: dict[str, float] = {}  # owners of plans with no connection, since when
         # the requests by concern: sessions and their KV, what is deployed, measurements

@@ -71,16 +71,16 @@ def check(ask: Ask, cfg: GatewayConfig) -> None:
                                f"(got {msg['role'][:32]!r})", "messages")
             if "tool_calls" in msg:
                 _check_calls(msg, i)
-    texts = _texts(ask)
-    for text in texts:
+    # every text the request carries counts, a character beyond the BMP as the 4 a tokenizer
+    # may make of its bytes (UTF-16 encodes it as a pair, and refuses a lone surrogate)
+    chars = 0
+    for text in _texts(ask):
         try:
-            text.encode("utf-8")
+            units = len(text.encode("utf-16-le")) // 2
         except UnicodeEncodeError:
             raise AskError("the request holds malformed Unicode (a lone surrogate)",
                            "messages" if ask.messages is not None else "prompt") from None
-    # every text the request carries counts, a character beyond the BMP as the 4 a tokenizer
-    # may make of its bytes
-    chars = sum(len(t) + 3 * sum(ord(c) > 0xFFFF for c in t) for t in texts)
+        chars += len(text) + 3 * (units - len(text))
     if chars > cfg.max_prompt_chars:
         raise AskError(f"the prompt has {chars} characters; this server takes at most "
                        f"{cfg.max_prompt_chars} (max_prompt_chars)",

@@ -222,23 +222,18 @@ class Gateway:
         if isinstance(result, BaseException):
             if not isinstance(result, EdgeliteError):
                 raise result
-            log.warning("request %s failed: %s", r.rid[:12], result)
-            self.sched.advance(r, done=True)
-            await self._finish(job, error=str(result))
+            await self._fail(job, result)
             return
         assert job.call is not None
-        before = len(job.tokens)
+        before, reply = len(job.tokens), job.driver.reply
         try:
-            reply = job.driver.reply
             if reply is not None and constrained(reply.cfg):  # (a JSON or tool choice weighs many
                 # candidates a token: off the event loop, the doors keep answering meanwhile)
                 out = await asyncio.to_thread(job.driver.took, job.call, result)
             else:
                 out = job.driver.took(job.call, result)
         except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
-            log.warning("request %s failed: %s", r.rid[:12], exc)
-            self.sched.advance(r, done=True)
-            await self._finish(job, error=str(exc))
+            await self._fail(job, exc)
             return
         if job.pool is not None:  # an embedding: its chunk's states, the last ending it
             if job.driver.done:
@@ -247,7 +242,6 @@ class Gateway:
             return
         if not job.call.gives:
             return  # a prefill chunk before the last
-        reply = job.driver.reply
         assert reply is not None
         for piece in out.pieces:
             if piece.token_id is not None:
@@ -259,6 +253,12 @@ class Gateway:
             await self._finish(job)
         elif out.rollback is not None:  # the stages give back the refused drafts' positions
             await self.backend.rollback(job.session, out.rollback)
+
+    async def _fail(self, job: Job, exc: EdgeliteError) -> None:
+        """A request that cannot go on ends alone, its client told why."""
+        log.warning("request %s failed: %s", job.req.rid[:12], exc)
+        self.sched.advance(job.req, done=True)
+        await self._finish(job, error=str(exc))
 
     async def _finish(self, job: Job, error: str | None = None) -> None:
         del self.jobs[job.req.rid]

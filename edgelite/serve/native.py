@@ -24,7 +24,7 @@ from typing import Any
 from edgelite.config import GatewayConfig, WireLimits
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError, StreamError
 from edgelite.net import messages as m
-from edgelite.net.admission import Admission, AdmissionLimits
+from edgelite.net.admission import Admission
 from edgelite.net.frames import Conn, bound_port, listen
 from edgelite.net.handshake import server_handshake
 from edgelite.net.schema import Message
@@ -115,9 +115,7 @@ class NativeDoor:
         self.server: asyncio.Server | None = None
         self.cooldown: dict[str, float] = {}  # user -> when it may connect again (after a flood)
         self.floods = 0
-        self.admission = Admission(AdmissionLimits(
-            cfg.max_connections, cfg.max_connections_per_address, cfg.max_unauthenticated,
-            cfg.max_unauthenticated_per_address))
+        self.admission = Admission.of(cfg)
 
     @property
     def port(self) -> int:

@@ -48,16 +48,17 @@ def apply(model: bytes, passes: Sequence[Pass]) -> bytes:
     return with_opset(out, DOMAIN, 1) if any(p.ours for p in changed) else out
 
 
-Replace = Callable[[list[str], list[str], list[Field]], list[Field] | None]
+Replace = Callable[[int, list[str], list[str], list[Field]], list[Field] | None]
 
 
 def each_replaced(graph: Graph, op: str, replace: Replace) -> tuple[list[Field], int]:
-    """The graph's fields with each `op` node given to `replace` (inputs, outputs, its other
-    fields) -> the fields in its place, or None to keep it; and how many were replaced."""
+    """The graph's fields with each `op` node given to `replace` (the number it would be among
+    those replaced, from 1; inputs, outputs, its other fields) -> the fields in its place, or
+    None to keep it; and how many were replaced."""
     items: list[Field] = []
     count = 0
     for field, node in each_node(graph, op):
-        new = replace(*node) if node is not None else None
+        new = replace(count + 1, *node) if node is not None else None
         if new is None:
             items.append(field)
         else:

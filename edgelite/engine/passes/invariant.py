@@ -52,17 +52,15 @@ def pad_attention(model: bytes) -> bytes:
 
 
 def _pad_graph(graph: bytes) -> bytes:
-    shared: list[str] = []  # (seqlens, total: the range's own inputs, shared by its layers)
+    lengths: list[str] = []  # seqlens and total: the range's own inputs, shared by its layers
 
-    def pad(inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field]:
-        tag = f"{PREFIX}/{len(shared) // 2 + 1}"
+    def pad(i: int, inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field]:
         new_inputs = list(inputs)
-        seqlens, total = inputs[5], inputs[6]
-        shared[:] = [*shared, seqlens, total]
-        new_inputs[5], new_inputs[6] = f"{PREFIX}/{seqlens}", f"{PREFIX}/{total}"
+        lengths[:] = inputs[5:7]
+        new_inputs[5:7] = (f"{PREFIX}/{x}" for x in lengths)
         # query, key, value gathered (key and value are empty when packed)
-        return onerow.padded_node(PREFIX, tag, "GroupQueryAttention", new_inputs, outputs, rest,
-                                  (0, 1, 2), 1, f"{PREFIX}/one_1d")
+        return onerow.padded_node(PREFIX, f"{PREFIX}/{i}", "GroupQueryAttention", new_inputs, outputs,
+                                  rest, (0, 1, 2), 1, f"{PREFIX}/one_1d")
 
     items, count = each_replaced(graph, "GroupQueryAttention", pad)
     if not count:
@@ -70,8 +68,7 @@ def _pad_graph(graph: bytes) -> bytes:
     hidden = hidden_input(graph)
     if not hidden:
         raise ValueError("the range has no hidden_* input")
-    return encode([*_shared(hidden, shared[-2], shared[-1]), *items,
-                   *((GRAPH_INIT, 2, c) for c in _constants())])
+    return encode([*_shared(hidden, *lengths), *items, *((GRAPH_INIT, 2, c) for c in _constants())])
 
 
 def _shared(hidden: str, seqlens: str, total: str) -> list[Field]:

@@ -21,7 +21,6 @@ with --no-matmul-kernel, or a K-quant export's kinds without AVX-512.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from pathlib import Path
 
@@ -124,16 +123,15 @@ def pad_products(model: bytes, cfg: RuntimeConfig) -> bytes:
 
 
 def _pad_graph(graph: bytes, cfg: RuntimeConfig) -> bytes:
-    def pad(inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field] | None:
+    def pad(i: int, inputs: list[str], outputs: list[str], rest: list[Field]) -> list[Field] | None:
         attrs = node_attrs(rest)
         kind = (int(attrs.get("bits", 4)), int(attrs.get("block_size", 0)),
                 int(attrs.get("accuracy_level", 0)))
         if kind[2] not in PADDED_LEVELS or not varies(kind, cfg):
             return None
-        tag = f"{PREFIX}/{next(counter)}"
-        return padded_node(PREFIX, tag, "MatMulNBits", inputs, outputs, rest, (0,), -2, f"{PREFIX}/minus2_1d")
+        return padded_node(PREFIX, f"{PREFIX}/{i}", "MatMulNBits", inputs, outputs, rest, (0,), -2,
+                           f"{PREFIX}/minus2_1d")
 
-    counter = itertools.count(1)
     items, count = each_replaced(graph, "MatMulNBits", pad)
     if not count:
         return graph
