@@ -64,6 +64,7 @@ typedef struct {
 typedef struct {
     const work *w;
     int64_t first, end; /* items first..end-1 */
+    int failed;         /* its scratch could not be had (its rows left zero) */
 } part;
 
 static void *run_part(void *arg);
@@ -76,7 +77,10 @@ static void *run_part(void *arg) {
     int64_t g = w->g, d = w->d, rows = w->rows, span = w->start + w->n;
     float *scratch = (float *)malloc(((size_t)(rows * g * span) + (size_t)(4 * rows * g * d) + (size_t)(BLOCK * d) +
                                       (size_t)(rows * g) + 16) * sizeof(float));
-    if (!scratch) return NULL; /* (those rows stay zero) */
+    if (!scratch) {
+        ((part *)arg)->failed = 1;
+        return NULL;
+    }
     float *scores = scratch, *qs = scores + rows * g * span, *acc = qs + rows * g * d, *buf = acc + rows * g * d;
     /* buf: BLOCK x d floats and rows x g x d more (a path's scratch); then the int8 path's query
      * codes and their steps */
@@ -191,10 +195,12 @@ static int attend_core(const kernel *k, const step_shape *s, const float *q, con
     int64_t threads = k->threads < MAX_THREADS ? k->threads : MAX_THREADS;
     threads = n * total < PARALLEL_WORK ? 1 : threads < w.items ? threads : w.items;
     part parts[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads};
+    for (int64_t t = 0; t < threads; t++) parts[t] = (part){&w, w.items * t / threads, w.items * (t + 1) / threads, 0};
     run_parts(k->api, ctx, run_part, run_indexed, parts, sizeof(part), threads);
     free(qr);
-    return 0;
+    int failed = 0;
+    for (int64_t t = 0; t < threads; t++) failed |= parts[t].failed;
+    return failed;
 }
 
 /* whether a step of n rows, `total` positions after it, fits a KV of cap rows of head size d
@@ -214,49 +220,58 @@ static int shape(api_t api, const void *value, int64_t *dims, size_t want) {
 
 enum { IN_Q, IN_K, IN_V, IN_PAST_K, IN_PAST_V, IN_TOTAL, IN_COS, IN_SIN, INPUTS };
 
-static void compute(void *state, void *ctx) {
+static status_t compute_v2(void *state, void *ctx) {
     kernel *k = (kernel *)state;
     api_t api = k->api;
+    const char *name = k->kind == KV_I8 ? "Attend8" : k->kind == KV_F16 ? "Attend16" : "Attend";
     const void *in[INPUTS] = {0};
-    for (size_t i = 0; i < INPUTS; i++)
-        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || (!in[i] && i < IN_COS)) return;
+    for (size_t i = 0; i < INPUTS; i++) {
+        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in[i]));
+        if (!in[i] && i < IN_COS) return fail(api, name, "a required input is missing");
+    }
     int64_t qd[3], nd[3], vnd[3], kd[4], vd[4], td[1], cd[2] = {0, 0}, sd[2] = {0, 0};
     int rotary = in[IN_COS] && in[IN_SIN];
     if (!shape(api, in[IN_Q], qd, 3) || !shape(api, in[IN_K], nd, 3) || !shape(api, in[IN_V], vnd, 3) ||
         !shape(api, in[IN_PAST_K], kd, 4) || !shape(api, in[IN_PAST_V], vd, 4) || !shape(api, in[IN_TOTAL], td, 1) ||
         (rotary && (!shape(api, in[IN_COS], cd, 2) || !shape(api, in[IN_SIN], sd, 2))))
-        return;
-    void *outs[3] = {NULL, NULL, NULL};
-    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, qd, 3, &outs[0])) || !outs[0] ||
-        !ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, kd, 4, &outs[1])) || !outs[1] ||
-        !ok(api, CALL(api, OUTPUT, output_fn)(ctx, 2, vd, 4, &outs[2])) || !outs[2])
-        return;
-    void *data[INPUTS] = {0}, *o_data[3];
+        return fail(api, name, "an input's rank is not the operator's (q, k, v 3; the KV 4; total 1; cos, sin 2)");
+    void *data[INPUTS] = {0};
     for (int i = 0; i < INPUTS; i++)
-        if (in[i] && !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]))) return;
-    for (int i = 0; i < 3; i++)
-        if (!ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[i], &o_data[i]))) return;
+        if (in[i]) TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
     int64_t extra = 2 * (k->kind == KV_I8);
     step_shape s = {qd[1], td[0] == 1 ? ((const int64_t *)data[IN_TOTAL])[0] : -1, kd[2], kd[3] - extra, cd[1], rotary};
-    /* a step that does not fit the KV it is given (the graph is ours: never expected) leaves
-     * zeros and the KV as it was rather than reading or writing outside the buffers */
+    /* a step that does not fit the KV it is given or the operator's heads (a graph edgelite's
+     * exporter did not write) fails before anything is allocated, read or written */
     int64_t q_values;
     int fits = step_fits(k, &s) && qd[0] == 1 && kd[0] == 1 && kd[1] == k->kv_heads && !memcmp(kd, vd, sizeof(kd)) &&
                !__builtin_mul_overflow(k->heads, s.d, &q_values) && qd[2] == q_values && nd[0] == 1 && nd[1] == s.n &&
                nd[2] == k->kv_heads * s.d && !memcmp(nd, vnd, sizeof(nd)) && td[0] == 1 &&
                (!rotary || (!memcmp(cd, sd, sizeof(cd)) && cd[0] >= s.total));
     if (!fits) {
-        int64_t count;
-        if (qd[0] >= 0 && qd[1] >= 0 && qd[2] >= 0 && !__builtin_mul_overflow(qd[0] * qd[1], qd[2], &count))
-            memset(o_data[0], 0, (size_t)count * sizeof(float));
-        return;
+        char what[200];
+        snprintf(what, sizeof(what),
+                 "the step does not fit: q (%lld, %lld, %lld), KV (%lld, %lld, %lld, %lld), total %lld, num_heads %lld, "
+                 "kv_num_heads %lld",
+                 (long long)qd[0], (long long)qd[1], (long long)qd[2], (long long)kd[0], (long long)kd[1],
+                 (long long)kd[2], (long long)kd[3], (long long)s.total, (long long)k->heads, (long long)k->kv_heads);
+        return fail(api, name, what);
+    }
+    void *outs[3] = {NULL, NULL, NULL}, *o_data[3];
+    const int64_t *dims[3] = {qd, kd, vd};
+    for (int i = 0; i < 3; i++) {
+        TRY(CALL(api, OUTPUT, output_fn)(ctx, (size_t)i, dims[i], i ? 4 : 3, &outs[i]));
+        if (!outs[i]) return fail(api, name, "onnxruntime gave no output");
+        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(outs[i], &o_data[i]));
     }
     size_t item = k->kind == KV_F32 ? 4 : k->kind == KV_F16 ? 2 : 1;
-    /* the KV is bound in place (engine/kv.py): present is past's own buffer; else past is copied */
+    /* the KV is bound in place (engine/kv.py): present is past's own buffer; else past is copied
+     * (its size checked by step_fits) */
     if (o_data[1] != data[IN_PAST_K]) memcpy(o_data[1], data[IN_PAST_K], (size_t)(kd[0] * kd[1] * kd[2] * kd[3]) * item);
     if (o_data[2] != data[IN_PAST_V]) memcpy(o_data[2], data[IN_PAST_V], (size_t)(vd[0] * vd[1] * vd[2] * vd[3]) * item);
-    attend_core(k, &s, (const float *)data[IN_Q], (const float *)data[IN_K], (const float *)data[IN_V], o_data[1],
-                o_data[2], (const float *)data[IN_COS], (const float *)data[IN_SIN], (float *)o_data[0], ctx);
+    if (attend_core(k, &s, (const float *)data[IN_Q], (const float *)data[IN_K], (const float *)data[IN_V], o_data[1],
+                    o_data[2], (const float *)data[IN_COS], (const float *)data[IN_SIN], (float *)o_data[0], ctx))
+        return fail(api, name, "out of memory for the step's scratch");
+    return NULL;
 }
 
 static void *create(const struct custom_op *op, api_t api, const void *info) {
@@ -266,16 +281,15 @@ static void *create(const struct custom_op *op, api_t api, const void *info) {
     k->api = api;
     k->kind = ((const attend_op *)op)->kind;
     k->window = -1;
-    if (CALL(api, ATTR_INT, attr_int_fn)(info, "num_heads", &k->heads) ||
-        CALL(api, ATTR_INT, attr_int_fn)(info, "kv_num_heads", &k->kv_heads) || k->heads < 1 ||
-        k->kv_heads < 1 || k->heads > MAX_HEADS || k->heads % k->kv_heads) {
-        k->heads = k->kv_heads = 0; /* compute() then refuses every step (zeros) */
-    }
-    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "local_window_size", &k->window);
+    /* heads out of range (step_fits) fail every step, naming them */
+    if (!ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "num_heads", &k->heads)) ||
+        !ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "kv_num_heads", &k->kv_heads)))
+        k->heads = k->kv_heads = 0;
+    (void)ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "local_window_size", &k->window));
     k->threads = 1;
-    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &k->threads);
+    (void)ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &k->threads));
     k->threads = k->threads < 1 ? 1 : k->threads;
-    (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "scale", &k->scale);
+    (void)ok(api, CALL(api, ATTR_FLOAT, attr_float_fn)(info, "scale", &k->scale));
     if (!(k->scale >= 0.0f && k->scale < 1e30f)) k->scale = 0.0f;
     return k;
 }
@@ -315,8 +329,8 @@ static int input_type(const struct custom_op *op, size_t i) {
 }
 
 #define ATTEND_OP(label, kind)                                                                    \
-    {{OP_VERSION, create, op_name, provider, input_type, input_count, output_type, output_count, compute, \
-      destroy, input_kind, output_kind},                                                                 \
+    {{OP_VERSION, create, op_name, provider, input_type, input_count, output_type, output_count, NULL, \
+      destroy, input_kind, output_kind, OP_TAIL(compute_v2)},                                            \
      label, kind}
 
 static attend_op attend_ops[KV_KINDS] = {ATTEND_OP("Attend", KV_F32), ATTEND_OP("Attend16", KV_F16),

@@ -170,33 +170,46 @@ static int64_t mm_blocks(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], co
     return fits ? k / MM6_BLOCK : 0;
 }
 
-static void mm_compute(void *state, void *ctx) {
+static const char *const mm_names[MM_KINDS] = {"MatMul4", "MatMul6", "MatMul4K", "MatMul8"};
+
+static status_t mm_compute_v2(void *state, void *ctx) {
     const mm_state *st = (const mm_state *)state;
     api_t api = st->api;
+    const char *name = mm_names[st->kind];
     size_t count = st->kind == MM4 || st->kind == MM8 ? 3 : 4, rank[4] = {0};
     const void *in[4] = {NULL};
     int64_t d[4][MM_MAX_RANK];
     void *data[4] = {NULL};
-    for (size_t i = 0; i < count; i++)
-        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)) ||
-            !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
-            return;
-    int64_t rows = 1, out_dims[MM_MAX_RANK];
+    for (size_t i = 0; i < count; i++) {
+        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in[i]));
+        if (!in[i]) return fail(api, name, "a required input is missing");
+        if (!(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)))
+            return fail(api, name, "an input is a scalar or of rank over 8");
+        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
+    }
+    int64_t rows = 1, out_dims[MM_MAX_RANK], values;
     for (size_t i = 0; i + 1 < rank[0]; i++) {
-        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return;
+        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return fail(api, name, "a's rows overflow");
         out_dims[i] = d[0][i];
     }
     out_dims[rank[0] - 1] = st->n;
-    void *out_value = NULL, *y = NULL;
-    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, out_dims, rank[0], &out_value)) || !out_value ||
-        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(out_value, &y)))
-        return;
+    /* weights that do not fit K and N (a graph edgelite's exporter did not write) fail before
+     * anything is allocated or read */
     int64_t blocks = st->k > 0 && d[0][rank[0] - 1] == st->k ? mm_blocks(st, (const int64_t(*)[MM_MAX_RANK])d, rank) : 0;
-    if (rows < 1 || !blocks) { /* (the graph is ours: never expected) zeros */
-        if (rows > 0) memset(y, 0, (size_t)(rows * st->n) * sizeof(float));
-        return;
+    if (!blocks || __builtin_mul_overflow(rows, st->n, &values)) {
+        char what[160];
+        snprintf(what, sizeof(what), "the weights do not fit K %lld and N %lld (a's last axis %lld)", (long long)st->k,
+                 (long long)st->n, (long long)d[0][rank[0] - 1]);
+        return fail(api, name, what);
     }
-    mm_core(st, (const float *)data[0], rows, data[1], data[2], count > 3 ? data[3] : NULL, blocks, (float *)y, ctx);
+    void *out_value = NULL, *y = NULL;
+    TRY(CALL(api, OUTPUT, output_fn)(ctx, 0, out_dims, rank[0], &out_value));
+    if (!out_value) return fail(api, name, "onnxruntime gave no output");
+    TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(out_value, &y));
+    if (rows == 0) return NULL; /* (no rows: an empty output) */
+    if (mm_core(st, (const float *)data[0], rows, data[1], data[2], count > 3 ? data[3] : NULL, blocks, (float *)y, ctx))
+        return fail(api, name, "out of memory for the product's scratch");
+    return NULL;
 }
 
 typedef struct {
@@ -213,13 +226,14 @@ static void *mm_create(const struct custom_op *op, api_t api, const void *info) 
     if (!st) return NULL;
     st->api = api;
     st->kind = mm_kind(op);
-    if (CALL(api, ATTR_INT, attr_int_fn)(info, "K", &st->k) || CALL(api, ATTR_INT, attr_int_fn)(info, "N", &st->n) ||
-        st->k < 1 || st->n < 1 || st->k > (1 << 24) || st->n > (1 << 24))
-        st->k = st->n = 0; /* compute() then refuses every input (zeros) */
+    if (!ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "K", &st->k)) ||
+        !ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "N", &st->n)) || st->k < 1 || st->n < 1 ||
+        st->k > (1 << 24) || st->n > (1 << 24))
+        st->k = st->n = 0; /* mm_compute_v2() then fails every call, naming them */
     st->zero = 32;
-    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "zero", &st->zero);
+    (void)ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "zero", &st->zero));
     st->threads = 1;
-    (void)CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &st->threads);
+    (void)ok(api, CALL(api, ATTR_INT, attr_int_fn)(info, "threads", &st->threads));
     st->threads = st->threads < 1 ? 1 : st->threads;
     return st;
 }
@@ -240,7 +254,7 @@ static int mm_required(const struct custom_op *op, size_t i) { (void)op; (void)i
 
 #define MM_OP(label, kind)                                                                                      \
     {{OP_VERSION, mm_create, mm_name, mm_provider, mm_input_type, mm_input_count, mm_output_type, mm_output_count, \
-      mm_compute, mm_destroy, mm_required, mm_required},                                                         \
+      NULL, mm_destroy, mm_required, mm_required, OP_TAIL(mm_compute_v2)},                                 \
      label, kind}
 
 static const mm_op matmul_ops[MM_KINDS] = {MM_OP("MatMul4", MM4), MM_OP("MatMul6", MM6), MM_OP("MatMul4K", MM4K),

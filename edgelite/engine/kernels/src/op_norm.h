@@ -24,35 +24,43 @@ typedef struct {
     float eps;
 } norm_state;
 
-static void norm_compute(void *state, void *ctx) {
+static status_t norm_compute_v2(void *state, void *ctx) {
     const norm_state *st = (const norm_state *)state;
     api_t api = st->api;
+    const char *name = st->skip ? "SkipNorm" : "Norm";
     size_t count = st->skip ? 3 : 2, rank[3] = {0};
     const void *in[3] = {NULL};
     int64_t d[3][MM_MAX_RANK];
     void *data[3] = {NULL};
-    for (size_t i = 0; i < count; i++)
-        if (!ok(api, CALL(api, INPUT, input_fn)(ctx, i, &in[i])) || !in[i] || !(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)) ||
-            !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i])))
-            return;
+    for (size_t i = 0; i < count; i++) {
+        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in[i]));
+        if (!in[i]) return fail(api, name, "a required input is missing");
+        if (!(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)))
+            return fail(api, name, "an input is a scalar or of rank over 8");
+        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
+    }
     int64_t rows = 1, dim = d[0][rank[0] - 1];
     for (size_t i = 0; i + 1 < rank[0]; i++)
-        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return;
-    void *outs[2] = {NULL, NULL}, *y = NULL, *sum = NULL;
-    if (!ok(api, CALL(api, OUTPUT, output_fn)(ctx, 0, d[0], rank[0], &outs[0])) || !outs[0] ||
-        !ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[0], &y)))
-        return;
-    if (st->skip && ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, d[0], rank[0], &outs[1])) && outs[1])
-        (void)ok(api, CALL(api, TENSOR_DATA, tensor_data_fn)(outs[1], &sum));
+        if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return fail(api, name, "x's rows overflow");
     int scale_at = st->skip ? 2 : 1;
     int fits = dim >= LANES && dim % LANES == 0 && dim <= NORM_MAX_D && rank[scale_at] == 1 && d[scale_at][0] == dim &&
                (!st->skip || (rank[1] == rank[0] && !memcmp(d[1], d[0], rank[0] * sizeof(int64_t))));
-    if (!fits) { /* (the graph is ours: never expected) zeros */
-        if (rows > 0 && dim > 0) memset(y, 0, (size_t)(rows * dim) * sizeof(float));
-        return;
+    if (!fits) {
+        char what[120];
+        snprintf(what, sizeof(what), "x's last axis %lld and the scale's do not fit (a multiple of %d up to %d)",
+                 (long long)dim, LANES, NORM_MAX_D);
+        return fail(api, name, what);
     }
-    nm_path->norm((const float *)data[0], st->skip ? (const float *)data[1] : NULL, (const float *)data[scale_at],
-                  st->eps, rows, dim, (float *)y, (float *)sum);
+    void *outs[2] = {NULL, NULL}, *y = NULL, *sum = NULL;
+    TRY(CALL(api, OUTPUT, output_fn)(ctx, 0, d[0], rank[0], &outs[0]));
+    if (!outs[0]) return fail(api, name, "onnxruntime gave no output");
+    TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(outs[0], &y));
+    if (st->skip && ok(api, CALL(api, OUTPUT, output_fn)(ctx, 1, d[0], rank[0], &outs[1])) && outs[1])
+        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(outs[1], &sum));
+    if (rows > 0)
+        nm_path->norm((const float *)data[0], st->skip ? (const float *)data[1] : NULL, (const float *)data[scale_at],
+                      st->eps, rows, dim, (float *)y, (float *)sum);
+    return NULL;
 }
 
 static void *norm_create(const struct custom_op *op, api_t api, const void *info) {
@@ -62,7 +70,7 @@ static void *norm_create(const struct custom_op *op, api_t api, const void *info
     st->api = api;
     st->skip = ((const norm_op *)op)->skip;
     st->eps = 1e-6f;
-    (void)CALL(api, ATTR_FLOAT, attr_float_fn)(info, "epsilon", &st->eps);
+    (void)ok(api, CALL(api, ATTR_FLOAT, attr_float_fn)(info, "epsilon", &st->eps));
     return st;
 }
 
@@ -74,7 +82,7 @@ static int norm_output_kind(const struct custom_op *op, size_t i) { (void)op; re
 
 #define NORM_OP(label, skip)                                                                                    \
     {{OP_VERSION, norm_create, norm_name, mm_provider, norm_type, norm_inputs, norm_type, norm_outputs,         \
-      norm_compute, mm_destroy, mm_required, norm_output_kind},                                                  \
+      NULL, mm_destroy, mm_required, norm_output_kind, OP_TAIL(norm_compute_v2)},                        \
      label, skip}
 
 static const norm_op norm_ops[2] = {NORM_OP("Norm", 0), NORM_OP("SkipNorm", 1)};

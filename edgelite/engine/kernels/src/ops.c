@@ -96,9 +96,12 @@ static void choose_once(void) {
     pthread_mutex_unlock(&choice_lock);
 }
 
+#include "op_matmul.h"
+#include "op_attend.h"
+#include "op_norm.h"
+
 /* the paths this library chose for its operators, e.g. "MatMul4=avx512 ... Attend8=avx512" */
 EXPORT const char *edgelite_kernel_paths(void) {
-    static const char *mm_names[MM_KINDS] = {"MatMul4", "MatMul6", "MatMul4K", "MatMul8"};
     static const char *at_names[KV_KINDS] = {"Attend", "Attend16", "Attend8"};
     static char text[256];
     choose_once();
@@ -130,10 +133,6 @@ EXPORT int edgelite_kernel_use(const char *name) {
     pthread_mutex_unlock(&choice_lock);
     return found;
 }
-
-#include "op_matmul.h"
-#include "op_attend.h"
-#include "op_norm.h"
 
 /* ---- registration ------------------------------------------------------------------------- */
 EXPORT status_t RegisterCustomOps(void *options, const api_base_t *base) {

@@ -7,8 +7,10 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #define API_VERSION 12 /* what this file asks onnxruntime for (1.12 and later give it) */
-#define OP_VERSION 12  /* the OrtCustomOp layout below (up to the I/O characteristics) */
+#define OP_VERSION 16  /* the OrtCustomOp layout below (up to KernelComputeV2: a step that does not fit
+                        * its operator fails with a status naming it; onnxruntime 1.16 and later) */
 
 /* OrtApi entries (indices into its table of function pointers) */
 enum {
@@ -74,11 +76,37 @@ struct custom_op {
     size_t (*input_count)(const struct custom_op *);
     int (*output_type)(const struct custom_op *, size_t);
     size_t (*output_count)(const struct custom_op *);
-    void (*compute)(void *, void *);
+    void (*compute)(void *, void *); /* (NULL: compute_v2 from version 16) */
     void (*destroy)(void *);
     int (*input_kind)(const struct custom_op *, size_t);
     int (*output_kind)(const struct custom_op *, size_t);
+    int (*input_memory)(const struct custom_op *, size_t); /* 13: OrtMemType (0: the default) */
+    int (*variadic_in_arity)(const struct custom_op *);    /* 14: asked of variadic inputs only */
+    int (*variadic_in_same)(const struct custom_op *);
+    int (*variadic_out_arity)(const struct custom_op *);
+    int (*variadic_out_same)(const struct custom_op *);
+    status_t (*create_v2)(const struct custom_op *, api_t, const void *, void **); /* 16 (NULL: create) */
+    status_t (*compute_v2)(void *, void *);                                        /* 16 */
 };
+
+/* the custom_op fields from version 13 on, the same for every operator here (compute_v2 apart) */
+static inline int default_memory(const struct custom_op *op, size_t i) { (void)op; (void)i; return 0; }
+static inline int not_variadic(const struct custom_op *op) { (void)op; return 0; }
+#define OP_TAIL(compute_v2) default_memory, not_variadic, not_variadic, not_variadic, not_variadic, NULL, compute_v2
+
+/* a failed step's status: "<op>: <what>" (onnxruntime fails the run with it) */
+static inline status_t fail(api_t api, const char *op, const char *what) {
+    char text[256];
+    snprintf(text, sizeof(text), "%s: %s", op, what);
+    return CALL(api, CREATE_STATUS, create_status_fn)(ERR_FAIL, text);
+}
+
+/* the status of an onnxruntime call that failed (returned as it is), or NULL */
+#define TRY(call)                      \
+    do {                               \
+        status_t failed_ = (call);     \
+        if (failed_) return failed_;   \
+    } while (0)
 
 /* a value's dims into dims[0..max) and its rank; 0 when onnxruntime cannot say or its rank is
  * over max */
