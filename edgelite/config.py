@@ -90,6 +90,10 @@ class RuntimeConfig:
     matmul_kernel: bool = True
     kernel_build_s: float = 180.0  # the longest the library's compile may take before it is given up
     kernel_check_s: float = 60.0  # the longest its check (in a child process) may take
+    # a step is cancelled past the larger of these: step_deadline_s, and step_deadline_factor
+    # times what the range's steps of as many rows have taken (engine/deadline.py)
+    step_deadline_s: float = 30.0
+    step_deadline_factor: float = 20.0
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @property

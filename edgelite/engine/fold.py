@@ -74,6 +74,11 @@ ALIGN = mmap.PAGESIZE  # each folded tensor starts on a page of its own
 MADV_POPULATE_READ = 22  # Linux 5.14 on: map a range's pages now (Python's mmap has no name for it)
 # inputs at least this large are read, and their results computed, this many bytes at a time
 CHUNK_BYTES = 8 << 20
+# a folded result may hold at most this many times the bytes of the initializers it is computed
+# from, and FOLD_SLACK more (the exporter's widest: 4-bit codes as float32, 8x): a graph that
+# would broadcast or repeat its way to more is refused before the memory is spent
+FOLD_GROWTH = 16
+FOLD_SLACK = 1 << 16
 
 
 @dataclass
@@ -230,6 +235,44 @@ def _shift(x: np.ndarray, by: np.ndarray, left: bool) -> np.ndarray:
 
 
 # op -> (its numpy rule: the node's attributes and input arrays -> its output)
+def _predicted(n: Node, args: list[np.ndarray]) -> int:
+    """The bytes node n's result will take, from its inputs' shapes (before it is computed)."""
+    if n.op in ("Add", "Mul"):
+        try:
+            shape = np.broadcast_shapes(*(a.shape for a in args))
+        except ValueError as exc:
+            raise ValueError(f"{n.op} of shapes that do not broadcast") from exc
+        return _count(shape) * np.result_type(*args).itemsize
+    if n.op == "Gather":
+        data, axis = args[0], int(n.attrs.get("axis", 0))
+        row = _count(data.shape) // max(1, data.shape[axis % max(1, data.ndim)]) if data.ndim else 1
+        return _count(args[1].shape) * row * data.dtype.itemsize
+    if n.op == "Concat":
+        return sum(a.nbytes for a in args)
+    if n.op == "Cast":
+        return _count(args[0].shape) * DTYPES[n.attrs["to"]].itemsize
+    return args[0].nbytes
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _apply(n: Node, args: list[np.ndarray], limit: int) -> np.ndarray:
+    """Node n's result, refused (ValueError) when it would take more than `limit` bytes."""
+    _bounded(n.outputs[0], _predicted(n, args), limit)
+    return np.asarray(RULES[n.op](n.attrs, args))
+
+
+def _bounded(name: str, need: int, limit: int) -> None:
+    if need > limit:
+        raise ValueError(f"{name[:80]} would take {need} bytes, over {limit} "
+                         f"({FOLD_GROWTH}x the initializers it is computed from)")
+
+
 RULES: dict[str, Callable[[dict[str, Any], list[np.ndarray]], np.ndarray]] = {
     "Cast": lambda at, x: x[0].astype(DTYPES[at["to"]]),
     "Mul": lambda at, x: np.multiply(x[0], x[1]).astype(np.result_type(x[0], x[1])),
@@ -294,6 +337,7 @@ class _Evaluator:
                  folder: Path) -> None:
         self.producer = {nodes[k].outputs[0]: nodes[k] for k in folded}
         self.tensors, self.folder = tensors, folder
+        self.limit = 0  # the bytes a result of the cone being computed may take (write)
 
     def _cone(self, name: str) -> list[Node]:
         """The folded nodes `name` depends on, in an order that computes each input first."""
@@ -314,6 +358,8 @@ class _Evaluator:
     def write(self, name: str, out: Any, pos: int) -> tuple[int, np.dtype[Any], tuple[int, ...]]:
         """Computes `name`, writes it at `pos` of `out`: (pos, dtype, shape)."""
         cone = self._cone(name)
+        leaves = {i for n in cone for i in n.inputs if i not in self.producer}
+        self.limit = FOLD_GROWTH * sum(self.tensors[t].nbytes for t in leaves) + FOLD_SLACK
         try:
             done = self._by_rows(cone, out)
             if done is None:
@@ -334,7 +380,7 @@ class _Evaluator:
         values: dict[str, np.ndarray] = {}
         for n in cone:
             args = [values[i] if i in values else self.tensors[i].load(self.folder) for i in n.inputs]
-            result = np.asarray(RULES[n.op](n.attrs, args))
+            result = _apply(n, args, self.limit)
             del args
             for i in n.inputs:
                 left[i] -= 1
@@ -367,6 +413,7 @@ class _Evaluator:
             result, shape = part
             if final is None:
                 final = result.dtype, shape
+                _bounded(cone[-1].outputs[0], _count(shape) * result.dtype.itemsize, self.limit)
             elif final != (result.dtype, shape):
                 return None
             written += out.write(memoryview(np.ascontiguousarray(result)).cast("B"))
@@ -387,8 +434,8 @@ class _Evaluator:
             if name in small:
                 continue
             if not any(i in rows for i in n.inputs):
-                small[name] = np.asarray(RULES[n.op](n.attrs, [
-                    small[i] if i in small else self.tensors[i].load(self.folder) for i in n.inputs]))
+                small[name] = _apply(n, [small[i] if i in small else self.tensors[i].load(self.folder)
+                                         for i in n.inputs], self.limit)
                 continue
             args = [rows[i][0] if i in rows else small[i] if i in small
                     else self.tensors[i].load(self.folder) for i in n.inputs]
@@ -399,7 +446,7 @@ class _Evaluator:
             if k == len(cone) - 1 and n.op == "Reshape" and (args[1] > 0).all():
                 shape = tuple(int(v) for v in args[1])  # (the result's shape: its bytes as they come)
                 return args[0], shape
-            done = _row_wise(n, args, [i in rows for i in n.inputs], full)
+            done = _row_wise(n, args, [i in rows for i in n.inputs], full, self.limit)
             if done is None:
                 return None
             rows[name] = done
@@ -414,7 +461,7 @@ class _Evaluator:
 
 
 def _row_wise(n: Node, args: list[np.ndarray], sliced: list[bool],
-              full: int) -> tuple[np.ndarray, int] | None:
+              full: int, limit: int) -> tuple[np.ndarray, int] | None:
     """The node on slices of rows (`sliced`: which inputs are; `full`: their whole length):
     (its result's slice, the result's whole length), or None when the node mixes rows."""
     x = args[0]
@@ -425,14 +472,14 @@ def _row_wise(n: Node, args: list[np.ndarray], sliced: list[bool],
                 return None
             if not s and a.ndim == rank and a.shape[0] != 1:
                 return None
-        return np.asarray(RULES[n.op](n.attrs, args)), full
+        return _apply(n, args, limit), full
     if not sliced[0] or (any(sliced[1:]) and n.op != "Concat"):
         return None
     if n.op in ("Gather", "Concat"):
         axis = int(n.attrs.get("axis", 0))
         if axis % x.ndim == 0 or (n.op == "Concat" and not all(sliced)):
             return None
-        return np.asarray(RULES[n.op](n.attrs, args)), full
+        return _apply(n, args, limit), full
     if n.op == "Unsqueeze":
         rank = x.ndim + len(args[1])
         if any(int(v) % rank == 0 for v in args[1].tolist()):

@@ -14,20 +14,24 @@ token). Bindings are cached per (slab, slots, chunk): a step only writes its inp
 buffers the binding already points to.
 
 One thread uses a LayerRange at a time (the node's data plane, or the local engine's worker).
+A step far past what the range's own steps take is cancelled (engine/deadline.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from edgelite.config import RuntimeConfig
 from edgelite.engine import kernels, onnxgraph, rope
+from edgelite.engine.deadline import StepClock, run_guarded
 from edgelite.engine.kv import KVPool, Slab, Slot
 from edgelite.engine.kvfile import Layout
 from edgelite.engine.passes import linear, pipeline
@@ -141,6 +145,9 @@ class LayerRange:
                 self.ropes |= {f"cos_cache{suffix}": cos, f"sin_cache{suffix}": sin}
         self.hidden_in = f"hidden_{self.first}"
         self._check_shapes()
+        # a step far past what this range's steps take is cancelled (engine/deadline.py)
+        self.clock = StepClock(self.cfg.step_deadline_s, self.cfg.step_deadline_factor)
+        self.run_options = ort.RunOptions()
 
     def _open(self, lo: int, hi: int) -> Any:
         m = self.manifest
@@ -225,8 +232,11 @@ class LayerRange:
         return b
 
     def _run(self, b: Binding) -> None:
-        for session, io in zip(self.sessions, b.io, strict=True):
-            session.run_with_iobinding(io)
+        rows = b.hidden.shape[0] * b.hidden.shape[1]
+        t0 = time.perf_counter()
+        run_guarded(list(zip(self.sessions, b.io, strict=True)), self.run_options, self.clock.deadline(rows),
+                    f"layers {self.first}-{self.last}")
+        self.clock.record(rows, time.perf_counter() - t0)
 
     def run(self, slot: Slot, hidden: np.ndarray) -> np.ndarray:
         """Append hidden (1, n, hidden_size) to the session in `slot`; the range's output for

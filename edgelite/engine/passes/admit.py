@@ -9,14 +9,19 @@ is data the node checks, not code it trusts:
 - MatMulNBits' sizes are bounded and agree with its weights: `bits` 2, 4 or 8, `block_size`
   16 to 256, `K` a multiple of it, `K` and `N` at most MAX_DIM, and codes that are an
   initializer have exactly (N, K / block_size, block_size x bits / 8) elements, so a product
-  allocates no more than its file holds.
+  allocates no more than its file holds;
+- initializers as the exporter stores them: raw bytes, inline only up to INLINE_BYTES (every
+  weight is external data), so a graph file cannot carry weights the manifest does not count;
+- a node computed from constants alone is one engine/fold.py computes (and bounds: a folded
+  result holds at most FOLD_GROWTH times what it is computed from), never left to
+  onnxruntime's own folding at load, whose memory nothing bounds.
 
 Anything else is refused with one line naming the node and what is wrong.
 """
 
 from __future__ import annotations
 
-from edgelite.engine.fold import tensor
+from edgelite.engine.fold import RULES, tensor
 from edgelite.engine.onnxgraph import (
     GRAPH_INIT,
     GRAPH_NODE,
@@ -40,6 +45,7 @@ ALLOWED = frozenset({
 })
 BITS = (2, 4, 8)
 BLOCKS = (16, 32, 64, 128, 256)
+INLINE_BYTES = 64  # an initializer held in the graph itself at most (exporter/graph.py's rule)
 
 
 def admit_pass(m: Manifest) -> Pass:
@@ -49,11 +55,21 @@ def admit_pass(m: Manifest) -> Pass:
 
 def _admit(graph: Graph, m: Manifest) -> Graph:
     codes: dict[str, list[int]] = {}
+    external = False
     for number, _, value in fields(graph):
         if number == GRAPH_INIT:
             t = tensor(value)  # type: ignore[arg-type]
-            if t is not None:
-                codes[t.name] = t.dims
+            if t is None:
+                raise ValueError("an initializer is stored in a form the exporter does not write "
+                                 "(typed value lists, or external data without a location)")
+            count = 1
+            for d in t.dims:
+                count *= d if d >= 0 else -(1 << 70)
+            if count < 0 or (not t.location and count * t.dtype.itemsize > INLINE_BYTES):
+                raise ValueError(f"initializer {t.name[:80]!r} of dims {t.dims[:8]} is held in the graph "
+                                 f"(the exporter holds at most {INLINE_BYTES} bytes there)")
+            codes[t.name] = t.dims
+            external |= bool(t.location)
     for number, _, value in fields(graph):
         if number != GRAPH_NODE:
             continue
@@ -70,7 +86,26 @@ def _admit(graph: Graph, m: Manifest) -> Graph:
                     raise ValueError(f"node {name!r}: {attr} is {attrs.get(attr)}, the manifest says {want}")
         elif op == "MatMulNBits":
             _product(name, attrs, inputs, codes)
+    _constants(graph, set(codes), external)
     return graph
+
+
+def _constants(graph: Graph, const: set[str], external: bool) -> None:
+    """Every node computed from constants alone is one fold.py computes, in a graph with
+    external weights (fold.py folds only there; else onnxruntime would)."""
+    for number, _, value in fields(graph):
+        if number != GRAPH_NODE:
+            continue
+        op, inputs, outputs, rest = node_parts(value)  # type: ignore[arg-type]
+        real = [i for i in inputs if i]
+        if not real or not all(i in const for i in real):
+            continue
+        domain = next((bytes(v).decode() for n, _, v in rest if n == NODE_DOMAIN), "")  # type: ignore[arg-type]
+        name = next((bytes(v).decode() for n, _, v in rest if n == NODE_NAME), "?")[:120]  # type: ignore[arg-type]
+        if domain not in ("", "ai.onnx") or op not in RULES or not external:
+            raise ValueError(f"node {name!r}: {op[:60]} is computed from constants alone, which the exporter "
+                             f"writes only for {', '.join(sorted(RULES))} over external weights")
+        const.update(outputs)
 
 
 def _product(name: str, attrs: dict[str, int | float], inputs: list[str],
