@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgelite.errors import EdgeliteError
-from edgelite.reply.jsonprefix import JsonPrefix
-from edgelite.reply.jsonschema import check_reply_schema, fits
+from edgelite.reply.jsonprefix import JsonPrefix, incomplete
+from edgelite.reply.jsonschema import check_reply_schema, fits, pending
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +99,24 @@ def test_schemas_outside_the_subset_are_refused_naming_what() -> None:
                            "enum must be a non-empty list")):
         with pytest.raises(EdgeliteError, match=words):
             check_reply_schema(schema)
+
+
+@pytest.mark.parametrize(("data", "tail"), [
+    (b"", b""), (b"abc", b""), (b"\xc3", b"\xc3"), (b"caf\xc3", b"\xc3"), (b"\xe4\xb8", b"\xe4\xb8"),
+    (b"\xe4\xb8\xad", b""), (b"\xf0\x9f\x98", b"\xf0\x9f\x98"), (b"\xef\xbf\xbd", b""),
+    (b"\xa9", None), (b"a\xa9", None), (b"\xc3\xc3", b"\xc3"), (b"\xc0", None), (b"\xf5", None),
+    (b"\xe0\x80", None), (b"\xed\xa0", None), (b"\xf0\x80", None), (b"\xf4\x90", None),
+    (b"\xe4\xb8\xad\xad", None), (b"\x80\x80\x80\x80", None),
+])
+def test_the_bytes_a_character_still_coming_began_with(data: bytes, tail: bytes | None) -> None:
+    assert incomplete(data) == tail
+
+
+def test_a_character_still_coming_fits_only_the_values_its_bytes_begin() -> None:
+    schema = check_reply_schema({"type": "object", "properties": {"x": {"enum": ["中国", "日本", "ok"]}}})
+    assert fits(schema, '{"x":"' + pending(b"\xe4"))  # (中: e4 b8 ad)
+    assert fits(schema, '{"x":"' + pending(b"\xe6\x97"))  # (日: e6 97 a5)
+    assert not fits(schema, '{"x":"' + pending(b"\xe5"))  # (国 comes second)
+    assert fits(schema, '{"x":"中' + pending(b"\xe5\x9b"))
+    assert not fits(schema, '{"x":"o' + pending(b""))
+    assert fits(schema, '{"x":"' + pending(b""))  # (bytes not known: any non-ASCII character)

@@ -17,12 +17,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from edgelite.errors import EdgeliteError
-from edgelite.reply.jsonschema import PENDING, fits
+from edgelite.reply.jsonschema import fits, pending
 
 T = TypeVar("T")
 WHITESPACE = " \t\n\r"
 MAX_WHITESPACE = 8  # characters of whitespace in a row between tokens of the JSON (outside strings)
 MAX_NUMBER = 32  # characters of a number, once it is whole (then it ends: a model's digits may not)
+# the second byte's range for the leads that narrow it (UTF-8: no overlong forms, no surrogates)
+SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 MAX_PARTIAL = 3  # tokens in a row that leave a character incomplete (UTF-8: 4 bytes at most)
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
@@ -198,6 +200,27 @@ class JsonPrefix:
         return True
 
 
+def incomplete(data: bytes) -> bytes | None:
+    """The bytes at the end of `data` that begin a UTF-8 character still to be completed
+    (b"": none), or None when they can begin none (continuation bytes with no lead, a byte no
+    character starts with, a second byte outside its lead's range)."""
+    conts = 0
+    while conts < min(3, len(data)) and 0x80 <= data[-1 - conts] < 0xC0:
+        conts += 1
+    if conts == len(data):
+        return None if data else b""
+    lead, have = data[-1 - conts], conts + 1
+    if lead < 0x80:
+        return b"" if not conts else None
+    if not 0xC2 <= lead <= 0xF4:
+        return None
+    need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    if have >= need:
+        return b"" if have == need else None
+    low, high = SECOND_BYTE.get(lead, (0x80, 0xBF))
+    return data[-have:] if have == 1 or low <= data[-have + 1] <= high else None
+
+
 def draw_allowed(logits: np.ndarray, pick: Callable[[np.ndarray], int],
                  allowed: Callable[[int], T | None], tries: int) -> tuple[int, T] | None:
     """The token `pick` takes from the logits with every token `allowed` refused (None)
@@ -228,15 +251,20 @@ class JsonConstraint:
 
     def __init__(self, decode: Callable[[list[int]], str], eos: frozenset[int],
                  max_tries: int = 64, schema: dict[str, Any] | None = None,
-                 ids: Sequence[int] = (), skip: int = 0) -> None:
+                 ids: Sequence[int] = (), skip: int = 0,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.decode, self.eos, self.max_tries = decode, eos, max_tries
+        # each token's bytes (Tokenizer.token_bytes; None: not known): a token that leaves a
+        # character incomplete is taken only if its bytes can begin one the schema allows
+        self.token_bytes = token_bytes
         self.schema = schema  # json_schema: the text must also stay within it (jsonschema.py)
         self.partial = 0  # tokens in a row that left a character incomplete
         self.state = JsonPrefix()
         # the reply's tokens so far; the JSON starts `skip` characters into their text (a
         # tool call's opening comes before it: reply/tools.py)
         self.ids, self.skip = list(ids), skip
-        head = decode(self.ids)[skip:] if self.ids else ""
+        self.decoded = decode(self.ids) if self.ids else ""  # the reply's tokens' text
+        head = self.decoded[skip:]
         # the JSON's text the state has taken; `started`: what came with `ids` can begin it
         self.text = head
         self.started = (not head.endswith("\ufffd") and self.state.feed(head)
@@ -253,6 +281,15 @@ class JsonConstraint:
         text = self.decode([*self.ids, tok])
         partial = text.endswith("\ufffd")
         new = text[self.skip + len(self.text):].rstrip("\ufffd")
+        adds = bool(self.token_bytes(tok)) if self.token_bytes is not None else text != self.decoded
+        if "\ufffd" in new or text.endswith("\ufffd\ufffd") or (partial and not adds):
+            return None  # (bytes that cannot make a character; a token that adds none)
+        tail = b""
+        if partial and self.token_bytes is not None:
+            began = self.ids[len(self.ids) - self.partial:]  # (the tokens since the character began)
+            tail = incomplete(b"".join(map(self.token_bytes, [*began, tok])))
+            if not tail:  # (bytes no others can complete: no lead, a wrong one; or U+FFFD itself)
+                return None
         after = self.state.copy()
         if not after.feed(new) or (partial and not after.in_string):
             return None
@@ -264,7 +301,8 @@ class JsonConstraint:
             run = len(self.text) - len(self.text.rstrip(WHITESPACE)) + len(new)
             if run > MAX_WHITESPACE:
                 return None  # (whitespace only would never end the object)
-        if self.schema is not None and not fits(self.schema, self.text + new + PENDING * partial):
+        coming = pending(tail) if partial else ""
+        if self.schema is not None and not fits(self.schema, self.text + new + coming):
             return None
         return new, partial
 
@@ -285,4 +323,5 @@ class JsonConstraint:
         self.state.feed(new)
         self.text += new
         self.ids.append(tok)
+        self.decoded = self.decode(self.ids)
         return tok

@@ -25,15 +25,24 @@ KEYWORDS = {"type", "properties", "required", "items", "enum", "anyOf", "title",
 CONSTRAINING = {"type", "properties", "required", "items", "enum"}  # (the rest only annotate)
 MAX_DEPTH = 16
 PENDING = "\u0080"  # stands for a character whose bytes are still coming (any non-ASCII one)
+BYTE_MARK = 0xE000  # after PENDING: its bytes so far, each as the character BYTE_MARK + byte
 ESCAPED = "\x00escaped"  # a key written with an escape: it matches no property
 
 
+def pending(tail: bytes) -> str:
+    """A character still coming, its first bytes `tail`, as the end of a text `fits` takes."""
+    return PENDING + "".join(chr(BYTE_MARK + b) for b in tail)
+
+
 def _starts(value: str, prefix: str) -> bool:
-    """Whether `value` begins with `prefix`, whose last character may be PENDING."""
-    if prefix.endswith(PENDING):
-        head = prefix[:-1]
-        return value.startswith(head) and len(value) > len(head) and value[len(head)] >= PENDING
-    return value.startswith(prefix)
+    """Whether `value` begins with `prefix`, which may end with a character still coming
+    (`pending`: that character is non-ASCII, and begins with the bytes given, if any)."""
+    at = prefix.find(PENDING)
+    if at < 0:
+        return value.startswith(prefix)
+    head, tail = prefix[:at], bytes(ord(c) - BYTE_MARK for c in prefix[at + 1:])
+    return (value.startswith(head) and len(value) > at and value[at] >= PENDING
+            and value[at].encode().startswith(tail))
 
 
 def check_reply_schema(schema: Any) -> dict[str, Any]:

@@ -179,7 +179,8 @@ class ReplyLoop:
                                     f"text (a tokenizer)")
             self.json = JsonConstraint(decoder.tok.decode, self.eos,
                                        schema=parse_schema(cfg.json_schema)
-                                       if cfg.response_format == "json_schema" else None)
+                                       if cfg.response_format == "json_schema" else None,
+                                       token_bytes=decoder.tok.token_bytes)
         # a reply that may be a tool call (reply/tools.py): its text is held while it may
         self.tools: CallChooser | None = None
         self.held = ""
@@ -190,7 +191,7 @@ class ReplyLoop:
             tools = parse_tools(cfg.tools)
             check_choice(cfg.tool_choice, tools)
             self.tools = CallChooser(decoder.tok.decode, self.eos, tools, cfg.tool_choice,
-                                     decoder.tok.tool_style)
+                                     decoder.tok.tool_style, token_bytes=decoder.tok.token_bytes)
 
     @property
     def done(self) -> bool:

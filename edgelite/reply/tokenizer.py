@@ -6,6 +6,8 @@ render chat templates, so prompts match transformers' apply_chat_template token 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,16 @@ def _require() -> tuple[Any, Any]:
         raise MissingDependency(f"the chat client needs {exc.name}: pip install 'edgelite[chat]'") \
             from exc
     return tokenizers, jinja2.sandbox
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte's character in a vocabulary's tokens."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {b: chr(b) for b in shown}, 0
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(256 + extra), extra + 1
+    return out
 
 
 class TemplateRefusal(ValueError):
@@ -59,6 +71,30 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def token_bytes(self) -> Callable[[int], bytes] | None:
+        """A token's bytes as its text takes them (special tokens: none), for vocabularies of
+        GPT-2's byte alphabet (SmolLM2, Qwen, Llama 3) or of SentencePiece pieces with byte
+        fallback ("<0xC3>": Gemma, Mistral, Phi); None for any other. JSON constraints use
+        them to know which character a token's incomplete bytes begin (reply/jsonprefix.py)."""
+        if self.tok.token_to_id("\u0120") is not None:  # (GPT-2's space, "Ġ")
+            back = {c: b for b, c in _byte_alphabet().items()}
+
+            def piece(tid: int) -> bytes:
+                text = self.tok.id_to_token(tid) or ""
+                return b"" if not self.decode([tid]) else bytes(back[c] for c in text if c in back)
+        elif self.tok.token_to_id("<0x80>") is not None:
+            def piece(tid: int) -> bytes:
+                text = self.tok.id_to_token(tid) or ""
+                if not self.decode([tid]):  # (a special token: its text is none)
+                    return b""
+                if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                    return bytes([int(text[3:5], 16)])
+                return text.replace("\u2581", " ").encode()
+        else:
+            return None
+        return functools.lru_cache(maxsize=4096)(piece)
 
     def chat_prompt(self, messages: list[dict[str, str]], tools: str = "",
                     tool_choice: str = "auto") -> list[int]:

@@ -198,6 +198,7 @@ class CallChooser:
     choice: str
     style: Style
     max_tries: int = 64
+    token_bytes: Callable[[int], bytes] | None = None  # Tokenizer.token_bytes (JsonConstraint)
     ids: list[int] = field(default_factory=list)
     json: JsonConstraint | None = None
     state: str = "open"
@@ -205,7 +206,8 @@ class CallChooser:
     def __post_init__(self) -> None:
         self.schema = call_schema(self.tools, self.choice)
         if forced(self.choice):  # (the prompt ends with the opening)
-            self.json = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema)
+            self.json = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema,
+                                       token_bytes=self.token_bytes)
             self.state = "call"
 
     @property
@@ -257,7 +259,8 @@ class CallChooser:
             self.state = "text"
             return True
         start = len(text) - len(lead) + (0 if self.opening == "{" else len(self.opening))
-        constraint = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema, ids, start)
+        constraint = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema, ids, start,
+                                    self.token_bytes)
         if not constraint.started:
             return False
         self.json, self.state = constraint, "call"
