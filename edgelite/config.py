@@ -132,6 +132,9 @@ class GenerationConfig:
     # required or a tool's name): a reply may be a call (reply/tools.py; no speculation then)
     tools: str = ""
     tool_choice: str = "auto"
+    # a JSON or tool-call constraint's choice of one token takes at most this long (a full
+    # scan of the vocabulary against a costly schema); past it the reply ends with an error
+    constraint_token_s: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgelite.errors import EdgeliteError
-from edgelite.reply.jsonprefix import JsonPrefix, incomplete
+from edgelite.reply.jsonprefix import JsonConstraint, JsonPrefix, incomplete
 from edgelite.reply.jsonschema import check_reply_schema, fits, pending
 
 pytestmark = pytest.mark.unit
@@ -120,3 +121,18 @@ def test_a_character_still_coming_fits_only_the_values_its_bytes_begin() -> None
     assert fits(schema, '{"x":"中' + pending(b"\xe5\x9b"))
     assert not fits(schema, '{"x":"o' + pending(b""))
     assert fits(schema, '{"x":"' + pending(b""))  # (bytes not known: any non-ASCII character)
+
+
+def test_a_token_choice_past_its_time_ends_the_reply_naming_it() -> None:
+    vocab = ["{", *("x" * (1 + i % 7) for i in range(20000))]  # (after "{", none of the rest fits)
+    constraint = JsonConstraint(lambda ids: "".join(vocab[i] for i in ids), frozenset({-1}), max_tries=4,
+                                limit_s=0.0)
+    logits = np.zeros(len(vocab), np.float32)
+    logits[0] = 1.0
+    assert constraint.choose(logits, lambda x: int(np.argmax(x))) == 0
+    with pytest.raises(EdgeliteError, match="the JSON constraint took over 0 s choosing one token"):
+        constraint.choose(logits, lambda x: int(np.argmax(x)))
+    patient = JsonConstraint(lambda ids: "".join(vocab[i] for i in ids), frozenset({-1}), max_tries=4)
+    patient.choose(logits, lambda x: int(np.argmax(x)))
+    with pytest.raises(EdgeliteError, match="no token of the model's vocabulary continues"):
+        patient.choose(logits, lambda x: int(np.argmax(x)))  # (the whole scan, then the plain refusal)

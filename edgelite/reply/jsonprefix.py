@@ -10,6 +10,8 @@ runs in Termux as it runs here.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -221,6 +223,22 @@ def incomplete(data: bytes) -> bytes | None:
     return data[-have:] if have == 1 or low <= data[-have + 1] <= high else None
 
 
+class Budget:
+    """The time one token's choice may take: `check` raises once it is spent (looked at every
+    CHECK_EVERY calls: a call is one candidate token weighed)."""
+
+    CHECK_EVERY = 64
+
+    def __init__(self, limit_s: float, what: str) -> None:
+        self.end, self.limit_s, self.what, self.calls = time.monotonic() + limit_s, limit_s, what, 0
+
+    def check(self) -> None:
+        self.calls += 1
+        if self.calls % self.CHECK_EVERY == 0 and time.monotonic() > self.end:
+            raise EdgeliteError(f"{self.what} took over {self.limit_s:g} s choosing one token (its schema "
+                                f"weighs too much against this model's vocabulary)")
+
+
 def draw_allowed(logits: np.ndarray, pick: Callable[[np.ndarray], int],
                  allowed: Callable[[int], T | None], tries: int) -> tuple[int, T] | None:
     """The token `pick` takes from the logits with every token `allowed` refused (None)
@@ -252,8 +270,9 @@ class JsonConstraint:
     def __init__(self, decode: Callable[[list[int]], str], eos: frozenset[int],
                  max_tries: int = 64, schema: dict[str, Any] | None = None,
                  ids: Sequence[int] = (), skip: int = 0,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None, limit_s: float = math.inf) -> None:
         self.decode, self.eos, self.max_tries = decode, eos, max_tries
+        self.limit_s = limit_s  # one token's choice at most (GenerationConfig.constraint_token_s)
         # each token's bytes (Tokenizer.token_bytes; None: not known): a token that leaves a
         # character incomplete is taken only if its bytes can begin one the schema allows
         self.token_bytes = token_bytes
@@ -312,8 +331,10 @@ class JsonConstraint:
         if (drawn := draw_allowed(logits, pick, self._fits, self.max_tries)) is not None:
             return self._accept(drawn[0], *drawn[1])
         order = likeliest_first(logits)
+        clock = Budget(self.limit_s, "the JSON constraint")
         for any_space in (False, True):  # (whitespace beyond the cap only if nothing else goes)
             for tok in order:  # every token, the likeliest first
+                clock.check()
                 if (taken := self._fits(tok, any_space)) is not None:
                     return self._accept(tok, *taken)
         raise EdgeliteError("no token of the model's vocabulary continues the JSON here")

@@ -180,7 +180,7 @@ class ReplyLoop:
             self.json = JsonConstraint(decoder.tok.decode, self.eos,
                                        schema=parse_schema(cfg.json_schema)
                                        if cfg.response_format == "json_schema" else None,
-                                       token_bytes=decoder.tok.token_bytes)
+                                       token_bytes=decoder.tok.token_bytes, limit_s=cfg.constraint_token_s)
         # a reply that may be a tool call (reply/tools.py): its text is held while it may
         self.tools: CallChooser | None = None
         self.held = ""
@@ -191,7 +191,8 @@ class ReplyLoop:
             tools = parse_tools(cfg.tools)
             check_choice(cfg.tool_choice, tools)
             self.tools = CallChooser(decoder.tok.decode, self.eos, tools, cfg.tool_choice,
-                                     decoder.tok.tool_style, token_bytes=decoder.tok.token_bytes)
+                                     decoder.tok.tool_style, token_bytes=decoder.tok.token_bytes,
+                                     limit_s=cfg.constraint_token_s)
 
     @property
     def done(self) -> bool:

@@ -24,6 +24,7 @@ them (`history`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from edgelite.errors import EdgeliteError
-from edgelite.reply.jsonprefix import JsonConstraint, draw_allowed, likeliest_first
+from edgelite.reply.jsonprefix import Budget, JsonConstraint, draw_allowed, likeliest_first
 from edgelite.reply.jsonschema import check_schema
 
 CHOICES = ("auto", "none", "required")  # or a tool's name
@@ -199,6 +200,7 @@ class CallChooser:
     style: Style
     max_tries: int = 64
     token_bytes: Callable[[int], bytes] | None = None  # Tokenizer.token_bytes (JsonConstraint)
+    limit_s: float = math.inf  # the longest one token's choice may take (JsonConstraint)
     ids: list[int] = field(default_factory=list)
     json: JsonConstraint | None = None
     state: str = "open"
@@ -207,7 +209,7 @@ class CallChooser:
         self.schema = call_schema(self.tools, self.choice)
         if forced(self.choice):  # (the prompt ends with the opening)
             self.json = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema,
-                                       token_bytes=self.token_bytes)
+                                       token_bytes=self.token_bytes, limit_s=self.limit_s)
             self.state = "call"
 
     @property
@@ -240,7 +242,9 @@ class CallChooser:
         if (drawn := draw_allowed(logits, pick, lambda t: True if self._judge(t) else None,
                                   self.max_tries)) is not None:
             return drawn[0]
+        clock = Budget(self.limit_s, "the tool-call constraint")
         for tok in likeliest_first(logits):
+            clock.check()
             if self._judge(tok):
                 return tok
         raise EdgeliteError("no token of the model's vocabulary continues the reply here")
@@ -260,7 +264,7 @@ class CallChooser:
             return True
         start = len(text) - len(lead) + (0 if self.opening == "{" else len(self.opening))
         constraint = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema, ids, start,
-                                    self.token_bytes)
+                                    self.token_bytes, self.limit_s)
         if not constraint.started:
             return False
         self.json, self.state = constraint, "call"
