@@ -106,6 +106,15 @@ def smollm2_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int4_model(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Q4_1 GGUF's fast export (MatMulNBits products, GroupQueryAttention): what the
+    graph admission tests change."""
+    from edgelite_export import build
+
+    return build.run(str(ggufs["Q4_1"]), tmp_path_factory.mktemp("admit") / "m", build.Options(steps=4)).out
+
+
+@pytest.fixture(scope="session")
 def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny Llama GGUF files of each kind (K-quants: random blocks, 256-wide rows)."""
     import models
@@ -169,7 +178,7 @@ def netns():
 TIERS = ("unit", "engine", "e2e")
 # fixtures a unit test may not use: each builds or exports a model, starts processes or compiles
 HEAVY = {"exported", "hf_models", "smollm2", "smollm2_int4", "ggufs", "node_factory", "netns",
-         "kernel_paths"}
+         "kernel_paths", "int4_model"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

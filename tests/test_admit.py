@@ -83,13 +83,6 @@ CASES: dict[str, tuple[Callable[[onnx.GraphProto], None], str]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def int4_model(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edgelite_export import build
-
-    return build.run(str(ggufs["Q4_1"]), tmp_path_factory.mktemp("admit") / "m", build.Options(steps=4)).out
-
-
 def _changed(int4_model: Path, tmp_path: Path, change: Callable[[onnx.GraphProto], None]) -> mf.Manifest:
     """The model with layer 0's graph changed, its manifest made to match (only the graph lies)."""
     model = Path(shutil.copytree(int4_model, tmp_path / "m"))
