@@ -308,6 +308,10 @@ class GatewayConfig:
     # token is weighed against them: reply/jsonschema.py schema_size)
     max_schema_values: int = 512
     idle_poll_s: float = 0.05  # the scheduler's sleep when it has nothing to do
+    # Python's thread switch interval in the gateway's process (sys.setswitchinterval): the event
+    # loop shares the GIL with constrained replies' token choices in worker threads; at the
+    # default 5 ms each of its turns could wait that long behind one
+    switch_interval_s: float = 0.0005
     max_requests_per_user: int = 8  # waiting + running at once; more are refused
     client_queue_frames: int = 1024  # frames queued for one client; a client this far behind is dropped
     client_send_timeout_s: float = 10.0  # a client that takes no frame for this long is dropped

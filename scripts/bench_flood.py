@@ -8,9 +8,13 @@ another over HTTP and times each one's first token, in three phases:
 - quiet;
 - a pre-auth flood: `--flood` connections from 127.0.0.2 to each node and to the HTTP port that
   never authenticate nor send a request, those closed opened again every SWEEP_S;
-- a prompt flood: 4 clients post ~1 MB prompts over HTTP, each `--prompt-rate` a second.
+- a prompt flood: 4 clients post ~1 MB prompts over HTTP, each `--prompt-rate` a second;
+- hostile requests (issue 62): 2 workers for `--hostile-s` seconds, each sending in turn a
+  500-value enum schema, a 3,000-value one, a wide anyOf near 32 KB, a non-ASCII enum, 300 KB
+  of tool-call arguments with tools, and a prompt holding a lone UTF-16 surrogate.
 Prints one JSON object: each phase's TTFT p50 and p99, the ratios to the quiet phase, what the
-floods got, and whether the gateway kept both nodes (its node-loss counter stays 0).
+floods got (HTTP statuses: no 500 may be among them), and whether the gateway kept both nodes
+(its node-loss counter stays 0).
 """
 
 from __future__ import annotations
@@ -150,6 +154,61 @@ def prompt_flood(port: int, rate: float) -> Flood:
     return f
 
 
+def _hostile_bodies() -> dict[str, bytes]:
+    """Each hostile request kind's body (JSON text as sent)."""
+    ask = [{"role": "user", "content": "Answer in JSON."}]
+
+    def schema(prop: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"x": prop}, "required": ["x"]}}}
+
+    wide = {"anyOf": [{"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(6)}}
+                      for i in range(60)]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string"}}}}}]
+    bodies = {
+        "enum_500": {"messages": ask, "max_tokens": 16, "response_format": schema(
+            {"enum": [f"value number {i}" for i in range(500)]})},
+        "enum_3000": {"messages": ask, "max_tokens": 16, "response_format": schema(
+            {"enum": [f"value number {i}" for i in range(3000)]})},
+        "wide_anyof": {"messages": ask, "max_tokens": 16, "response_format": schema(wide)},
+        "non_ascii_enum": {"messages": ask, "max_tokens": 16, "response_format": schema(
+            {"enum": ["café", "naïve", "日本", "中国", "😀"]})},
+        "tool_arguments": {"messages": [*ask, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps(
+                {"a": "\U0001f600" * 75_000})}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+            "tools": tools, "max_tokens": 8},
+    }
+    out = {k: json.dumps(v).encode() for k, v in bodies.items()}
+    out["lone_surrogate"] = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 8}'
+    return out
+
+
+def request_flood(port: int, workers: int, kinds: list[str] | None = None) -> Flood:
+    """`workers` clients sending each hostile request kind (of `kinds`: all) in turn."""
+    f = Flood()
+    bodies = [(k, b) for k, b in _hostile_bodies().items() if not kinds or k in kinds]
+
+    def send(w: int) -> None:
+        i = w
+        while not f.stop.is_set():
+            kind, body = bodies[i % len(bodies)]
+            i += 1
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            try:
+                c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                r = c.getresponse()
+                r.read()
+                f.count(f"{kind} HTTP {r.status}")
+            except OSError:
+                f.count(f"{kind} error")
+            finally:
+                c.close()
+
+    f.run(send, workers)
+    return f
+
+
 def metrics(port: int) -> dict[str, float]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -172,6 +231,9 @@ def main() -> None:
     ap.add_argument("--prompt-rate", type=float, default=10.0,
                     help="~1 MB prompts a second per flooding client (4 of them; 0: unbounded). "
                          "At 50 Mbit/s, a phone's Wi-Fi, one takes 160 ms to send")
+    ap.add_argument("--hostile-s", type=float, default=20.0, help="the hostile requests' phase")
+    ap.add_argument("--hostile-workers", type=int, default=2)
+    ap.add_argument("--hostile-kinds", default="", help="comma-separated kinds (default: all)")
     args = ap.parse_args()
     n = mf.load(args.model).num_layers
     tmp = Path(tempfile.mkdtemp())  # (the nodes' folders and the log: removed at the end)
@@ -193,19 +255,24 @@ def main() -> None:
         for i in range(3):  # warm up
             ttft_ms(port, f"warm up {i}")
         phases = {}
-        for phase in ("quiet", "preauth_flood", "prompt_flood"):
+        for phase in ("quiet", "preauth_flood", "prompt_flood", "hostile_requests"):
             flood = None
             if phase == "preauth_flood":
                 flood = preauth_flood([x.port for x in nodes] + [port], args.flood)
             elif phase == "prompt_flood":
                 flood = prompt_flood(port, args.prompt_rate)
+            elif phase == "hostile_requests":
+                flood = request_flood(port, args.hostile_workers,
+                                      [k for k in args.hostile_kinds.split(",") if k] or None)
             time.sleep(1.0 if flood else 0.0)
-            times = [ttft_ms(port, f"{phase} question {i}: what is {i} plus {i}?")
-                     for i in range(args.requests)]
+            end = time.monotonic() + (args.hostile_s if phase == "hostile_requests" else 0.0)
+            times = []
+            while len(times) < args.requests or time.monotonic() < end:  # (bounded: the phase's time)
+                times.append(ttft_ms(port, f"{phase} question {len(times)}: what is 2 plus 2?"))
             if flood is not None:
                 flood.end()
                 out[f"{phase}_got"] = flood.counts
-            phases[phase] = {"p50_ms": round(statistics.median(times), 1),
+            phases[phase] = {"requests": len(times), "p50_ms": round(statistics.median(times), 1),
                              "p99_ms": round(sorted(times)[max(0, round(0.99 * len(times)) - 1)], 1)}
         out["ttft"] = phases
         q = phases["quiet"]["p99_ms"]
@@ -213,6 +280,8 @@ def main() -> None:
         m = metrics(port)
         out["node_losses"] = m.get("edgelite_node_losses_total")
         out["kept_both_nodes"] = out["node_losses"] == 0
+        out["http_500s"] = sum(v for got in (out.get(f"{p}_got", {}) for p in phases)
+                               for k, v in got.items() if k.endswith("HTTP 500"))
     finally:
         proc.kill()
         proc.wait(10)

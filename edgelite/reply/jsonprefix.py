@@ -28,6 +28,7 @@ MAX_NUMBER = 32  # characters of a number, once it is whole (then it ends: a mod
 # the second byte's range for the leads that narrow it (UTF-8: no overlong forms, no surrogates)
 SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 MAX_PARTIAL = 3  # tokens in a row that leave a character incomplete (UTF-8: 4 bytes at most)
+PENDING_BYTES = b"\x80"  # stands for a character's bytes still coming where they are not known
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
 LITERALS = ("true", "false", "null")
@@ -283,32 +284,28 @@ class JsonConstraint:
         # tool call's opening comes before it: reply/tools.py)
         self.ids, self.skip = list(ids), skip
         self.decoded = decode(self.ids) if self.ids else ""  # the reply's tokens' text
+        # the bytes of a character the tokens so far leave incomplete (token_bytes known)
+        self.pending = b""
         head = self.decoded[skip:]
         # the JSON's text the state has taken; `started`: what came with `ids` can begin it
         self.text = head
         self.started = (not head.endswith("\ufffd") and self.state.feed(head)
                         and (schema is None or fits(schema, head)))
 
-    def _fits(self, tok: int, any_space: bool = False) -> tuple[str, bool] | None:
-        """(the text `tok` adds to the reply, whether it leaves a character incomplete) when
-        it keeps the reply a JSON object's prefix, else None. A character left incomplete (its
-        bytes go on in the next token) is taken with the token that completes it, and only
-        inside a string (elsewhere no non-ASCII character is JSON). `any_space`: whitespace
-        beyond MAX_WHITESPACE is taken too."""
+    def _fits(self, tok: int, any_space: bool = False) -> tuple[str, bytes] | None:
+        """(the text `tok` adds to the reply, the bytes it leaves of a character still
+        incomplete) when it keeps the reply a JSON object's prefix, else None. A character
+        left incomplete (its bytes go on in the next token) is taken with the token that
+        completes it, only inside a string (elsewhere no non-ASCII character is JSON) and only
+        where its bytes can begin one the schema allows. `any_space`: whitespace beyond
+        MAX_WHITESPACE is taken too."""
         if tok in self.eos:
             return None
-        text = self.decode([*self.ids, tok])
-        partial = text.endswith("\ufffd")
-        new = text[self.skip + len(self.text):].rstrip("\ufffd")
-        adds = bool(self.token_bytes(tok)) if self.token_bytes is not None else text != self.decoded
-        if "\ufffd" in new or text.endswith("\ufffd\ufffd") or (partial and not adds):
+        got = self._piece(tok) if self.token_bytes is not None else self._decoded(tok)
+        if got is None:
             return None  # (bytes that cannot make a character; a token that adds none)
-        tail = b""
-        if partial and self.token_bytes is not None:
-            began = self.ids[len(self.ids) - self.partial:]  # (the tokens since the character began)
-            tail = incomplete(b"".join(map(self.token_bytes, [*began, tok])))
-            if not tail:  # (bytes no others can complete: no lead, a wrong one; or U+FFFD itself)
-                return None
+        new, tail = got
+        partial = bool(tail)
         after = self.state.copy()
         if not after.feed(new) or (partial and not after.in_string):
             return None
@@ -320,10 +317,34 @@ class JsonConstraint:
             run = len(self.text) - len(self.text.rstrip(WHITESPACE)) + len(new)
             if run > MAX_WHITESPACE:
                 return None  # (whitespace only would never end the object)
-        coming = pending(tail) if partial else ""
+        coming = pending(tail if self.token_bytes is not None else b"") if partial else ""
         if self.schema is not None and not fits(self.schema, self.text + new + coming):
             return None
-        return new, partial
+        return new, tail
+
+    def _piece(self, tok: int) -> tuple[str, bytes] | None:
+        """From the token's bytes (no decoding of the reply): (the text it completes, the
+        bytes it leaves incomplete), or None when they cannot be text or it adds none."""
+        assert self.token_bytes is not None
+        own = self.token_bytes(tok)
+        data = self.pending + own
+        tail = incomplete(data)
+        if not own or tail is None:
+            return None
+        try:
+            return data[:len(data) - len(tail)].decode(), tail
+        except UnicodeDecodeError:
+            return None
+
+    def _decoded(self, tok: int) -> tuple[str, bytes] | None:
+        """From the reply's text decoded with the token (bytes not known): (the text it adds,
+        b"\\x80" standing for bytes of a character still coming, or b""), or None."""
+        text = self.decode([*self.ids, tok])
+        partial = text.endswith("\ufffd")
+        new = text[self.skip + len(self.text):].rstrip("\ufffd")
+        if "\ufffd" in new or text.endswith("\ufffd\ufffd") or (partial and text == self.decoded):
+            return None
+        return new, b"" if not partial else PENDING_BYTES
 
     def choose(self, logits: np.ndarray, pick: Callable[[np.ndarray], int]) -> int:
         if self.state.done:
@@ -339,10 +360,13 @@ class JsonConstraint:
                     return self._accept(tok, *taken)
         raise EdgeliteError("no token of the model's vocabulary continues the JSON here")
 
-    def _accept(self, tok: int, new: str, partial: bool) -> int:
-        self.partial = self.partial + 1 if partial else 0
+    def _accept(self, tok: int, new: str, tail: bytes) -> int:
+        self.partial = self.partial + 1 if tail else 0
         self.state.feed(new)
         self.text += new
         self.ids.append(tok)
-        self.decoded = self.decode(self.ids)
+        if self.token_bytes is not None:
+            self.pending = tail
+        else:
+            self.decoded = self.decode(self.ids)
         return tok

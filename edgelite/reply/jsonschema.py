@@ -13,7 +13,9 @@ every check is pure Python.
 
 from __future__ import annotations
 
+import bisect
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,8 +258,7 @@ def _fits(schema: dict[str, Any], node: Node) -> bool:
             not rest.keys() & CONSTRAINING or _fits(rest, node))
     types = _types(schema)
     if "enum" in schema:  # (of scalars only)
-        return node.kind not in ("object", "array") and any(_enum_fits(v, node)
-                                                             for v in schema["enum"])
+        return node.kind not in ("object", "array") and _enum_any(schema["enum"], node)
     if node.kind == "object":
         return (not types or "object" in types) and _object_fits(schema, node)
     if node.kind == "array":
@@ -273,6 +274,56 @@ def _fits(schema: dict[str, Any], node: Node) -> bool:
     words = [w for w, t in (("true", "boolean"), ("false", "boolean"), ("null", "null"))
              if not types or t in types]
     return any(w == node.text if node.closed else w.startswith(node.text) for w in words)
+
+
+@dataclass(frozen=True)
+class _Index:
+    """An enum's values or an object's keys as the checks take them: the strings sorted (the
+    ones a prefix begins are neighbours), and as a set; the rest as they are."""
+
+    strings: list[str]
+    exact: frozenset[str]
+    others: list[Any]
+
+    def starting(self, prefix: str) -> Iterator[str]:
+        """The strings that can begin with `prefix` (which may end with a character still
+        coming: `pending`)."""
+        at = prefix.find(PENDING)
+        head = prefix if at < 0 else prefix[:at]
+        i = bisect.bisect_left(self.strings, head)
+        while i < len(self.strings) and self.strings[i].startswith(head):
+            if at < 0 or _starts(self.strings[i], prefix):
+                yield self.strings[i]
+            i += 1
+
+
+_INDEXES: dict[int, tuple[Any, _Index]] = {}  # id of an enum's list or a properties dict -> (it, its index)
+MAX_INDEXES = 256  # indexes kept at once (all dropped past it: each is made again in one pass)
+
+
+def _index(values: list[Any] | dict[str, Any]) -> _Index:
+    """The index of an enum's values or an object's keys (made once: a schema is weighed for
+    every candidate token, and a scan of each of 500 values cost seconds a token)."""
+    hit = _INDEXES.get(id(values))
+    if hit is None or hit[0] is not values:
+        strings = sorted(v for v in values if isinstance(v, str))
+        if len(_INDEXES) >= MAX_INDEXES:
+            _INDEXES.clear()
+        hit = _INDEXES[id(values)] = (values, _Index(strings, frozenset(strings),
+                                                     [v for v in values if not isinstance(v, str)]))
+    return hit[1]
+
+
+def _enum_any(enum: list[Any], node: Node) -> bool:
+    """Whether some value of `enum` can be (or begin with) the node."""
+    index = _index(enum)
+    if node.kind != "string":
+        return any(_enum_fits(v, node) for v in index.others)
+    if node.escaped:
+        return False
+    if node.closed:
+        return node.text in index.exact
+    return next(index.starting(node.text), None) is not None
 
 
 def _enum_fits(value: Any, node: Node) -> bool:
@@ -291,7 +342,7 @@ def _object_fits(schema: dict[str, Any], node: Node) -> bool:
     seen: set[str] = set()
     for key, key_done, value in node.pairs:
         if not key_done:
-            return any(_starts(k, key) and k not in seen for k in props)
+            return any(k not in seen for k in _index(props).starting(key))
         if key not in props or key in seen:
             return False
         seen.add(key)

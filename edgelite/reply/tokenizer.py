@@ -76,25 +76,24 @@ class Tokenizer:
     def token_bytes(self) -> Callable[[int], bytes] | None:
         """A token's bytes as its text takes them (special tokens: none), for vocabularies of
         GPT-2's byte alphabet (SmolLM2, Qwen, Llama 3) or of SentencePiece pieces with byte
-        fallback ("<0xC3>": Gemma, Mistral, Phi); None for any other. JSON constraints use
-        them to know which character a token's incomplete bytes begin (reply/jsonprefix.py)."""
+        fallback ("<0xC3>": Gemma, Mistral, Phi); None for any other. JSON constraints weigh
+        candidate tokens by them (reply/jsonprefix.py). The whole table is made at first use."""
         if self.tok.token_to_id("\u0120") is not None:  # (GPT-2's space, "Ġ")
             back = {c: b for b, c in _byte_alphabet().items()}
 
-            def piece(tid: int) -> bytes:
-                text = self.tok.id_to_token(tid) or ""
-                return b"" if not self.decode([tid]) else bytes(back[c] for c in text if c in back)
+            def piece(text: str) -> bytes:
+                return bytes(back[c] for c in text if c in back)
         elif self.tok.token_to_id("<0x80>") is not None:
-            def piece(tid: int) -> bytes:
-                text = self.tok.id_to_token(tid) or ""
-                if not self.decode([tid]):  # (a special token: its text is none)
-                    return b""
+            def piece(text: str) -> bytes:
                 if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                     return bytes([int(text[3:5], 16)])
                 return text.replace("\u2581", " ").encode()
         else:
             return None
-        return functools.lru_cache(maxsize=4096)(piece)
+        added = self.tok.get_added_tokens_decoder()  # (their text as it is; special ones: none)
+        table = [b"" if i in added and added[i].special else added[i].content.encode() if i in added
+                 else piece(self.tok.id_to_token(i) or "") for i in range(self.tok.get_vocab_size())]
+        return lambda tid: table[tid] if 0 <= tid < len(table) else b""
 
     def chat_prompt(self, messages: list[dict[str, str]], tools: str = "",
                     tool_choice: str = "auto") -> list[int]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Coroutine
@@ -44,6 +45,7 @@ from edgelite.reply.loop import ReplyLoop, constrained, fitted
 from edgelite.reply.speculate import Lookup, Pacer
 from edgelite.reply.tokenizer import StreamDecoder, Tokenizer
 from edgelite.serve.ask import Ask, AskError, check, generation
+from edgelite.serve.choosing import Choosing
 from edgelite.serve.events import Embedded, Failed, Finished
 from edgelite.serve.figures import Figures
 from edgelite.serve.job import Job, Sink
@@ -71,12 +73,15 @@ class Gateway:
         self.kv = KvMoves(backend, scheduler, self.figures, self.cfg)  # KV while not running
         self.pacer = Pacer()  # how many drafts speculating requests offer (learns as they run)
         self.tokenizing: Counter[str] = Counter()  # user -> its requests being tokenized
+        self.choosing = Choosing(self.wake)  # constrained tokens being chosen (serve/choosing.py)
 
     async def run(self) -> None:
         """The scheduling loop, until cancelled."""
+        sys.setswitchinterval(self.cfg.switch_interval_s)
         try:
             await self._loop()
         finally:
+            await self.choosing.close()
             await self.kv.close()
 
     # ---- requests ------------------------------------------------------------------------
@@ -142,8 +147,10 @@ class Gateway:
     # ---- the scheduling loop -------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
+            self.choosing.check()
             await self._cancel_gone()
             if not self.backend.healthy:
+                await self.choosing.settle()
                 await recover(self.sched, self.backend, self.figures, self.cfg)
                 continue
             rejoin = getattr(self.backend, "rejoin", None)  # (a failover backend's)
@@ -158,6 +165,7 @@ class Gateway:
                 self.figures.tier(r.tier).preemptions += 1
                 log.info("preempted %s (tier %d, user %s) after %d tokens", r.rid[:12], r.tier,
                          r.user, r.generated)
+            await self.choosing.settle(r.rid for r in d.preempt)  # (a token being chosen lands first)
             ends = [self.kv.give_up(self.jobs[r.rid]) for r in d.preempt]  # alongside this step's work
             if d.idle:
                 await asyncio.gather(*ends)
@@ -180,11 +188,15 @@ class Gateway:
             await asyncio.gather(*(self.kv.take_back(job) for job in back))
             skip = {job.req.rid for job in new} if looking else set()
             chunk = self.cfg.prefill_chunk_tokens
-            work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg) if r.rid not in skip]
+            work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg)
+                    if r.rid not in skip and not self.choosing.busy(r.rid)]
             calls = []
             for job in work:
                 job.call = job.driver.next_call(chunk)
                 calls.append(run(self.backend, job.session, job.call))
+            if not (work or ends or looking):  # (every running request's token is being chosen)
+                await self.choosing.wait_any(self.cfg.idle_poll_s)
+                continue
             t0 = time.perf_counter()
             results = await asyncio.gather(*ends, *looking, *calls, return_exceptions=True)
             paced(self.pacer, work, (time.perf_counter() - t0) * 1e3)
@@ -199,7 +211,11 @@ class Gateway:
                 if job.driver.restored and stored_kv_failed(result):
                     await self.kv.recompute(job, result)
                     continue
-                await self._deliver(job, result)
+                reply = job.driver.reply
+                if reply is not None and constrained(reply.cfg) and not isinstance(result, BaseException):
+                    self.choosing.start(job.req.rid, self._deliver(job, result))  # (the others go on)
+                else:
+                    await self._deliver(job, result)
 
     async def _cancel_gone(self) -> None:
         """Cancel the requests of clients that went away or said stop: queued ones are never
@@ -230,6 +246,8 @@ class Gateway:
             if reply is not None and constrained(reply.cfg):  # (a JSON or tool choice weighs many
                 # candidates a token: off the event loop, the doors keep answering meanwhile)
                 out = await asyncio.to_thread(job.driver.took, job.call, result)
+                if job.client.gone or job.cancelled:
+                    return  # (it left while its token was chosen: cancelled at the next round)
             else:
                 out = job.driver.took(job.call, result)
         except EdgeliteError as exc:  # (a reply that cannot go on: this request alone ends)
