@@ -2,7 +2,7 @@
 
     python scripts/bench_scale.py --cache DIR [--gguf FILE] [--llama-cpp BIN_DIR]
         [--nodes 3] [--node-mb 400] [--client-mb 400] [--tokens 128] [--rounds 3]
-        [--matmulnbits-too]
+        [--context 2048] [--ports 7001,7002,...] [--matmulnbits-too]
 
 The GGUF defaults to a 1 B Llama-shaped Q4_K_M in the cache (random weights: made with
 scripts/random_models.py as F16, then llama.cpp's llama-quantize from --llama-cpp); it is
@@ -13,8 +13,14 @@ Each round, edgelite: `--nodes` node processes on loopback with `--memory-mb NOD
 `ggml-rpc-server -t 1` and `llama-completion --rpc ... -ngl 99 -t 1 --temp 0 --ignore-eos`.
 With --matmulnbits-too, each round also runs edgelite with `--no-matmul-kernel` (onnxruntime's
 MatMulNBits instead of edgelite's MatMul4 and MatMul6): "edgelite_matmulnbits".
-Rounds interleave them. Prints one JSON object: the plan, predicted against measured
-ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians, ratios.
+Fair by construction: the systems' order alternates by round (A B, then B A, ...); both get the
+same context (`--context`: edgelite's --context, llama.cpp's -c); the load average is recorded
+at each round's start; `--ports` pins the ports the node processes (and then the rpc-servers)
+listen on, and nodes answer no discovery; every process's peak RSS is kept (llama.cpp's
+client through /usr/bin/time), and llama.cpp's model load (its weight upload to the servers)
+is reported apart from its decode. Prints one JSON object: the plan, predicted against
+measured ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians,
+ratios.
 """
 
 from __future__ import annotations
@@ -89,11 +95,12 @@ def export_for(gguf: Path, cache: Path) -> Path:
 
 
 def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens: int,
-                   context: int, extra: tuple[str, ...] = ()) -> dict:
+                   context: int, extra: tuple[str, ...] = (), ports: list[int] | None = None) -> dict:
     from edgelite.cli.localnodes import TOKEN, start_node
 
     homes = [Path(tempfile.mkdtemp()) for _ in range(n)]  # (each gets the model's blobs: removed after)
-    nodes = [start_node(home, threads=1, memory_mb=node_mb, extra=extra) for home in homes]
+    nodes = [start_node(home, threads=1, memory_mb=node_mb, extra=(*extra, "--discovery-port", "0"),
+                        port=ports[i] if ports else 0) for i, home in enumerate(homes)]
     try:
         res = subprocess.run(
             [sys.executable, "-c", CLIENT, "generate", "--model", str(model), "--json", "--raw",
@@ -124,8 +131,9 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
             "client_peak_rss_mib": float(peak.group(1)) if peak else None}
 
 
-def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int) -> dict:
-    ports = [free_port() for _ in range(n)]
+def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int, context: int,
+                ports: list[int] | None = None) -> dict:
+    ports = ports or [free_port() for _ in range(n)]
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
     servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(p),
                                  "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -142,11 +150,11 @@ def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int) -> dict:
                         raise
                     time.sleep(0.1)
         t0 = time.perf_counter()
-        res = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(gguf), "--rpc",
-                              ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-t", "1",
-                              "-n", str(tokens), "--temp", "0", "--ignore-eos", "-no-cnv",
-                              "-p", PROMPT], capture_output=True, text=True, env=env,
-                             timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        res = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", str(bin_dir / "llama-completion"),
+                              "-m", str(gguf), "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports),
+                              "-ngl", "99", "-t", "1", "-c", str(context), "-n", str(tokens), "--temp", "0",
+                              "--ignore-eos", "-no-cnv", "-p", PROMPT], capture_output=True, text=True,
+                             env=env, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
         peaks = [round(peak_mib(s.pid), 1) for s in servers]
     finally:
@@ -157,11 +165,16 @@ def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int) -> dict:
     ev = re.search(r"eval time =\s+([\d.]+) ms /\s+(\d+) runs.*?([\d.]+) tokens per second", text.split(
         "prompt eval time")[-1]) if "prompt eval time" in text else None
     pe = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", text)
+    load = re.search(r"load time =\s+([\d.]+) ms", text)
+    client = re.search(r"PEAK_RSS_KB (\d+)", text)
+    client_mib = round(int(client.group(1)) / 1024, 1) if client else None
     if res.returncode != 0 or ev is None or pe is None:
-        return {"error": (text.strip().splitlines() or ["?"])[-1], "rpc_server_peak_rss_mib": peaks}
+        return {"error": (text.strip().splitlines() or ["?"])[-1], "rpc_server_peak_rss_mib": peaks,
+                "client_peak_rss_mib": client_mib}
     return {"tokens": int(ev.group(2)), "decode_tok_s": float(ev.group(3)),
             "ttft_ms": float(pe.group(1)), "prompt_tokens": int(pe.group(2)), "wall_s": round(wall, 2),
-            "rpc_server_peak_rss_mib": peaks}
+            "load_ms": float(load.group(1)) if load else None,  # (its weight upload: apart from decode)
+            "rpc_server_peak_rss_mib": peaks, "client_peak_rss_mib": client_mib}
 
 
 def main() -> None:
@@ -178,7 +191,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--matmulnbits-too", action="store_true",
                     help="each round also edgelite with --no-matmul-kernel")
+    ap.add_argument("--ports", default="", help="comma-separated ports for the nodes (and rpc-servers)")
     args = ap.parse_args()
+    ports = [int(p) for p in args.ports.split(",") if p] or None
+    if ports is not None and len(ports) != args.nodes:
+        raise SystemExit(f"--ports names {len(ports)} ports for {args.nodes} nodes")
     args.cache.mkdir(parents=True, exist_ok=True)
     gguf = args.gguf or gguf_for(args.cache, args.llama_cpp)
     model = export_for(gguf, args.cache)
@@ -186,12 +203,19 @@ def main() -> None:
     sides: dict[str, tuple[str, ...]] = {"edgelite": ()}
     if args.matmulnbits_too:
         sides["edgelite_matmulnbits"] = ("--no-matmul-kernel",)
+    order: list[str] = [*sides, *(["llama_cpp_rpc"] if args.llama_cpp is not None else [])]
+    loads: list[dict] = []
     for r in range(args.rounds):
-        for side, extra in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
-            runs.setdefault(side, []).append(edgelite_round(model, args.nodes, args.node_mb, args.client_mb,
-                                                            args.tokens, args.context, extra))
-        if args.llama_cpp is not None:
-            runs["llama_cpp_rpc"].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens))
+        for side in (order if r % 2 == 0 else order[::-1]):  # (A B, then B A: neither always first)
+            loads.append({"round": r, "side": side, "loadavg_1m": round(os.getloadavg()[0], 2)})
+            if side == "llama_cpp_rpc":
+                assert args.llama_cpp is not None
+                runs[side].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens, args.context,
+                                              ports))
+            else:
+                runs.setdefault(side, []).append(edgelite_round(
+                    model, args.nodes, args.node_mb, args.client_mb, args.tokens, args.context,
+                    sides[side], ports))
 
     def med(side: str, key: str) -> float | None:
         vals = [r[key] for r in runs[side] if key in r and r[key] is not None]
@@ -200,8 +224,8 @@ def main() -> None:
     summary: dict = {"gguf": str(gguf), "gguf_mb": round(gguf.stat().st_size / 1e6, 1),
                      "export_mb": round(sum(p.stat().st_size for p in model.iterdir()) / 1e6, 1),
                      "node_budget_mib": args.node_mb, "client_budget_mib": args.client_mb,
-                     "nodes": args.nodes, "context": args.context,
-                     }
+                     "nodes": args.nodes, "context": args.context, "order": "alternating by round",
+                     "loadavg": loads}
     for side in sides:
         summary[side] = {k: med(side, k) for k in ("decode_tok_s", "ttft_ms", "measured_ms_per_token",
                                                     "predicted_ms_per_token")}
@@ -222,6 +246,9 @@ def main() -> None:
         if good:
             summary["llama_cpp_rpc"]["max_rpc_server_peak_rss_mib"] = max(
                 max(r["rpc_server_peak_rss_mib"]) for r in good)
+            summary["llama_cpp_rpc"]["max_client_peak_rss_mib"] = max(
+                r["client_peak_rss_mib"] or 0 for r in good)
+            summary["llama_cpp_rpc"]["load_ms"] = med("llama_cpp_rpc", "load_ms")
         e, c = summary["edgelite"], summary["llama_cpp_rpc"]
         summary["ratio_edgelite_over_llama_cpp"] = {
             k: round(e[k] / c[k], 3) for k in ("decode_tok_s", "ttft_ms") if e.get(k) and c.get(k)}
