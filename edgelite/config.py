@@ -154,6 +154,9 @@ class NodeConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # threads, provider, KV shapes
     kv_budget_bytes: int = 512 * 1024 * 1024  # KV of all sessions on this node
     memory_budget_bytes: int | None = None  # what plans may use here (None: the free memory)
+    # a --memory-mb below what the node process holds at start plus this is refused then (no
+    # layer would ever fit: every load refused)
+    memory_min_room_bytes: int = 16 * 2**20
     bulk_reply_max_bytes: int = 4 * 1024 * 1024  # largest reverse transfer a link probe may ask
     bulk_concurrency: int = 2  # bulk transfers served at once (each holds its reply in memory)
     probe_concurrency: int = 1  # link probes this node runs at once, for any client (more wait)

@@ -221,3 +221,21 @@ def test_a_what_if_plan_over_cluster_json_says_what_its_table_shows(smollm2_int4
     assert res.returncode == 0, res.stderr
     assert "every layer on this device" not in text, text
     assert "not time" in text and "QoS" in text, text
+
+
+def test_budgets_that_cannot_work_and_flags_that_would_be_ignored_are_said(exported, tmp_path) -> None:
+    """--memory-mb -5 or 10 (below what the node process holds already) and --draft-tokens
+    without --speculate used to be taken without a word (then every load refused, or nothing
+    drafted): each is now a one-line error before anything starts."""
+    for value, words in (("-5", "'-5' is not a memory budget in MiB"),
+                         ("10", "--memory-mb 10: this node process holds")):
+        res = _cli("node", f"--memory-mb={value}", "--port", "0", "--data-dir", str(tmp_path / "n"))
+        last = res.stderr.strip().splitlines()[-1]  # (argparse's usage comes before its error)
+        assert res.returncode != 0 and words in last, res.stderr
+        assert "listening" not in res.stdout
+    res = _cli("generate", "--model", str(exported["llama"]), f"--client-memory-mb={-1}", "hi")
+    assert res.returncode != 0 and "not a memory budget in MiB" in res.stderr
+    res = _cli("generate", "--model", str(exported["llama"]), "--draft-tokens", "4", "hi")
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "error: --draft-tokens goes with --speculate lookup or --speculate DIR (without them nothing "
+        "is drafted)"), res.stderr

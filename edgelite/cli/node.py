@@ -16,6 +16,7 @@ from typing import Any
 
 from edgelite.cli import options, runner
 from edgelite.config import NodeConfig, RuntimeConfig
+from edgelite.engine.profile import resident_bytes
 from edgelite.engine.session import PROVIDERS, providers
 from edgelite.errors import EdgeliteError
 from edgelite.net.discovery import ANY_HOST, lan_address
@@ -96,7 +97,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="KV capacities sessions are accounted in; the largest caps the context")
     options.kv_store_flags(n, "DATA_DIR/kv")
     n.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN, else generated)")
-    n.add_argument("--kv-budget-mb", type=float, default=c.kv_budget_bytes / 2**20,
+    n.add_argument("--kv-budget-mb", type=options.mebibytes, default=c.kv_budget_bytes / 2**20,
                    help="KV memory of all sessions")
     n.add_argument("--max-batch", type=int, default=c.batch_max_steps,
                    help="with --no-invariant: decode steps of different sessions arriving "
@@ -107,7 +108,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "may then depend on load, chunking and the KV store (fast mode)")
     options.kv_dtype_flag(n)
     options.attention_flag(n)
-    n.add_argument("--memory-mb", type=float,
+    n.add_argument("--memory-mb", type=options.mebibytes,
                    help="the most this node process may hold, in MiB: plans count against it what "
                         "they hold once loaded, and a load or session beyond it is refused "
                         "(default: the device's free memory)")
@@ -139,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
                     batch_max_steps=max(1, args.max_batch),
                     memory_budget_bytes=None if args.memory_mb is None else int(args.memory_mb * 2**20))
     cfg = NodeConfig(**{**settings, **options.config_overrides(args.set, NodeConfig)})
+    held, budget = resident_bytes(), cfg.memory_budget_bytes
+    if budget is not None and held is not None and budget < held + cfg.memory_min_room_bytes:
+        least = (held + cfg.memory_min_room_bytes) / 2**20
+        raise EdgeliteError(f"--memory-mb {args.memory_mb:g}: this node process holds {held / 2**20:.0f} "
+                            f"MiB already, so no layer would ever fit; give it at least {least:.0f} "
+                            f"(a layer of a 1 B int4 model holds ~40 MiB)")
     try:
         args.data_dir.mkdir(parents=True, exist_ok=True)
         probe = args.data_dir / ".write-test"

@@ -146,7 +146,7 @@ def planning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-local", action="store_true",
                    help="when --nodes are given and none can be used, answer on this device "
                         "alone (else that is an error)")
-    p.add_argument("--client-memory-mb", type=float,
+    p.add_argument("--client-memory-mb", type=mebibytes,
                    help="the most this process may hold, in MiB (what it holds already counts; "
                         "default: the device's free memory)")
     p.add_argument("--context", type=int, default=o.context, metavar="TOKENS",
@@ -187,6 +187,17 @@ def thread_count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (1 or more)")
     return n
+
+
+def mebibytes(text: str) -> float:
+    """argparse type for a memory budget in MiB: a positive number."""
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not 0 < mb < 2**40:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory budget in MiB (a positive number)")
+    return mb
 
 
 def port_number(text: str) -> int:
@@ -284,6 +295,9 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
     from edgelite.reply.loop import check
 
     spec = getattr(args, "speculate", "off")
+    if getattr(args, "draft_tokens", 0) and spec == "off":
+        raise EdgeliteError("--draft-tokens goes with --speculate lookup or --speculate DIR (without "
+                            "them nothing is drafted)")
     return check(GenerationConfig(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed,
                             speculate=spec if spec in ("off", "lookup") else "draft",
