@@ -56,11 +56,13 @@ def exported(hf_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
             for a, p in hf_models.items()}
 
 
-def run_cli(*args: str, timeout: float = 120,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`edgelite ARGS` in a process of its own (`env`: variables set on top of ours)."""
+def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`edgelite ARGS` in a process of its own (`env`: variables set on top of ours; `cwd`:
+    where it runs, for commands that read the working folder, such as its ./models)."""
     return subprocess.run([sys.executable, "-m", "edgelite", *args], capture_output=True,
-                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
+                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env},
+                          cwd=cwd)
 
 
 GGUF_KINDS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K+Q6_K", "Q2_K+Q3_K+Q5_K"]

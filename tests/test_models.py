@@ -59,13 +59,15 @@ def test_models_lists_removes_and_collects_here(exported, tmp_path) -> None:
     shutil.copytree(exported["llama"], extra / "copy")
     (extra / "notes").mkdir()  # not an export: not listed
     data = ["--data-dir", str(tmp_path / "data")]
-    listed = run_cli("models", *data, "--dir", str(extra), "--json")
+    # (run away from the checkout: the demo, run first as the README orders, leaves its export
+    # in ./models, which `models` lists too)
+    listed = run_cli("models", *data, "--dir", str(extra), "--json", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     found = json.loads(listed.stdout)
     assert sorted(os.path.basename(e["path"]) for e in found["models"]) == ["copy", "tiny"]
     assert all(e["bytes"] > 0 and e["layers"] >= 1 for e in found["models"])
     assert found["blobs"] is None
-    text = run_cli("models", *data, "--dir", str(extra)).stdout
+    text = run_cli("models", *data, "--dir", str(extra), cwd=tmp_path).stdout
     assert "tiny" in text and "copy" in text and "MB" in text
     # rm by name, by folder; a folder that is no export is refused in one line
     assert run_cli("models", "rm", "tiny", *data).returncode == 0
@@ -78,13 +80,21 @@ def test_models_lists_removes_and_collects_here(exported, tmp_path) -> None:
     assert "Traceback" not in bad.stderr + missing.stderr
     assert run_cli("models", "rm", str(extra / "copy"), *data).returncode == 0
     assert not (extra / "copy").exists()
-    # gc here: an old unused blob goes, one a model folder links to stays
+    # gc here: an old unused blob goes, one a model folder links to stays, and one used within
+    # the grace time stays too, and both the listing and gc say so (they said 1 deletable, then
+    # gc deleted none)
     store = BlobStore(tmp_path / "data")
     gone, kept = _blob(store, b"x" * 5000, age_s=7200), _blob(store, b"y" * 3000, age_s=7200)
+    recent = _blob(store, b"z" * 2000, age_s=10)
     os.link(store.path(kept), tmp_path / "linked")
+    listing = run_cli("models", *data, cwd=tmp_path).stdout
+    assert "nothing uses 1 (0.0 MB): `edgelite models gc` deletes those; 1 more (0.0 MB) nothing uses " \
+           "were used within the last 1 h and are kept until then" in listing, listing
     gc = run_cli("models", "gc", *data, "--json")
-    assert json.loads(gc.stdout) == {"deleted_files": 1, "deleted_bytes": 5000}
-    assert not store.has(gone) and store.has(kept)
+    assert json.loads(gc.stdout) == {"deleted_files": 1, "deleted_bytes": 5000, "kept_recent_files": 1}
+    assert not store.has(gone) and store.has(kept) and store.has(recent)
+    said = run_cli("models", "gc", *data).stdout
+    assert "deleted 0 deployed files" in said and "1 more (0.0 MB) nothing uses were used within" in said
 
 
 @pytest.mark.e2e

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from edgelite.cli import options, runner
+from edgelite.config import NodeConfig
 from edgelite.errors import EdgeliteError
 
 DATA_DIR = Path("~/.edgelite")  # `edgelite node`'s default --data-dir
@@ -60,8 +61,11 @@ def _here(args: argparse.Namespace) -> int:
     data_dir = args.data_dir.expanduser()
     if args.action == "gc":
         files, freed = models.collect_local(data_dir)
-        _say(args, {"deleted_files": files, "deleted_bytes": freed},
-             f"deleted {files} deployed files nothing used ({_mb(freed)}) in {data_dir / 'blobs'}")
+        left = models.local_blobs(data_dir)
+        kept = _kept(left.recent_files, left.recent_bytes) if left is not None else ""
+        _say(args, {"deleted_files": files, "deleted_bytes": freed,
+                    "kept_recent_files": left.recent_files if left is not None else 0},
+             f"deleted {files} deployed files nothing used ({_mb(freed)}) in {data_dir / 'blobs'}{kept}")
         return 0
     found = models.local_models(_folders(args))
     if args.action == "rm":
@@ -90,8 +94,17 @@ def _here(args: argparse.Namespace) -> int:
     if blobs is not None:
         print(f"deployed files in {data_dir / 'blobs'}: {blobs.files} ({_mb(blobs.bytes)}), of "
               f"which nothing uses {blobs.unused_files} ({_mb(blobs.unused_bytes)}): "
-              f"`edgelite models gc` deletes those")
+              f"`edgelite models gc` deletes those{_kept(blobs.recent_files, blobs.recent_bytes)}")
     return 0
+
+
+def _kept(files: int, size: int) -> str:
+    """What gc keeps for now: files nothing uses but used within the grace time."""
+    if not files:
+        return ""
+    hours = NodeConfig.blob_grace_s / 3600
+    return (f"; {files} more ({_mb(size)}) nothing uses were used within the last {hours:g} h and are "
+            f"kept until then (a deploy under way may want them)")
 
 
 def _say(args: argparse.Namespace, data: dict[str, Any], line: str) -> None:
@@ -142,7 +155,8 @@ async def _on_nodes(args: argparse.Namespace) -> int:
     for s in states:
         b = s.blobs
         print(f"{s.node}: {len(s.models)} model folders; deployed files {b.files} "
-              f"({_mb(b.bytes)}), of which nothing uses {b.unused_files} ({_mb(b.unused_bytes)})")
+              f"({_mb(b.bytes)}), of which nothing uses {b.unused_files} ({_mb(b.unused_bytes)})"
+              f"{_kept(b.recent_files, b.recent_bytes)}")
         for x in s.models:
             mine = "yours" if x.yours else "another client's"
             print(f"  {x.name:24} {_mb(x.bytes):>10}  {x.title} ({x.weights}, {x.layers} layers), "

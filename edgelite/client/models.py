@@ -70,7 +70,7 @@ def local_blobs(data_dir: Path) -> BlobFigures | None:
     """The deployed files a node with this data folder keeps (None: it has none)."""
     if not (data_dir / "blobs").is_dir():
         return None
-    return BlobStore(data_dir).figures()
+    return BlobStore(data_dir, grace_s=NodeConfig.blob_grace_s).figures()
 
 
 def collect_local(data_dir: Path) -> tuple[int, int]:

@@ -180,6 +180,8 @@ class BlobSummary:
     bytes: int = bounds(0, 2**62)
     unused_files: int = bounds(0, 2**31)
     unused_bytes: int = bounds(0, 2**62)
+    recent_files: int = bounds(0, 2**31, default=0)  # unused, but used within the grace time
+    recent_bytes: int = bounds(0, 2**62, default=0)
 
 
 @message("models_ok")

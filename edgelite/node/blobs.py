@@ -47,12 +47,16 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BlobFigures:
-    """What the store holds: every blob, and those nothing uses (deletable)."""
+    """What the store holds: every blob; those nothing uses and that were not used within the
+    grace time (what `collect` deletes now); and those nothing uses but used within it (a
+    deploy under way may want them: kept until the grace time has passed)."""
 
     files: int
     bytes: int
     unused_files: int
     unused_bytes: int
+    recent_files: int = 0
+    recent_bytes: int = 0
 
 
 class BlobStore:
@@ -188,11 +192,15 @@ class BlobStore:
         folder's files are hard links to their blobs)."""
         return sha not in keep and st.st_nlink <= 1
 
-    def figures(self) -> BlobFigures:
-        keep = self.pinned()
+    def figures(self, now: float | None = None) -> BlobFigures:
+        keep, now = self.pinned(), time.time() if now is None else now
         blobs = self._blobs()
-        idle = [st.st_size for sha, st in blobs if self._idle(sha, st, keep)]
-        return BlobFigures(len(blobs), sum(st.st_size for _, st in blobs), len(idle), sum(idle))
+        idle = [(now - max(st.st_mtime, self._used.get(sha, 0.0)) >= self.grace_s, st.st_size)
+                for sha, st in blobs if self._idle(sha, st, keep)]
+        old = [size for past, size in idle if past]
+        recent = [size for past, size in idle if not past]
+        return BlobFigures(len(blobs), sum(st.st_size for _, st in blobs), len(old), sum(old),
+                           len(recent), sum(recent))
 
     def collect(self, idle_s: float, need: int = 0, now: float | None = None) -> tuple[int, int]:
         """Delete the blobs nothing uses (not pinned, not linked from a model folder) that were

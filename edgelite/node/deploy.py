@@ -53,7 +53,8 @@ class Deploy:
         shelved = await asyncio.to_thread(self.shelf.entries)
         f = await asyncio.to_thread(self.store.blobs.figures)
         return m.ModelsState(
-            id=msg.id, blobs=m.BlobSummary(f.files, f.bytes, f.unused_files, f.unused_bytes),
+            id=msg.id, blobs=m.BlobSummary(f.files, f.bytes, f.unused_files, f.unused_bytes,
+                                           f.recent_files, f.recent_bytes),
             models=[m.ShelvedModel(s.path.name, s.title[:256], s.weights[:16], s.layers, s.bytes,
                                    s.owner == domain) for s in shelved])
 
