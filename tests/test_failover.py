@@ -188,3 +188,30 @@ def test_gateway_requests_finish_when_a_node_is_killed(exported, node_factory, t
     assert many == solo
     text = (tmp_path / "serve.log").read_text()
     assert f"lost {nodes[1].addr}" in text and "Traceback" not in text
+
+
+def test_generate_after_a_loss_nothing_can_absorb_says_the_planners_reason(
+        exported, node_factory, tmp_path) -> None:
+    """`generate` on two nodes that each hold two of the three layers at most (the manifest as
+    if large), the one with two killed as the reply streams: the error is the replan's reason
+    (it was `the client-steps thread is not running`, the real one only with -v)."""
+    import subprocess
+    import sys
+
+    from models import as_if_large
+
+    model = as_if_large(exported["llama"], tmp_path / "big", layer_mib=700)
+    nodes = [node_factory(memory_mb=2000), node_factory(memory_mb=2000)]
+    proc = subprocess.Popen([sys.executable, "-m", "edgelite", "generate", "--model", str(model), "--nodes",
+                             ",".join(n.addr for n in nodes), "--split", "0-0,1-2", "--token", TOKEN,
+                             "--max-tokens", "200", "--raw", "hello there"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.read(1)  # (streaming: the node goes now)
+        nodes[1].kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(f"error: lost {nodes[1].addr}, and node "), err
+    assert "--memory-mb is 2000" in last and "short" in last, last

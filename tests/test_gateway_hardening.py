@@ -21,6 +21,7 @@ from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
 from edgelite.serve.client import GatewayClient
+from models import as_if_large
 
 pytestmark = pytest.mark.e2e
 USERS = [{"name": "a", "token": "t-a", "tier": 0}, {"name": "b", "token": "t-b", "tier": 0},
@@ -252,3 +253,44 @@ def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
         theirs.close()
 
     asyncio.run(main())
+
+
+def test_a_loss_the_others_cannot_absorb_ends_the_requests_and_the_node_back_serves_again(
+        exported, node_factory, tmp_path) -> None:
+    """Two nodes that each hold two of the three layers at most (the manifest as if large):
+    losing the one with two layers leaves no plan. The request streaming then ends with the
+    reason within 10 s (it used to hang: the gateway retried forever, treating every node as
+    lost), a new one is refused with it at once, and once the node is back on its address the
+    gateway deploys again by itself and serves within 10 s."""
+    model = as_if_large(exported["llama"], tmp_path / "big", layer_mib=700)
+    nodes = [node_factory(memory_mb=2000), node_factory(memory_mb=2000)]
+    proc, port = _gateway(model, nodes, tmp_path, "--set", "reconnect_interval_s=0.5")
+    try:
+        async def main() -> None:
+            c = await GatewayClient.connect(NodeAddr("127.0.0.1", port), "a", "t-a")
+            t0 = 0.0
+            with pytest.raises(NodeError, match=r"the cluster cannot serve now: lost 127\.0\.0\.1"):
+                async for _ in c.generate([{"role": "user", "content": "hello there"}],
+                                          GenerationConfig(max_tokens=200)):
+                    if not t0:  # (streaming: the node goes now)
+                        nodes[1].kill()
+                        t0 = time.monotonic()
+            assert 0 < time.monotonic() - t0 <= 10
+            await c.close()
+            with pytest.raises(NodeError, match="cannot serve now"):
+                await asyncio.wait_for(_ask(port, "b", "hello there", 8), 30)
+            back = node_factory(memory_mb=2000, extra=("--port", str(nodes[1].port)))
+            assert back.port == nodes[1].port
+            t1 = time.monotonic()
+            while True:  # (bounded: 10 s)
+                try:
+                    got = await asyncio.wait_for(_ask(port, "b", "hello there", 8), 30)
+                    break
+                except NodeError:
+                    assert time.monotonic() - t1 <= 10, "the gateway did not serve again within 10 s"
+                    await asyncio.sleep(0.5)
+            assert got == _solo(model, "hello there", 8)
+
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        _stop(proc)

@@ -92,6 +92,10 @@ class FailoverBackend:
         self.recoveries: list[Recovery] = []
         self.left_out: frozenset[NodeAddr] = frozenset()  # what the last recovery planned without
         self.next_rejoin = 0.0  # (monotonic) when to ask them again
+        # why the last recovery found no plan (the old stages closed: every step fails with it
+        # until a recovery works); the nodes it had then, asked afresh each time
+        self.failed: EdgeliteError | None = None
+        self.planned: list[NodeAddr] = []
 
     @property
     def plan(self) -> Plan | None:
@@ -101,7 +105,7 @@ class FailoverBackend:
 
     @property
     def healthy(self) -> bool:
-        return self.inner.healthy
+        return self.failed is None and self.inner.healthy
 
     @property
     def step_compute_ms(self) -> float | None:
@@ -144,6 +148,8 @@ class FailoverBackend:
         failovers = 0
         pending: Recovery | None = None
         while True:
+            if self.failed is not None:
+                raise self.failed  # (the planner's reason, not the closed stages' own)
             gen = self.generation
             t0 = time.perf_counter()
             try:
@@ -176,11 +182,14 @@ class FailoverBackend:
         return bool(await self._gone())
 
     async def _gone(self) -> dict[NodeAddr, str]:
+        if self.failed is not None:  # (the stages are closed: each node asked afresh)
+            return await self._unanswered(self.planned)
         cluster = getattr(self.inner, "cluster", None)
         if cluster is None:
             return {}
         gone = dict(cluster.lost)
         stages = [s.addr for s in cluster.stages if s.addr is not None and s.addr not in gone]
+        self.planned = [*stages, *gone]
         answers = await asyncio.gather(*(cluster.ping(a, self.cfg.heartbeat_timeout_s)
                                          for a in stages), return_exceptions=True)
         for addr, answer in zip(stages, answers, strict=True):
@@ -189,6 +198,12 @@ class FailoverBackend:
             elif isinstance(answer, BaseException):
                 raise answer
         return gone
+
+    async def _unanswered(self, addrs: list[NodeAddr]) -> dict[NodeAddr, str]:
+        if self.answers is None:
+            return {a: "lost" for a in addrs}
+        answered = await asyncio.gather(*(self.answers(a) for a in addrs))
+        return {a: "does not answer" for a, ok in zip(addrs, answered, strict=True) if not ok}
 
     async def rejoin(self) -> Recovery | None:
         """Plan the nodes the last recovery left out in again, if they answer now (asked at
@@ -222,7 +237,13 @@ class FailoverBackend:
         rec = Recovery([str(a) for a in gone], reason, t0)
         rec.detect_ms = (time.monotonic() - t0) * 1e3
         await self.inner.close()
-        self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(gone)
+        try:
+            self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(gone)
+        except EdgeliteError as exc:  # (no plan without them: every step says why, until one works)
+            lost = ", ".join(map(str, gone)) or "a stage connection"
+            self.failed = EdgeliteError(f"lost {lost}, and {exc}")
+            raise self.failed from exc
+        self.failed = None
         self.left_out = gone
         self.next_rejoin = time.monotonic() + self.cfg.rejoin_interval_s
         plan = self.plan
@@ -236,19 +257,24 @@ class FailoverBackend:
 
     async def end(self, session: str) -> None:
         self.s.history.pop(session, None)
+        if self.failed is not None:  # (the stages are closed: nothing of it is held anywhere)
+            self.s.stale.discard(session)
+            return
         if session in self.s.stale:  # nothing of it on the new stages yet
             self.s.stale.discard(session)
             return
         await self.inner.end(session)
 
     async def restore(self, session: str, tokens: list[int]) -> int:
+        if self.failed is not None:
+            raise self.failed
         n = await self.inner.restore(session, tokens)
         if n:  # rebuilt by computing them, should the stages go
             self.s.history[session] = [Past(np.array([tokens[:n]], np.int64))]
         return n
 
     async def save(self, session: str, tokens: list[int], behind: bool = False) -> int:
-        if session in self.s.stale:
+        if session in self.s.stale or self.failed is not None:
             return 0
         return await self.inner.save(session, tokens, behind)
 

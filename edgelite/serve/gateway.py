@@ -74,6 +74,7 @@ class Gateway:
         self.pacer = Pacer()  # how many drafts speculating requests offer (learns as they run)
         self.tokenizing: Counter[str] = Counter()  # user -> its requests being tokenized
         self.choosing = Choosing(self.wake)  # constrained tokens being chosen (serve/choosing.py)
+        self.down: str | None = None  # why the last deploy after a node loss failed (None: it did not)
 
     async def run(self) -> None:
         """The scheduling loop, until cancelled."""
@@ -151,7 +152,10 @@ class Gateway:
             await self._cancel_gone()
             if not self.backend.healthy:
                 await self.choosing.settle()
-                await recover(self.sched, self.backend, self.figures, self.cfg)
+                self.down = await recover(self.sched, self.backend, self.figures, self.cfg)
+                if self.down is not None:  # (no plan without the node: nobody waits for one)
+                    self._fail_all(f"the cluster cannot serve now: {self.down}")
+                    await asyncio.sleep(self.cfg.reconnect_interval_s)
                 continue
             rejoin = getattr(self.backend, "rejoin", None)  # (a failover backend's)
             if rejoin is not None and await rejoin() is not None:  # nodes left out are back
@@ -230,6 +234,14 @@ class Gateway:
             del self.jobs[job.req.rid]
             self.figures.cancelled += 1
         await asyncio.gather(*ends)
+
+    def _fail_all(self, error: str) -> None:
+        """Every request ends with `error` (the cluster cannot run them; their KV is gone)."""
+        for job in list(self.jobs.values()):
+            log.warning("request %s failed: %s", job.req.rid[:12], error)
+            self.sched.cancel(job.req)
+            del self.jobs[job.req.rid]
+            job.client.post(Failed(job.rid, error))
 
     async def _deliver(self, job: Job, result: np.ndarray | BaseException) -> None:
         r = job.req
@@ -345,9 +357,10 @@ def advance(sched: Scheduler, r: Request, made: int, done: bool, keep_kv: bool) 
             return
 
 
-async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: GatewayConfig) -> None:
+async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: GatewayConfig) -> str | None:
     """A node was lost: running requests go back to the queue (their tokens kept), and the
-    plan is deployed again until that works."""
+    plan is deployed again: None when that worked, else why not (the caller tries again in
+    `reconnect_interval_s`; a node that comes back is asked afresh each time)."""
     back = sched.lost_kv()
     if back:
         log.warning("a node was lost; %d running requests wait to resume", len(back))
@@ -357,10 +370,10 @@ async def recover(sched: Scheduler, backend: Backend, figures: Figures, cfg: Gat
         figures.reconnect_failures += 1
         log.warning("deploying the plan again failed (%s); retrying in %g s", exc,
                     cfg.reconnect_interval_s)
-        await asyncio.sleep(cfg.reconnect_interval_s)
-        return
+        return str(exc)
     figures.reconnects += 1
     log.info("the plan is deployed again; %d requests resume", len(back))
+    return None
 
 
 async def prompt_of(tok: Tokenizer, ask: Ask) -> list[int]:

@@ -209,8 +209,8 @@ class HttpApi:
             return JSONResponse({"status": "starting", "detail": "the cluster is being planned "
                                  "and deployed"}, status_code=503)
         if not gw.ready:
-            return JSONResponse({"status": "unavailable", "detail": "a node was lost; the plan "
-                                 "is being deployed again"}, status_code=503)
+            return JSONResponse({"status": "unavailable", "detail": gw.down or "a node was lost; the "
+                                 "plan is being deployed again"}, status_code=503)
         plan = getattr(gw.backend, "plan", None)  # (where the layers run now, after failovers)
         stages = [{"device": st.device, "layers": [st.first, st.last],
                    "addr": None if st.addr is None else str(st.addr)}
