@@ -383,6 +383,23 @@ def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path
         with urllib.request.urlopen(urllib.request.Request(base + "/v1/cluster", headers=auth),
                                     timeout=10) as r:
             view = json.loads(r.read())
+        # a node killed: the view says so within seconds (it showed the start-up probe)
+        nodes[1].kill()
+        killed = nodes[1].addr
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with urllib.request.urlopen(urllib.request.Request(base + "/v1/cluster", headers=auth),
+                                            timeout=10) as r:
+                    after = json.loads(r.read())
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503, exc.code
+                after = {}
+            gone = [d for d in after.get("devices", []) if d.get("addr") == killed]
+            if gone and gone[0]["reachable"] is not True:
+                break
+            assert time.monotonic() < deadline, (killed, after.get("devices"), after.get("plan"))
+            time.sleep(0.5)
     finally:
         proc.kill()
         proc.wait(10)
@@ -398,6 +415,9 @@ def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path
     remote = [s for s in stages if s["addr"] is not None]
     assert remote and all(s["measured_ms_per_run"] is not None for s in remote)
     assert view["gateway"]["tiers"]["2"]["done"] == 1
+    assert all(d["reachable"] for d in view["devices"] if d.get("addr"))  # (before the kill)
+    assert gone[0]["reason"] in ("does not answer now", "lost: the plan goes on without it") or \
+        gone[0]["reason"].startswith("no plan now: "), gone
 
 
 def _post_json(base: str, body: dict) -> tuple[int, dict]:

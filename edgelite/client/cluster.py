@@ -176,11 +176,20 @@ class Cluster:
         await self.links[addr].request(m.Ping(id=0), m.Pong, timeout_s)
 
     async def stats(self) -> dict[NodeAddr, dict]:
-        """Each connected node's stats."""
+        """The stats of each connected node that answers (one lost or silent is left out: the
+        others' still come)."""
+        addrs = list(self.links)
+        replies = await asyncio.gather(*(self.links[a].request(m.StatsRequest(id=0), m.StatsReply,
+                                                                self.cfg.request_timeout_s)
+                                         for a in addrs), return_exceptions=True)
         out = {}
-        for addr, link in self.links.items():
-            reply = await link.request(m.StatsRequest(id=0), m.StatsReply, self.cfg.request_timeout_s)
-            out[addr] = reply.stats
+        for addr, reply in zip(addrs, replies, strict=True):
+            if isinstance(reply, m.StatsReply):
+                out[addr] = reply.stats
+            elif isinstance(reply, EdgeliteError | OSError | TimeoutError):
+                log.info("node %s gave no stats: %s", addr, reply)
+            elif isinstance(reply, BaseException):
+                raise reply
         return out
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterable
 from importlib import resources
 from typing import Any, Protocol
 
@@ -69,10 +70,14 @@ async def cluster_view(llm: Deployed, gateway: Gateway, stats_timeout_s: float) 
                        "sessions": None if measured is None else measured.get("sessions")})
     figures = gateway.stats()
     tiers = figures.get("tiers", {})
+    planned = {st.addr for st in plan.stages if st.addr is not None} if plan is not None else set()
+    left_out = getattr(gateway.backend, "left_out", frozenset())  # (a failover backend's)
+    idle = await _idle_answers(gateway, probed, set(nodes) | planned | set(left_out), stats_timeout_s)
     return {
         "model": {"name": llm.manifest.name, "weights": llm.manifest.weights,
                   "compute": llm.manifest.compute, "layers": llm.manifest.num_layers},
-        "devices": [{k: _number(d.get(k)) for k in DEVICE_FIELDS if k in d}
+        "devices": [{**{k: _number(d.get(k)) for k in DEVICE_FIELDS if k in d},
+                     **_now(d, nodes, planned, left_out, gateway.down, idle)}
                     for d in probed.get("devices", [])],
         "links": [{"src": ln.get("src"), "dst": ln.get("dst"),
                    **{k: _number(ln.get(k)) for k in LINK_FIELDS}}
@@ -84,4 +89,54 @@ async def cluster_view(llm: Deployed, gateway: Gateway, stats_timeout_s: float) 
         "gateway": {k: figures.get(k) for k in ("queues", "queues_by_tier", "tiers",
                                                  "tokens_per_s", "cancelled", "reconnects")
                     if k in figures},
-        "ready": gateway.ready}
+        "ready": gateway.ready, "down": gateway.down}
+
+
+async def _idle_answers(gateway: Gateway, probed: dict[str, Any], known: set[NodeAddr],
+                        timeout_s: float) -> dict[tuple[str, int], bool]:
+    """Whether each probed node outside the plan answers now (a handshake), within
+    `timeout_s` (one that does not: False)."""
+    answers = getattr(gateway.backend, "answers", None)  # (a failover backend's)
+    seen = {(a.host, a.port) for a in known}
+    addrs = []
+    for d in probed.get("devices", []):
+        try:
+            addr = NodeAddr.parse(str(d.get("addr") or ""))
+        except EdgeliteError:
+            continue
+        if (addr.host, addr.port) not in seen:
+            addrs.append(addr)
+    if answers is None or not addrs:
+        return {}
+    try:
+        said = await asyncio.wait_for(asyncio.gather(*(answers(a) for a in addrs)), timeout_s)
+    except TimeoutError:
+        said = [False] * len(addrs)
+    return {(a.host, a.port): bool(ok) for a, ok in zip(addrs, said, strict=True)}
+
+
+def _now(device: dict[str, Any], nodes: dict[NodeAddr, dict[str, Any]], planned: set[NodeAddr],
+         left_out: frozenset[NodeAddr], down: str | None,
+         idle: dict[tuple[str, int], bool]) -> dict[str, Any]:
+    """A probed node as it is now (the probe's own figures are from the start): whether it
+    answers, and why not (left out after a loss, silent, or no plan at all)."""
+    try:
+        addr = NodeAddr.parse(str(device.get("addr") or ""))
+    except EdgeliteError:
+        return {}  # (the client itself)
+
+    def has(addrs: Iterable[NodeAddr]) -> bool:
+        return any((a.host, a.port) == (addr.host, addr.port) for a in addrs)
+
+    if has(nodes):
+        return {"reachable": True, "reason": None, "in_plan": has(planned)}
+    if has(left_out):
+        return {"reachable": False, "reason": "lost: the plan goes on without it", "in_plan": False}
+    if down is not None:
+        return {"reachable": None, "reason": f"no plan now: {down}", "in_plan": False}
+    if has(planned):
+        return {"reachable": False, "reason": "does not answer now", "in_plan": True}
+    answered = idle.get((addr.host, addr.port))
+    if answered is None:
+        return {"in_plan": False}
+    return {"in_plan": False, "reachable": answered, "reason": None if answered else "does not answer now"}
