@@ -116,7 +116,10 @@ async def _to_the_end(fn: Callable[..., T], *args: Any, started: list[T] | None 
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
-        made = await call
+        try:
+            made = await call
+        except (EdgeliteError, RuntimeError, OSError):  # (Ctrl-C reached what it started too)
+            raise asyncio.CancelledError from None
         if started is not None:
             started.append(made)
         raise

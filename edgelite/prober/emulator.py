@@ -186,9 +186,11 @@ class EmulatorProcess:
         import sys
         from dataclasses import asdict
 
+        # (a session of its own: the terminal's Ctrl-C is the parent's to handle; the process
+        # ends when the parent closes its stdin, or dies)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "edgelite.prober.emulator", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         spec = [{"target": list(t), "spec": asdict(s), "seed": seed + i}
                 for i, (t, s) in enumerate(links)]
@@ -230,6 +232,6 @@ if __name__ == "__main__":
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve_from_stdin())
-    else:
-        uvloop.run(_serve_from_stdin())
+        uvloop = None
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):  # (a parent that went: quietly)
+        (uvloop.run if uvloop is not None else asyncio.run)(_serve_from_stdin())
