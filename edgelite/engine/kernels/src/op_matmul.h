@@ -172,21 +172,29 @@ static int64_t mm_blocks(const mm_state *st, const int64_t (*d)[MM_MAX_RANK], co
 
 static const char *const mm_names[MM_KINDS] = {"MatMul4", "MatMul6", "MatMul4K", "MatMul8"};
 
+/* the first `count` inputs' dims (rank 1 to MM_MAX_RANK) and data; NULL, or a status naming
+ * what was wrong (the products' and the norms') */
+static status_t ranked_inputs(api_t api, void *ctx, const char *name, size_t count, int64_t (*d)[MM_MAX_RANK],
+                              size_t *rank, void **data) {
+    for (size_t i = 0; i < count; i++) {
+        const void *in = NULL;
+        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in));
+        if (!in) return fail(api, name, "a required input is missing");
+        if (!(rank[i] = dims_of(api, in, d[i], MM_MAX_RANK)))
+            return fail(api, name, "an input is a scalar or of rank over 8");
+        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in, &data[i]));
+    }
+    return NULL;
+}
+
 static status_t mm_compute_v2(void *state, void *ctx) {
     const mm_state *st = (const mm_state *)state;
     api_t api = st->api;
     const char *name = mm_names[st->kind];
     size_t count = st->kind == MM4 || st->kind == MM8 ? 3 : 4, rank[4] = {0};
-    const void *in[4] = {NULL};
     int64_t d[4][MM_MAX_RANK];
     void *data[4] = {NULL};
-    for (size_t i = 0; i < count; i++) {
-        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in[i]));
-        if (!in[i]) return fail(api, name, "a required input is missing");
-        if (!(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)))
-            return fail(api, name, "an input is a scalar or of rank over 8");
-        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
-    }
+    TRY(ranked_inputs(api, ctx, name, count, d, rank, data));
     int64_t rows = 1, out_dims[MM_MAX_RANK], values;
     for (size_t i = 0; i + 1 < rank[0]; i++) {
         if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return fail(api, name, "a's rows overflow");

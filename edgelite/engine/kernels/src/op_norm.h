@@ -29,16 +29,9 @@ static status_t norm_compute_v2(void *state, void *ctx) {
     api_t api = st->api;
     const char *name = st->skip ? "SkipNorm" : "Norm";
     size_t count = st->skip ? 3 : 2, rank[3] = {0};
-    const void *in[3] = {NULL};
     int64_t d[3][MM_MAX_RANK];
     void *data[3] = {NULL};
-    for (size_t i = 0; i < count; i++) {
-        TRY(CALL(api, INPUT, input_fn)(ctx, i, &in[i]));
-        if (!in[i]) return fail(api, name, "a required input is missing");
-        if (!(rank[i] = dims_of(api, in[i], d[i], MM_MAX_RANK)))
-            return fail(api, name, "an input is a scalar or of rank over 8");
-        TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
-    }
+    TRY(ranked_inputs(api, ctx, name, count, d, rank, data));
     int64_t rows = 1, dim = d[0][rank[0] - 1];
     for (size_t i = 0; i + 1 < rank[0]; i++)
         if (d[0][i] < 0 || __builtin_mul_overflow(rows, d[0][i], &rows)) return fail(api, name, "x's rows overflow");
