@@ -18,8 +18,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +81,27 @@ async def reply(model: Path, nodes: list[NodeProc], client_mb: float, tokens: in
         return out
 
 
+def one_case(args: argparse.Namespace, at: int | None) -> dict[str, Any]:
+    """One reply on fresh nodes, in this process (a fresh one per case: the client's budget
+    counts what the process holds, and a first reply's memory would count against a second)."""
+    upload_log = logging.getLogger("edgelite.net.upload")
+    upload_log.setLevel(logging.INFO)
+    upload_log.addHandler(_Uploads())
+    tmp = Path(tempfile.mkdtemp())
+    nodes = [start_node(tmp / f"n{i}", threads=1, memory_mb=args.node_mb,
+                        extra=("--no-spin", "--discovery-port", "0")) for i in range(args.nodes)]
+    try:
+        out = asyncio.run(reply(args.model, nodes, args.client_mb, args.tokens, at))
+        out["node_peak_rss_mib"] = [peak_mib(n.proc.pid) if n.proc.poll() is None else None for n in nodes]
+        out["client_peak_rss_mib"] = peak_mib(os.getpid())
+        out["uploads"] = list(UPLOADS)
+        return out
+    finally:
+        for n in nodes:
+            n.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
@@ -86,26 +110,18 @@ def main() -> None:
     ap.add_argument("--client-mb", type=float, default=1024)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--at", type=int, default=12)
+    ap.add_argument("--case", choices=["reference", "kill"], help="(one case, in this process)")
     args = ap.parse_args()
-    upload_log = logging.getLogger("edgelite.net.upload")
-    upload_log.setLevel(logging.INFO)
-    upload_log.addHandler(_Uploads())
+    if args.case is not None:
+        print(json.dumps(one_case(args, None if args.case == "reference" else args.at)))
+        return
     results: dict[str, Any] = {}
-    for case, at in (("reference", None), ("kill", args.at)):
-        tmp = Path(tempfile.mkdtemp())
-        logs = [tmp / f"node{i}.log" for i in range(args.nodes)]
-        nodes = [start_node(tmp / f"n{i}", threads=1, memory_mb=args.node_mb, log_file=logs[i],
-                            extra=("--no-spin", "--discovery-port", "0")) for i in range(args.nodes)]
-        try:
-            results[case] = asyncio.run(reply(args.model, nodes, args.client_mb, args.tokens, at))
-            results[case]["node_peak_rss_mib"] = [peak_mib(n.proc.pid) if n.proc.poll() is None else None
-                                                  for n in nodes]
-            results[case]["uploads"] = list(UPLOADS)
-            UPLOADS.clear()
-        finally:
-            for n in nodes:
-                n.kill()
-            shutil.rmtree(tmp, ignore_errors=True)
+    for case in ("reference", "kill"):
+        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--case", case], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"{case}: {done.stderr.strip().splitlines()[-1:]}")
+        results[case] = json.loads(done.stdout)
     ref = results["reference"].pop("ids")
     results["kill"]["ids_identical"] = results["kill"].pop("ids") == ref
     results["tokens"] = len(ref)
