@@ -122,7 +122,8 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
                 "client_peak_rss_mib": float(peak.group(1)) if peak else None}
     out = json.loads(res.stdout)
     plan = out.get("plan") or {}
-    return {"tokens": len(out["token_ids"]), "decode_tok_s": out["decode_tok_s"],
+    return {"tokens": len(out["token_ids"]), "token_ids": out["token_ids"],
+            "decode_tok_s": out["decode_tok_s"],
             "ttft_ms": out["ttft_ms"], "measured_ms_per_token": out["decode_ms_per_token"],
             "predicted_ms_per_token": plan.get("expected_ms_per_token"),
             "plan": [(s["device"], s["first_layer"], s["last_layer"]) for s in plan.get("stages", [])],
