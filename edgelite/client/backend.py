@@ -228,6 +228,7 @@ class ClusterBackend:
         await asyncio.gather(self.heartbeat, return_exceptions=True)
         await self.plane.stop()
         await self.cluster.close()
+        self.plane.part.close()  # (the thread that used it has stopped)
 
 
 async def _deploy(manifest: Manifest, plan: Plan, token: str, cfg: ClientConfig, part: ClientPart,

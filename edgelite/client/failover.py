@@ -21,6 +21,7 @@ planner's error says how much memory is short.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -237,6 +238,7 @@ class FailoverBackend:
         rec = Recovery([str(a) for a in gone], reason, t0)
         rec.detect_ms = (time.monotonic() - t0) * 1e3
         await self.inner.close()
+        gc.collect()  # (the old plan's client part goes before the next one loads)
         try:
             self.inner, rec.plan_ms, rec.deploy_ms = await self.replan(gone)
         except EdgeliteError as exc:  # (no plan without them: every step says why, until one works)

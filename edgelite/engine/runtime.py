@@ -11,6 +11,7 @@ import bisect
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,8 +92,8 @@ class _Piece:
         chosen = pipeline.for_piece(manifest, entry, cfg, library)
         self.passes = [p.name for p in chosen]
         model = apply(onnxgraph.relocated(files.graph(entry), files.locate), chosen)
-        self.session = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,
-                                  linear.RESIDENT if library else ())
+        self.session: Any = open_model(model, files.folder, cfg, f"{what} of {manifest.name}", library,
+                                       linear.RESIDENT if library else ())
 
     def check_output(self, name: str, axis: int, field: str, value: int) -> None:
         """A fixed dimension of an output against the manifest (which must match its files)."""
@@ -218,6 +219,16 @@ class ClientPart:
     def max_chunk(self) -> int:
         """The most tokens one step carries (a prompt goes in chunks of this)."""
         return max(self.cfg.prefill_chunks)
+
+    def close(self) -> None:
+        """Let go of its sessions and KV (its plan ended: a failover loads the next one, whose
+        memory then counts once, not beside this one's)."""
+        if self.prefix is not None:
+            self.prefix.close()
+        self.prefix = None
+        self.slots.clear()
+        self.restoring.clear()
+        self.embed.session = self.head_.session = None
 
     def front(self, session: str, ids: np.ndarray) -> np.ndarray:
         """ids (1, n) -> the hidden state the first node stage takes (n within one chunk)."""
