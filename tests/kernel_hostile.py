@@ -209,7 +209,12 @@ def run(library: Path) -> list[str]:
     """What went wrong over every case (empty: all held)."""
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from edgelite.config import RuntimeConfig
+    from edgelite.engine import session
+
+    # (edgelite's options: in a process whose onnxruntime has its global thread pool, as the
+    # test suite's has, sessions must use it)
+    opts = session.options(RuntimeConfig(threads=1), Path("."))
     opts.log_severity_level = 4
     opts.register_custom_ops_library(str(library))
     wrong = [f"{case.name}: {w}" for case in cases() if (w := run_case(ort, opts, case))]

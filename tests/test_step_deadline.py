@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
+from edgelite.engine import session
 from edgelite.engine.deadline import WATCHDOG, StepClock, StepDeadlineExceeded, run_guarded
 from edgelite.engine.layers import LayerRange, export_files
 
@@ -29,33 +30,32 @@ def slow_session(products: int = 400, width: int = 768) -> tuple[ort.InferenceSe
     graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, square)],
                               [helper.make_tensor_value_info(last, TensorProto.FLOAT, square)], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
+    opts = session.options(RuntimeConfig(threads=1), Path("."))  # (the process's pool, if it has one)
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    io = session.io_binding()
+    made = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    io = made.io_binding()
     x = np.ones((width, width), np.float32)
     io.bind_cpu_input("x", x)
     io.bind_output(f"y{products - 1}", "cpu")
     io.keep = x  # (the bound input lives as long as the binding)
-    return session, io
+    return made, io
 
 
 @pytest.mark.engine
 def test_a_run_past_its_deadline_is_cancelled_and_the_session_runs_again() -> None:
-    session, io = slow_session()
+    run, io = slow_session()
     options = ort.RunOptions()
     t0 = time.perf_counter()
-    run_guarded([(session, io)], options, 60.0, "the chain")  # (its whole time, within the deadline)
+    run_guarded([(run, io)], options, 60.0, "the chain")  # (its whole time, within the deadline)
     whole = time.perf_counter() - t0
     assert whole > 1.0, f"the chain took {whole:.2f} s: too short to cancel in the middle"
     t0 = time.perf_counter()
     with pytest.raises(StepDeadlineExceeded) as caught:
-        run_guarded([(session, io)], options, 0.2, "the chain")
+        run_guarded([(run, io)], options, 0.2, "the chain")
     took = time.perf_counter() - t0
     assert took < min(1.0, whole / 2), f"cancelled after {took:.2f} s (the whole run takes {whole:.2f} s)"
     assert str(caught.value) == "the chain: the step ran past its deadline of 0.2 s and was cancelled"
-    run_guarded([(session, io)], options, 60.0, "the chain")  # (the same options run again)
+    run_guarded([(run, io)], options, 60.0, "the chain")  # (the same options run again)
     assert np.isfinite(io.copy_outputs_to_cpu()[0]).all()
 
 

@@ -22,6 +22,7 @@ onnxruntime, as before.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -74,9 +75,8 @@ ALIGN = mmap.PAGESIZE  # each folded tensor starts on a page of its own
 MADV_POPULATE_READ = 22  # Linux 5.14 on: map a range's pages now (Python's mmap has no name for it)
 # inputs at least this large are read, and their results computed, this many bytes at a time
 CHUNK_BYTES = 8 << 20
-# a folded result may hold at most this many times the bytes of the initializers it is computed
-# from, and FOLD_SLACK more (the exporter's widest: 4-bit codes as float32, 8x): a graph that
-# would broadcast or repeat its way to more is refused before the memory is spent
+# a folded result holds at most this many times the bytes of the initializers it comes from, and
+# FOLD_SLACK more (the exporter's widest: 4-bit codes as float32, 8x); more is refused up front
 FOLD_GROWTH = 16
 FOLD_SLACK = 1 << 16
 
@@ -242,23 +242,16 @@ def _predicted(n: Node, args: list[np.ndarray]) -> int:
             shape = np.broadcast_shapes(*(a.shape for a in args))
         except ValueError as exc:
             raise ValueError(f"{n.op} of shapes that do not broadcast") from exc
-        return _count(shape) * np.result_type(*args).itemsize
+        return math.prod(shape) * np.result_type(*args).itemsize
     if n.op == "Gather":
         data, axis = args[0], int(n.attrs.get("axis", 0))
-        row = _count(data.shape) // max(1, data.shape[axis % max(1, data.ndim)]) if data.ndim else 1
-        return _count(args[1].shape) * row * data.dtype.itemsize
+        row = math.prod(data.shape) // max(1, data.shape[axis % max(1, data.ndim)]) if data.ndim else 1
+        return math.prod(args[1].shape) * row * data.dtype.itemsize
     if n.op == "Concat":
         return sum(a.nbytes for a in args)
     if n.op == "Cast":
-        return _count(args[0].shape) * DTYPES[n.attrs["to"]].itemsize
+        return math.prod(args[0].shape) * DTYPES[n.attrs["to"]].itemsize
     return args[0].nbytes
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
 
 
 def _apply(n: Node, args: list[np.ndarray], limit: int) -> np.ndarray:
@@ -267,7 +260,7 @@ def _apply(n: Node, args: list[np.ndarray], limit: int) -> np.ndarray:
     return np.asarray(RULES[n.op](n.attrs, args))
 
 
-def _bounded(name: str, need: int, limit: int) -> None:
+def _bounded(name: str, need: int, limit: int) -> None:  # (ValueError past the limit)
     if need > limit:
         raise ValueError(f"{name[:80]} would take {need} bytes, over {limit} "
                          f"({FOLD_GROWTH}x the initializers it is computed from)")
@@ -413,7 +406,7 @@ class _Evaluator:
             result, shape = part
             if final is None:
                 final = result.dtype, shape
-                _bounded(cone[-1].outputs[0], _count(shape) * result.dtype.itemsize, self.limit)
+                _bounded(cone[-1].outputs[0], math.prod(shape) * result.dtype.itemsize, self.limit)
             elif final != (result.dtype, shape):
                 return None
             written += out.write(memoryview(np.ascontiguousarray(result)).cast("B"))
