@@ -17,22 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgelite.engine.kernels.models import DOMAIN
-from edgelite.engine.onnxgraph import (
-    FLOAT,
-    GRAPH_INPUT,
-    GRAPH_NAME,
-    GRAPH_NODE,
-    GRAPH_OUTPUT,
-    INT64,
-    MODEL_GRAPH,
-    MODEL_IR_VERSION,
-    UINT8,
-    encode,
-    make_node,
-    make_value_info,
-    with_opset,
-)
+from edgelite.engine.kernels.models import DOMAIN, one_node_model
+from edgelite.engine.onnxgraph import FLOAT, INT64, UINT8, make_node, make_value_info
 
 WRAPS = 2**60 + 3  # heads whose product with a head size of 16 wraps to 48 in 64 bits
 
@@ -55,13 +41,8 @@ def free_model(op: str, inputs: dict[str, tuple[int, int]], outputs: dict[str, t
         return make_value_info(name, elem, [f"{name}{i}" for i in range(rank)])
 
     node = make_node(op, list(inputs), list(outputs), "hostile", DOMAIN, **attrs)
-    graph = encode([
-        (GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"hostile"),
-        *((GRAPH_INPUT, 2, free(n, r, e)) for n, (r, e) in inputs.items()),
-        *((GRAPH_OUTPUT, 2, free(n, r, e)) for n, (r, e) in outputs.items()),
-    ])
-    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
-    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+    return one_node_model(node, [free(n, r, e) for n, (r, e) in inputs.items()],
+                          [free(n, r, e) for n, (r, e) in outputs.items()])
 
 
 def attend_any(heads: int, kv: int) -> bytes:

@@ -214,8 +214,8 @@ class FailoverBackend:
             return None
         self.next_rejoin = now + self.cfg.rejoin_interval_s
         out = list(self.left_out)
-        back = [a for a, ok in zip(out, await asyncio.gather(*(self.answers(a) for a in out)),
-                                   strict=True) if ok]
+        silent = await self._unanswered(out)
+        back = [a for a in out if a not in silent]
         if not back:
             return None
         async with self.lock:

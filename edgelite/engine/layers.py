@@ -85,6 +85,7 @@ class Binding:
     total: np.ndarray  # () int32
     out: np.ndarray  # (rows, chunk, hidden)
     between: list[np.ndarray] = field(default_factory=list)  # outputs of all sessions but the last
+    runs: list[tuple[Any, Any]] = field(default_factory=list)  # (session, its binding), in order
 
     def __post_init__(self) -> None:
         # the same buffers as flat memoryviews: a decode step (decode_bytes) writes its input
@@ -213,6 +214,7 @@ class LayerRange:
         buffers = [np.zeros((rows, chunk, h), np.float32) for _ in range(len(self.sessions) + 1)]
         b = Binding([s.io_binding() for s in self.sessions], buffers[0], np.zeros(rows, np.int32),
                     np.zeros((), np.int32), buffers[-1], buffers[1:-1])
+        b.runs = list(zip(self.sessions, b.io, strict=True))
         f32, i32, kv = np.float32, np.int32, self.pool.dtype
         for i, ((first, last), io) in enumerate(zip(self.groups, b.io, strict=True)):
             names = {x.name for x in self.sessions[i].get_inputs()}
@@ -234,8 +236,7 @@ class LayerRange:
     def _run(self, b: Binding) -> None:
         rows = b.hidden.shape[0] * b.hidden.shape[1]
         t0 = time.perf_counter()
-        run_guarded(list(zip(self.sessions, b.io, strict=True)), self.run_options, self.clock.deadline(rows),
-                    f"layers {self.first}-{self.last}")
+        run_guarded(b.runs, self.run_options, self.clock.deadline(rows), f"layers {self.first}-{self.last}")
         self.clock.record(rows, time.perf_counter() - t0)
 
     def run(self, slot: Slot, hidden: np.ndarray) -> np.ndarray:

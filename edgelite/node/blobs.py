@@ -192,10 +192,14 @@ class BlobStore:
         folder's files are hard links to their blobs)."""
         return sha not in keep and st.st_nlink <= 1
 
+    def _last_used(self, sha: str, st: os.stat_result) -> float:
+        """When the blob was last written or used (time.time())."""
+        return max(st.st_mtime, self._used.get(sha, 0.0))
+
     def figures(self, now: float | None = None) -> BlobFigures:
         keep, now = self.pinned(), time.time() if now is None else now
         blobs = self._blobs()
-        idle = [(now - max(st.st_mtime, self._used.get(sha, 0.0)) >= self.grace_s, st.st_size)
+        idle = [(now - self._last_used(sha, st) >= self.grace_s, st.st_size)
                 for sha, st in blobs if self._idle(sha, st, keep)]
         old = [size for past, size in idle if past]
         recent = [size for past, size in idle if not past]
@@ -214,7 +218,7 @@ class BlobStore:
         now = time.time() if now is None else now
         idle = []
         for sha, st in self._blobs():
-            last = max(st.st_mtime, self._used.get(sha, 0.0))
+            last = self._last_used(sha, st)
             if self._idle(sha, st, keep) and now - last >= idle_s:
                 idle.append((last, sha, st.st_size))
         files = freed = 0

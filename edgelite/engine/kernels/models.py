@@ -25,6 +25,15 @@ from edgelite.engine.onnxgraph import (
 DOMAIN = "edgelite"  # the operators' ONNX domain (ops.c registers it)
 
 
+def one_node_model(node: bytes, inputs: list[bytes], outputs: list[bytes]) -> bytes:
+    """A model of one node (its graph's inputs and outputs as value infos), in ONNX's opset
+    17 and the operators' domain."""
+    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
+                    *((GRAPH_INPUT, 2, i) for i in inputs), *((GRAPH_OUTPUT, 2, o) for o in outputs)])
+    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
+    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+
+
 def attend_model(op: str, heads: int, kv: int, d: int, cap: int, window: int) -> bytes:
     """A model of one attend.c operator (protobuf by hand: phones have no `onnx` package)."""
     kv_elem, row = {"Attend": (FLOAT, d), "Attend16": (FLOAT16, d), "Attend8": (INT8, d + 2)}[op]
@@ -39,25 +48,20 @@ def attend_model(op: str, heads: int, kv: int, d: int, cap: int, window: int) ->
         local_window_size=window,
         scale=d**-0.5,
     )
-    graph = encode(
-        [
-            (GRAPH_NODE, 2, node),
-            (GRAPH_NAME, 2, b"check"),
-            (GRAPH_INPUT, 2, make_value_info("q", FLOAT, [1, "n", heads * d])),
-            (GRAPH_INPUT, 2, make_value_info("k_new", FLOAT, [1, "n", kv * d])),
-            (GRAPH_INPUT, 2, make_value_info("v_new", FLOAT, [1, "n", kv * d])),
-            (GRAPH_INPUT, 2, make_value_info("k", kv_elem, [1, kv, cap, row])),
-            (GRAPH_INPUT, 2, make_value_info("v", kv_elem, [1, kv, cap, row])),
-            (GRAPH_INPUT, 2, make_value_info("total", INT64, [1])),
-            (GRAPH_INPUT, 2, make_value_info("cos", FLOAT, [cap, "half"])),
-            (GRAPH_INPUT, 2, make_value_info("sin", FLOAT, [cap, "half"])),
-            (GRAPH_OUTPUT, 2, make_value_info("out", FLOAT, [1, "n", heads * d])),
-            (GRAPH_OUTPUT, 2, make_value_info("k_out", kv_elem, [1, kv, cap, row])),
-            (GRAPH_OUTPUT, 2, make_value_info("v_out", kv_elem, [1, kv, cap, row])),
-        ]
-    )
-    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
-    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+    return one_node_model(node, [
+        make_value_info("q", FLOAT, [1, "n", heads * d]),
+        make_value_info("k_new", FLOAT, [1, "n", kv * d]),
+        make_value_info("v_new", FLOAT, [1, "n", kv * d]),
+        make_value_info("k", kv_elem, [1, kv, cap, row]),
+        make_value_info("v", kv_elem, [1, kv, cap, row]),
+        make_value_info("total", INT64, [1]),
+        make_value_info("cos", FLOAT, [cap, "half"]),
+        make_value_info("sin", FLOAT, [cap, "half"]),
+    ], [
+        make_value_info("out", FLOAT, [1, "n", heads * d]),
+        make_value_info("k_out", kv_elem, [1, kv, cap, row]),
+        make_value_info("v_out", kv_elem, [1, kv, cap, row]),
+    ])
 
 
 def matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
@@ -97,17 +101,8 @@ def matmul_model(op: str, k: int, n: int, threads: int = 1) -> bytes:
         node = make_node(
             op, ["a", "codes", "mult", "base"], ["y"], "matmul", DOMAIN, K=k, N=n, zero=ZERO6, threads=threads
         )
-    graph = encode(
-        [
-            (GRAPH_NODE, 2, node),
-            (GRAPH_NAME, 2, b"check"),
-            (GRAPH_INPUT, 2, make_value_info("a", FLOAT, ["m", k])),
-            *((GRAPH_INPUT, 2, w) for w in weights),
-            (GRAPH_OUTPUT, 2, make_value_info("y", FLOAT, ["m", n])),
-        ]
-    )
-    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
-    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+    return one_node_model(node, [make_value_info("a", FLOAT, ["m", k]), *weights],
+                          [make_value_info("y", FLOAT, ["m", n])])
 
 
 def norm_model(skip: bool, d: int, eps: float) -> bytes:
@@ -115,9 +110,5 @@ def norm_model(skip: bool, d: int, eps: float) -> bytes:
     ins = ["x", "skip", "g"] if skip else ["x", "g"]
     outs = ["y", "sum"] if skip else ["y"]
     node = make_node("SkipNorm" if skip else "Norm", ins, outs, "norm", DOMAIN, epsilon=eps)
-    graph = encode([(GRAPH_NODE, 2, node), (GRAPH_NAME, 2, b"check"),
-                    *((GRAPH_INPUT, 2, make_value_info(i, FLOAT, [d] if i == "g" else ["n", d]))
-                      for i in ins),
-                    *((GRAPH_OUTPUT, 2, make_value_info(o, FLOAT, ["n", d])) for o in outs)])
-    model = encode([(MODEL_IR_VERSION, 0, 8), (MODEL_GRAPH, 2, graph)])
-    return with_opset(with_opset(model, "", 17), DOMAIN, 1)
+    return one_node_model(node, [make_value_info(i, FLOAT, [d] if i == "g" else ["n", d]) for i in ins],
+                          [make_value_info(o, FLOAT, ["n", d]) for o in outs])

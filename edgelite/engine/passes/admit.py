@@ -21,12 +21,15 @@ Anything else is refused with one line naming the node and what is wrong.
 
 from __future__ import annotations
 
+import math
+
 from edgelite.engine.fold import RULES, tensor
 from edgelite.engine.onnxgraph import (
     GRAPH_INIT,
     GRAPH_NODE,
     NODE_DOMAIN,
     NODE_NAME,
+    Field,
     fields,
     node_attrs,
     node_parts,
@@ -62,10 +65,8 @@ def _admit(graph: Graph, m: Manifest) -> Graph:
             if t is None:
                 raise ValueError("an initializer is stored in a form the exporter does not write "
                                  "(typed value lists, or external data without a location)")
-            count = 1
-            for d in t.dims:
-                count *= d if d >= 0 else -(1 << 70)
-            if count < 0 or (not t.location and count * t.dtype.itemsize > INLINE_BYTES):
+            if any(d < 0 for d in t.dims) or (
+                    not t.location and math.prod(t.dims) * t.dtype.itemsize > INLINE_BYTES):
                 raise ValueError(f"initializer {t.name[:80]!r} of dims {t.dims[:8]} is held in the graph "
                                  f"(the exporter holds at most {INLINE_BYTES} bytes there)")
             codes[t.name] = t.dims
@@ -74,8 +75,7 @@ def _admit(graph: Graph, m: Manifest) -> Graph:
         if number != GRAPH_NODE:
             continue
         op, inputs, _, rest = node_parts(value)  # type: ignore[arg-type]
-        domain = next((bytes(v).decode() for n, _, v in rest if n == NODE_DOMAIN), "")  # type: ignore[arg-type]
-        name = next((bytes(v).decode() for n, _, v in rest if n == NODE_NAME), "?")[:120]  # type: ignore[arg-type]
+        domain, name = _domain_name(rest)
         if (domain, op) not in ALLOWED:
             raise ValueError(f"node {name!r}: operator {domain + ':' if domain else ''}{op[:60]} is not one "
                              f"the exporter writes (control flow and other custom operators are refused)")
@@ -90,6 +90,13 @@ def _admit(graph: Graph, m: Manifest) -> Graph:
     return graph
 
 
+def _domain_name(rest: list[Field]) -> tuple[str, str]:
+    """A node's domain ("" for ONNX's) and its name (shortened for a message)."""
+    domain = next((bytes(v).decode() for n, _, v in rest if n == NODE_DOMAIN), "")  # type: ignore[arg-type]
+    name = next((bytes(v).decode() for n, _, v in rest if n == NODE_NAME), "?")[:120]  # type: ignore[arg-type]
+    return domain, name
+
+
 def _constants(graph: Graph, const: set[str], external: bool) -> None:
     """Every node computed from constants alone is one fold.py computes, in a graph with
     external weights (fold.py folds only there; else onnxruntime would)."""
@@ -100,8 +107,7 @@ def _constants(graph: Graph, const: set[str], external: bool) -> None:
         real = [i for i in inputs if i]
         if not real or not all(i in const for i in real):
             continue
-        domain = next((bytes(v).decode() for n, _, v in rest if n == NODE_DOMAIN), "")  # type: ignore[arg-type]
-        name = next((bytes(v).decode() for n, _, v in rest if n == NODE_NAME), "?")[:120]  # type: ignore[arg-type]
+        domain, name = _domain_name(rest)
         if domain not in ("", "ai.onnx") or op not in RULES or not external:
             raise ValueError(f"node {name!r}: {op[:60]} is computed from constants alone, which the exporter "
                              f"writes only for {', '.join(sorted(RULES))} over external weights")
