@@ -94,6 +94,9 @@ class RuntimeConfig:
     # times what the range's steps of as many rows have taken (engine/deadline.py)
     step_deadline_s: float = 30.0
     step_deadline_factor: float = 20.0
+    # onnxruntime's per-operator timings written to files starting with this (empty: off; for
+    # benchmarks: scripts/bench_breakdown.py)
+    profile_prefix: str = ""
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @property

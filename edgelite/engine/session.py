@@ -73,6 +73,9 @@ def options(cfg: RuntimeConfig, folder: Path) -> ort.SessionOptions:
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if cfg.allow_spinning else "0")
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     opts.log_severity_level = 3
+    if cfg.profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = cfg.profile_prefix
     return opts
 
 
