@@ -2,7 +2,7 @@
 
     python scripts/bench_scale.py --cache DIR [--gguf FILE] [--llama-cpp BIN_DIR]
         [--nodes 3] [--node-mb 400] [--client-mb 400] [--tokens 128] [--rounds 3]
-        [--context 2048] [--ports 7001,7002,...] [--matmulnbits-too]
+        [--context 2048] [--ports 7001,7002,...] [--matmulnbits-too] [--link 5,2,50]
 
 The GGUF defaults to a 1 B Llama-shaped Q4_K_M in the cache (random weights: made with
 scripts/random_models.py as F16, then llama.cpp's llama-quantize from --llama-cpp); it is
@@ -18,9 +18,15 @@ same context (`--context`: edgelite's --context, llama.cpp's -c); the load avera
 at each round's start; `--ports` pins the ports the node processes (and then the rpc-servers)
 listen on, and nodes answer no discovery; every process's peak RSS is kept (llama.cpp's
 client through /usr/bin/time), and llama.cpp's model load (its weight upload to the servers)
-is reported apart from its decode. Prints one JSON object: the plan, predicted against
-measured ms/token, decode tok/s, TTFT, every process's peak RSS against its budget, medians,
-ratios.
+is reported apart from its decode.
+With `--link DELAY_MS,JITTER_MS,MBPS` every link goes through the userspace link emulator
+(edgelite.prober.emulator, a process of its own): edgelite's client to each node and each node
+to each other (`--route`), llama.cpp's client to each rpc-server (its only links). The weights
+are on the devices before the rounds for both, as after an earlier start: edgelite's nodes get
+the layer files in their file cache, the rpc-servers run with their cache (`-c`) filled by one
+load over loopback first, whose time is reported as `llama_cpp_first_upload_ms`.
+Prints one JSON object: the plan, predicted against measured ms/token, decode tok/s, TTFT,
+every process's peak RSS against its budget, medians, ratios.
 """
 
 from __future__ import annotations
@@ -94,22 +100,68 @@ def export_for(gguf: Path, cache: Path) -> Path:
     return out
 
 
+class Links:
+    """The userspace link emulator in a process of its own: one link (spec, a dict of LinkSpec's
+    fields) to each target port; `ports` are (tcp, udp) to reach each target through its link."""
+
+    def __init__(self, targets: list[int], spec: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "edgelite.prober.emulator"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([{"target": ["127.0.0.1", t], "spec": spec, "seed": i}
+                                          for i, t in enumerate(targets)]) + "\n")
+        self.proc.stdin.flush()
+        self.ports = [tuple(p) for p in json.loads(self.proc.stdout.readline())]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # (it ends at EOF on its stdin)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def linked(nodes: list[int], spec: dict) -> tuple[Links, list[str], list[str]]:
+    """Links from the client to each node and between each pair: the emulator, the client's
+    addresses of the nodes, and the --route flags for node-to-node traffic."""
+    n = len(nodes)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    links = Links(nodes + [nodes[j] for _, j in pairs], spec)
+    addrs = [f"127.0.0.1:{tcp}" for tcp, _ in links.ports[:n]]
+    routes = [f"--route={addrs[i]}>{addrs[j]}=127.0.0.1:{tcp}/{udp}"
+              for (i, j), (tcp, udp) in zip(pairs, links.ports[n:], strict=True)]
+    return links, addrs, routes
+
+
 def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens: int,
-                   context: int, extra: tuple[str, ...] = (), ports: list[int] | None = None) -> dict:
+                   context: int, extra: tuple[str, ...] = (), ports: list[int] | None = None,
+                   link: dict | None = None) -> dict:
+    from edgelite import manifest as mf
+    from edgelite.cli.demo import seed
     from edgelite.cli.localnodes import TOKEN, start_node
 
     homes = [Path(tempfile.mkdtemp()) for _ in range(n)]  # (each gets the model's blobs: removed after)
+    if link is not None:
+        for home in homes:
+            seed(mf.load(model), home)
     nodes = [start_node(home, threads=1, memory_mb=node_mb, extra=(*extra, "--discovery-port", "0"),
                         port=ports[i] if ports else 0) for i, home in enumerate(homes)]
+    links, addrs, routes = (linked([x.port for x in nodes], link) if link is not None
+                            else (None, [x.addr for x in nodes], []))
     try:
         res = subprocess.run(
             [sys.executable, "-c", CLIENT, "generate", "--model", str(model), "--json", "--raw",
-             "--nodes", ",".join(x.addr for x in nodes), "--token", TOKEN, "--threads", "1",
+             "--nodes", ",".join(addrs), *routes, "--token", TOKEN, "--threads", "1",
              "--no-spin", "--client-memory-mb", str(client_mb), "--max-tokens", str(tokens),
              "--kv-store-mb", "0", "--context", str(context), *extra, PROMPT],
             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         node_peaks = [round(peak_mib(x.proc.pid), 1) for x in nodes]
     finally:
+        if links is not None:
+            links.close()
         for x in nodes:
             x.kill()
         for home in homes:
@@ -133,12 +185,19 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
 
 
 def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int, context: int,
-                ports: list[int] | None = None) -> dict:
+                ports: list[int] | None = None, link: dict | None = None,
+                cache: Path | None = None) -> dict:
+    """One llama.cpp run; with `link`, through the emulator, its servers using their file cache
+    in `cache` (filled by an earlier run)."""
     ports = ports or [free_port() for _ in range(n)]
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    if cache is not None:
+        env["LLAMA_CACHE"] = str(cache)
     servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(p),
-                                 "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 "-t", "1", *(["-c"] if cache is not None else [])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=env) for p in ports]
+    links: Links | None = None
     try:
         deadline = time.monotonic() + 30
         for p in ports:
@@ -150,15 +209,21 @@ def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int, context: int,
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
+        reach = ports
+        if link is not None:
+            links = Links(ports, link)
+            reach = [tcp for tcp, _ in links.ports]
         t0 = time.perf_counter()
         res = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", str(bin_dir / "llama-completion"),
-                              "-m", str(gguf), "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports),
+                              "-m", str(gguf), "--rpc", ",".join(f"127.0.0.1:{p}" for p in reach),
                               "-ngl", "99", "-t", "1", "-c", str(context), "-n", str(tokens), "--temp", "0",
                               "--ignore-eos", "-no-cnv", "-p", PROMPT], capture_output=True, text=True,
                              env=env, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
         peaks = [round(peak_mib(s.pid), 1) for s in servers]
     finally:
+        if links is not None:
+            links.close()
         for s in servers:
             s.kill()
             s.wait()
@@ -193,7 +258,12 @@ def main() -> None:
     ap.add_argument("--matmulnbits-too", action="store_true",
                     help="each round also edgelite with --no-matmul-kernel")
     ap.add_argument("--ports", default="", help="comma-separated ports for the nodes (and rpc-servers)")
+    ap.add_argument("--link", default="", help="DELAY_MS,JITTER_MS,MBPS: every link emulated so")
     args = ap.parse_args()
+    link = None
+    if args.link:
+        delay, jitter, rate = (float(x) for x in args.link.split(","))
+        link = {"delay_ms": delay, "jitter_ms": jitter, "rate_mbps": rate, "loss": 0.0}
     ports = [int(p) for p in args.ports.split(",") if p] or None
     if ports is not None and len(ports) != args.nodes:
         raise SystemExit(f"--ports names {len(ports)} ports for {args.nodes} nodes")
@@ -206,17 +276,24 @@ def main() -> None:
         sides["edgelite_matmulnbits"] = ("--no-matmul-kernel",)
     order: list[str] = [*sides, *(["llama_cpp_rpc"] if args.llama_cpp is not None else [])]
     loads: list[dict] = []
+    first_upload: dict | None = None
+    cache = Path(tempfile.mkdtemp()) if link is not None and args.llama_cpp is not None else None
+    if cache is not None:  # (the rpc-servers' cache filled by one load over loopback)
+        assert args.llama_cpp is not None
+        first_upload = llama_round(args.llama_cpp, gguf, args.nodes, 2, args.context, ports, None, cache)
     for r in range(args.rounds):
         for side in (order if r % 2 == 0 else order[::-1]):  # (A B, then B A: neither always first)
             loads.append({"round": r, "side": side, "loadavg_1m": round(os.getloadavg()[0], 2)})
             if side == "llama_cpp_rpc":
                 assert args.llama_cpp is not None
                 runs[side].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens, args.context,
-                                              ports))
+                                              ports, link, cache))
             else:
                 runs.setdefault(side, []).append(edgelite_round(
                     model, args.nodes, args.node_mb, args.client_mb, args.tokens, args.context,
-                    sides[side], ports))
+                    sides[side], ports, link))
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
 
     def med(side: str, key: str) -> float | None:
         vals = [r[key] for r in runs[side] if key in r and r[key] is not None]
@@ -226,6 +303,7 @@ def main() -> None:
                      "export_mb": round(sum(p.stat().st_size for p in model.iterdir()) / 1e6, 1),
                      "node_budget_mib": args.node_mb, "client_budget_mib": args.client_mb,
                      "nodes": args.nodes, "context": args.context, "order": "alternating by round",
+                     "link": link, "llama_cpp_first_upload_ms": (first_upload or {}).get("load_ms"),
                      "loadavg": loads}
     for side in sides:
         summary[side] = {k: med(side, k) for k in ("decode_tok_s", "ttft_ms", "measured_ms_per_token",

@@ -126,17 +126,17 @@ async def _to_the_end(fn: Callable[..., T], *args: Any, started: list[T] | None 
 
 
 def seed(m: mf.Manifest, data_dir: Path) -> None:
-    """Put the model's layer files in a node's file cache (hard links), as an earlier deploy
-    would have, so the first run does not push 500 MB through the emulated Wi-Fi."""
+    """Put the model's layer files (graphs and their weights) in a node's file cache (hard
+    links), as an earlier deploy would have, so a run does not push them through emulated Wi-Fi."""
     blobs = data_dir / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
-    for e in m.layers:
-        dst = blobs / e.sha256
+    for f in (f for e in m.layers for f in (e, *e.data)):
+        dst = blobs / f.sha256
         if not dst.exists():
             try:
-                os.link(m.path(e), dst)
+                os.link(m.path(f), dst)
             except OSError:
-                shutil.copyfile(m.path(e), dst)
+                shutil.copyfile(m.path(f), dst)
 
 
 def ensure_model(model_dir: Path, console: Console) -> mf.Manifest:
