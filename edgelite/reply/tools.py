@@ -14,9 +14,10 @@ How the model sees the tools depends on its chat template (`style_of`):
   for the bare JSON object.
 
 `tool_choice`: "auto" (the default): the reply is a call if it opens with one (the tag, or `{`
-for the bare object), else text; "required" or a tool's name: the reply is a call from its
-first token (a tag is put at the end of the prompt); "none": the reply is text, and the
-prompt shows no tools. A conversation's earlier calls and their results (assistant messages
+for the bare object; a tagged model's bare `{"name"` too: small models of those families, such
+as Qwen2.5-Coder-0.5B, often leave the tags out), else text; "required" or a tool's name: the
+reply is a call from its first token (a tag is put at the end of the prompt); "none": the reply
+is text, and the prompt shows no tools. A conversation's earlier calls and their results (assistant messages
 with `tool_calls`, messages of role "tool") are rendered as the model's own format writes
 them (`history`).
 """
@@ -39,6 +40,7 @@ CHOICES = ("auto", "none", "required")  # or a tool's name
 MAX_TOOLS = 64
 MAX_NAME = 64
 TAG_OPEN = "<tool_call>"  # (the call ends with its JSON: the closing tag is never written)
+BARE_NAMED = '{"name"'  # how a tagged model's call opens when it leaves the tag out
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,10 @@ class CallChooser:
             self.state = "call"
 
     @property
-    def opening(self) -> str:
-        return self.style.opening.strip() or "{"
+    def openings(self) -> tuple[str, ...]:
+        """The texts a call opens with (the JSON starts at the first `{` of a bare one)."""
+        tag = self.style.opening.strip()
+        return (tag, BARE_NAMED) if tag else ("{",)
 
     @property
     def done(self) -> bool:
@@ -257,12 +261,13 @@ class CallChooser:
         ids = [*self.ids, tok]
         text = self.decode(ids)
         lead = text.lstrip()
-        if self.opening.startswith(lead.rstrip("\ufffd")):
+        if any(o.startswith(lead.rstrip("\ufffd")) for o in self.openings):
             return True  # (still open)
-        if not lead.startswith(self.opening):
+        opening = next((o for o in self.openings if lead.startswith(o)), None)
+        if opening is None:
             self.state = "text"
             return True
-        start = len(text) - len(lead) + (0 if self.opening == "{" else len(self.opening))
+        start = len(text) - len(lead) + (0 if opening.startswith("{") else len(opening))
         constraint = JsonConstraint(self.decode, self.eos, self.max_tries, self.schema, ids, start,
                                     self.token_bytes, self.limit_s)
         if not constraint.started:
