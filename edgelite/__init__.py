@@ -13,6 +13,8 @@ The public API (everything a program needs; the CLI is built on it):
 - `discover(token)`: the cluster's nodes on the LAN (UDP broadcast, answers checked by HMAC)
 - `probe(nodes, token, manifest=None)`: measure devices and links
 - `plan(manifest, cluster)`: place layers on devices (pure; reads only the manifest)
+- `footprint(manifest)`: what the planner counts for the model's pieces (memory, KV, scratch)
+- `status(nodes, token)`: what runs where: each node's plans, sessions and memory
 - `run_node(token, data_dir, NodeConfig(...))`: a node serving inside this process
 - typed data: `Plan`, `Stage`, `NodeAddr`, `Manifest`; configs; errors (`EdgeliteError`, ...)
 
@@ -37,6 +39,7 @@ _EXPORTS = {
     "Reply": "edgelite.client.llm", "Piece": "edgelite.reply.loop",
     "PlanOptions": "edgelite.client.llm",
     "discover": "edgelite.net.discovery", "probe": "edgelite.prober.cluster",
+    "status": "edgelite.client.status", "footprint": "edgelite.planner.spec",
     "cluster_spec": "edgelite.prober.cluster", "plan": "edgelite.planner.solve",
     "Plan": "edgelite.planner.model", "Stage": "edgelite.planner.model",
     "Node": "edgelite.node.server", "run_node": "edgelite.node.server",

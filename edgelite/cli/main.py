@@ -8,10 +8,10 @@ import logging
 import sys
 
 from edgelite import __version__, heap
-from edgelite.cli import chat, demo, generate, models, node, options, plan, probe, push, serve
+from edgelite.cli import chat, demo, generate, models, node, options, plan, probe, ps, push, serve, show
 from edgelite.errors import EdgeliteError
 
-COMMANDS = (generate, chat, demo, serve, plan, probe, node, push, models)
+COMMANDS = (generate, chat, demo, serve, plan, probe, node, push, models, ps, show)
 
 
 def build_parser() -> argparse.ArgumentParser:

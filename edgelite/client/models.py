@@ -16,11 +16,11 @@ from typing import TypeVar
 
 from edgelite import manifest as mf
 from edgelite import paths
-from edgelite.config import ClientConfig, NodeConfig, WireLimits
+from edgelite.config import ClientConfig, NodeConfig
 from edgelite.errors import EdgeliteError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
-from edgelite.net.link import NodeLink
+from edgelite.net.link import ask_once
 from edgelite.node.blobs import BlobFigures, BlobStore
 from edgelite.node.shelf import ExportFolder, folder_bytes, read_export
 
@@ -84,12 +84,8 @@ def collect_local(data_dir: Path) -> tuple[int, int]:
 
 async def _ask(addr: NodeAddr, token: str, msg: m.Message, reply: type[R], cfg: ClientConfig) -> R:
     # as this client (its kept key): the folders it pushed are its own
-    link = await NodeLink.open(addr, token, None, WireLimits(), cfg.connect_timeout_s,
-                               kv=paths.kv_key())
-    try:
-        return await link.request(msg, reply, cfg.request_timeout_s)
-    finally:
-        await link.close()
+    return await ask_once(addr, token, msg, reply, cfg.connect_timeout_s, cfg.request_timeout_s,
+                          kv=paths.kv_key())
 
 
 async def node_models(addr: NodeAddr, token: str, cfg: ClientConfig | None = None) -> NodeModels:

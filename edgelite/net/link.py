@@ -111,3 +111,14 @@ class NodeLink:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def ask_once(addr: NodeAddr, token: str, msg: Message, reply: type[R], connect_timeout_s: float,
+                   request_timeout_s: float, kv: str | None = None) -> R:
+    """One request on a connection of its own: opened (as the client whose KV key is `kv`),
+    asked, closed."""
+    link = await NodeLink.open(addr, token, None, WireLimits(), connect_timeout_s, kv=kv)
+    try:
+        return await link.request(msg, reply, request_timeout_s)
+    finally:
+        await link.close()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine import kernels
+from edgelite.engine.profile import peak_resident_bytes, resident_bytes
 from edgelite.errors import AuthError, EdgeliteError, ProtocolError
 from edgelite.ids import NodeAddr
 from edgelite.net import messages as m
@@ -261,7 +262,9 @@ class Node:
             "connections": len(self.conns), "refused_connections": self.admission.refused["connections"],
             "refused_strangers": self.admission.refused["strangers"],
             "frame_budget": {"held": self.frame_budget.held, "waited": self.frame_budget.waited},
-            **self.sessions.stats(), **self.store.stats(owner)})
+            "memory": {"rss_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes(),
+                       "budget_bytes": self.cfg.memory_budget_bytes},
+            **self.sessions.stats(), **self.store.stats(owner, self._client(owner)[0])})
 
     def _client(self, owner: str) -> tuple[str, str]:
         """Whose KV a client's is, and where it connected from (a request can only come from a
