@@ -3,13 +3,15 @@
     python scripts/bench_scale.py --cache DIR [--gguf FILE] [--llama-cpp BIN_DIR]
         [--nodes 3] [--node-mb 400] [--client-mb 400] [--tokens 128] [--rounds 3]
         [--context 2048] [--ports 7001,7002,...] [--matmulnbits-too] [--link 5,2,50]
+        [--prompt-repeat 1]
 
 The GGUF defaults to a 1 B Llama-shaped Q4_K_M in the cache (random weights: made with
 scripts/random_models.py as F16, then llama.cpp's llama-quantize from --llama-cpp); it is
 exported once (fast, its own width; the exporter measures what each layer holds once loaded).
 Each round, edgelite: `--nodes` node processes on loopback with `--memory-mb NODE_MB`, and
 `edgelite generate` planning over them (probe + HiGHS) with `--client-memory-mb CLIENT_MB`,
-`--tokens` greedy tokens, 1 thread everywhere; llama.cpp (with --llama-cpp): as many
+`--tokens` greedy tokens of PROMPT (`--prompt-repeat` times over: a long prompt), 1 thread
+everywhere; llama.cpp (with --llama-cpp): as many
 `ggml-rpc-server -t 1` and `llama-completion --rpc ... -ngl 99 -t 1 --temp 0 --ignore-eos`.
 With --matmulnbits-too, each round also runs edgelite with `--no-matmul-kernel` (onnxruntime's
 MatMulNBits instead of edgelite's MatMul4 and MatMul6): "edgelite_matmulnbits".
@@ -138,7 +140,7 @@ def linked(nodes: list[int], spec: dict) -> tuple[Links, list[str], list[str]]:
 
 def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens: int,
                    context: int, extra: tuple[str, ...] = (), ports: list[int] | None = None,
-                   link: dict | None = None) -> dict:
+                   link: dict | None = None, prompt: str = PROMPT) -> dict:
     from edgelite import manifest as mf
     from edgelite.cli.demo import seed
     from edgelite.cli.localnodes import TOKEN, start_node
@@ -156,7 +158,7 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
             [sys.executable, "-c", CLIENT, "generate", "--model", str(model), "--json", "--raw",
              "--nodes", ",".join(addrs), *routes, "--token", TOKEN, "--threads", "1",
              "--no-spin", "--client-memory-mb", str(client_mb), "--max-tokens", str(tokens),
-             "--kv-store-mb", "0", "--context", str(context), *extra, PROMPT],
+             "--kv-store-mb", "0", "--context", str(context), *extra, prompt],
             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         node_peaks = [round(peak_mib(x.proc.pid), 1) for x in nodes]
     finally:
@@ -175,6 +177,7 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
     out = json.loads(res.stdout)
     plan = out.get("plan") or {}
     return {"tokens": len(out["token_ids"]), "token_ids": out["token_ids"],
+            "prompt_tokens": out.get("prompt_tokens"),
             "decode_tok_s": out["decode_tok_s"],
             "ttft_ms": out["ttft_ms"], "measured_ms_per_token": out["decode_ms_per_token"],
             "predicted_ms_per_token": plan.get("expected_ms_per_token"),
@@ -186,7 +189,7 @@ def edgelite_round(model: Path, n: int, node_mb: float, client_mb: float, tokens
 
 def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int, context: int,
                 ports: list[int] | None = None, link: dict | None = None,
-                cache: Path | None = None) -> dict:
+                cache: Path | None = None, prompt: str = PROMPT) -> dict:
     """One llama.cpp run; with `link`, through the emulator, its servers using their file cache
     in `cache` (filled by an earlier run)."""
     ports = ports or [free_port() for _ in range(n)]
@@ -217,7 +220,7 @@ def llama_round(bin_dir: Path, gguf: Path, n: int, tokens: int, context: int,
         res = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", str(bin_dir / "llama-completion"),
                               "-m", str(gguf), "--rpc", ",".join(f"127.0.0.1:{p}" for p in reach),
                               "-ngl", "99", "-t", "1", "-c", str(context), "-n", str(tokens), "--temp", "0",
-                              "--ignore-eos", "-no-cnv", "-p", PROMPT], capture_output=True, text=True,
+                              "--ignore-eos", "-no-cnv", "-p", prompt], capture_output=True, text=True,
                              env=env, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
         peaks = [round(peak_mib(s.pid), 1) for s in servers]
@@ -259,7 +262,9 @@ def main() -> None:
                     help="each round also edgelite with --no-matmul-kernel")
     ap.add_argument("--ports", default="", help="comma-separated ports for the nodes (and rpc-servers)")
     ap.add_argument("--link", default="", help="DELAY_MS,JITTER_MS,MBPS: every link emulated so")
+    ap.add_argument("--prompt-repeat", type=int, default=1, help="the prompt this many times over")
     args = ap.parse_args()
+    prompt = " ".join([PROMPT] * args.prompt_repeat)
     link = None
     if args.link:
         delay, jitter, rate = (float(x) for x in args.link.split(","))
@@ -287,11 +292,11 @@ def main() -> None:
             if side == "llama_cpp_rpc":
                 assert args.llama_cpp is not None
                 runs[side].append(llama_round(args.llama_cpp, gguf, args.nodes, args.tokens, args.context,
-                                              ports, link, cache))
+                                              ports, link, cache, prompt))
             else:
                 runs.setdefault(side, []).append(edgelite_round(
                     model, args.nodes, args.node_mb, args.client_mb, args.tokens, args.context,
-                    sides[side], ports, link))
+                    sides[side], ports, link, prompt))
     if cache is not None:
         shutil.rmtree(cache, ignore_errors=True)
 

@@ -31,7 +31,8 @@ def _mib(n: int | None) -> str:
 def line(s: dict[str, Any]) -> list[str]:
     """One node's lines."""
     if not s["reachable"]:
-        return [f"{s['addr']}: does not answer ({s['error']})"]
+        why = s["error"].removeprefix(f"node {s['addr']}: ")
+        return [f"{s['addr']}: does not answer ({why})"]
     mem = s.get("memory") or {}
     budget = mem.get("budget_bytes")
     head = (f"{s['addr']} ({s.get('node', '?')}; kernels {s.get('kernel', '?')}): "
