@@ -145,6 +145,11 @@ class Manifest:
     quantization: dict[str, Any] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
     special_tokens: dict[str, Any] = field(default_factory=dict)  # bos/eos text for the template
+    # what a range of layers holds once however many it has (its RoPE tables, a session's own
+    # state), measured by the exporter (the layers' resident_bytes are then what each adds);
+    # 0: not measured (each layer's figure has it)
+    range_bytes: int = 0
+    narrow_range_bytes: int = 0  # the same with edgelite's product operators
     root: Path = Path(".")
 
     @property
@@ -206,9 +211,14 @@ class Manifest:
         return sum(e.resident_on(narrow) for e in pieces) + max(
             max(0, e.load_peak_on(narrow) - e.resident_on(narrow)) for e in pieces)
 
+    def range_on(self, narrow: bool) -> int:
+        """`range_bytes` on a device that runs edgelite's product operators (`narrow`) or not."""
+        return (narrow and self.narrow_range_bytes) or self.range_bytes
+
     def resident(self, first: int, last: int, narrow: bool = False) -> int:
-        """What layers first..last hold once loaded (FileEntry.resident_on)."""
-        return sum(e.resident_on(narrow) for e in self.layers[first:last + 1])
+        """What layers first..last hold once loaded as one range (FileEntry.resident_on, and
+        the range's own part once)."""
+        return sum(e.resident_on(narrow) for e in self.layers[first:last + 1]) + self.range_on(narrow)
 
     @property
     def rotary_dim(self) -> int:
@@ -353,7 +363,8 @@ def parse(data: Any, root: Path) -> Manifest:
         raise ManifestError(f"{where}: manifest format {str(fmt)[:40]!r}, this edgelite reads "
                             f"{FORMAT!r} (export the model again with this version)")
     required = [f.name for f in fields(Manifest) if f.name != "root"]
-    optional = {"quantization", "verification", "special_tokens", "chat_template"}
+    optional = {"quantization", "verification", "special_tokens", "chat_template", "range_bytes",
+                "narrow_range_bytes"}
     if missing := [k for k in required if k not in data and k not in optional]:
         raise ManifestError(f"{where}: missing fields {', '.join(missing)}")
     if extra := sorted(set(data) - set(required) - {"format"}):
@@ -388,7 +399,10 @@ def parse(data: Any, root: Path) -> Manifest:
         layers=[_entry(e, f"layers[{i}]") for i, e in enumerate(layers)],
         fingerprint=_str(data["fingerprint"], f"{where}: fingerprint", 64),
         quantization=data.get("quantization", {}), verification=data.get("verification", {}),
-        special_tokens=data.get("special_tokens", {}), root=root)
+        special_tokens=data.get("special_tokens", {}),
+        range_bytes=_int(data.get("range_bytes", 0), f"{where}: range_bytes"),
+        narrow_range_bytes=_int(data.get("narrow_range_bytes", 0), f"{where}: narrow_range_bytes"),
+        root=root)
     if fingerprint_of(all_sha256(m.files)) != m.fingerprint:
         raise ManifestError(f"{where}: fingerprint does not match the files' sha256")
     return m

@@ -1,22 +1,27 @@
 """What each piece of an export holds once loaded and run in edgelite's engine, measured, so
 that the planner and the nodes count what a layer really costs, not its file's bytes:
-onnxruntime packs block weights again at load (scales and block sums beside the codes),
-1.4-3x the weights.
+onnxruntime packs block weights again at load (scales and block sums beside the codes).
 
 Each kind of layer (same weight and file bytes, same window) is measured once, in a process of
 its own: the layer is loaded LOADS times and the resident set's growth after the first load,
 averaged, is its cost (the first also pays for onnxruntime's one-time state, which is the
-process's baseline, not the layer's); then a prompt chunk of SCRATCH_CHUNK tokens runs through it and the peak
-above that is its scratch. The embedding and the head are measured the same way, with the peak
-of their load (widening a large table's scales takes a transient: the 1 B head holds 175 MiB,
-289 while it loads).
+process's baseline, not the layer's); then a prompt chunk of SCRATCH_CHUNK tokens runs through
+it and the peak above that is its scratch. A range holds some things once, whatever its length
+(its RoPE tables, a session's own state: SmolLM2 4.4 MiB beside 3.3 a layer): where the layer
+has a neighbour of its kind, the two are measured as one range the same way (in a process of
+their own), and the layer's cost is what the second adds, the rest of the first's is the range's
+(Manifest.range_bytes: counted once a device); a kind without such a neighbour keeps the whole
+first figure. The embedding and the head are measured the same way, with the peak of their
+load (widening a large table's scales takes a transient: the 1 B head holds 175 MiB, 289 while
+it loads).
 
-    python -m edgelite_export.resident EXPORT_DIR PIECE [narrow]    (PIECE: a layer index, embed, head;
-        narrow: with edgelite's product operators (engine/kernels))
+    python -m edgelite_export.resident EXPORT_DIR PIECE [narrow]
+        (PIECE: a layer index J, J:J+1 (with its neighbour), embed, head; narrow: with
+        edgelite's product operators (engine/kernels))
 
-Where this machine runs edgelite's product operators (engine/kernels) (AVX-512 VNNI and VBMI), each piece is
-measured both ways: with onnxruntime's MatMulNBits (what any device holds) and with them (the
-manifest's narrow_* figures, what a device that has them holds).
+Where this machine runs edgelite's product operators (engine/kernels) (AVX-512 VNNI and VBMI),
+each piece is measured both ways: with onnxruntime's MatMulNBits (what any device holds) and
+with them (the manifest's narrow_* figures, what a device that has them holds).
 """
 
 from __future__ import annotations
@@ -51,9 +56,9 @@ def _reset_peak() -> bool:
 
 
 def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int, int]:
-    """(resident, scratch) bytes of a layer, or (resident, load peak) of the embedding or
-    the head, in this process (see the module's note); `narrow`: with its products in
-    edgelite's product operators (where this machine has them)."""
+    """(resident, scratch) bytes of a layer J or a range J:K, or (resident, load peak) of the
+    embedding or the head, in this process (see the module's note); `narrow`: with its products
+    in edgelite's product operators (where this machine has them)."""
     from edgelite.engine.layers import LayerRange, export_files
     from edgelite.engine.runtime import Embedding, Head
 
@@ -77,11 +82,12 @@ def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int
             if i == 1 and measured:  # loading widens its scales in memory: a transient on top
                 peak = peak_rss_bytes() - before
         return max(0, rss_bytes() - before) // (LOADS - 1), peak
-    j = int(piece)
+    first, _, last = piece.partition(":")
+    j, k = int(first), int(last or first)
     for i in range(LOADS):
         if i == 1:
             before = rss_bytes()
-        lr = LayerRange(m, j, j, cfg, files)
+        lr = LayerRange(m, j, k, cfg, files)
         slot = lr.pool.acquire()
         lr.run(slot, np.zeros((1, 1, m.hidden_size), np.float32))
         held.append(lr)
@@ -108,9 +114,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     # (each figure twice where this machine runs edgelite's product operators: with onnxruntime's
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
     narrow = linear.narrow(RuntimeConfig(threads=1), m)
-    cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
-
-    def run(piece: str) -> tuple[int, int, int, int]:
+    def run(piece: str) -> tuple[int, ...]:
         """(resident, scratch or load peak) with MatMulNBits, then the same narrow (0, 0 when
         this machine has no narrow products)."""
         return (*_measure(piece, False), *(_measure(piece, True) if narrow else (0, 0)))
@@ -125,11 +129,26 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         out = json.loads(res.stdout)
         return int(out["resident"]), int(out["scratch"])
 
+    kinds = [_kind(e) for e in m.layers]
+    # each kind at its first layer whose next is of its kind (that pair measured too), else its first
+    first: dict[tuple[int, ...], int] = {}
+    for j, k in enumerate(kinds):
+        paired = j + 1 < len(kinds) and kinds[j + 1] == k
+        if k not in first or (paired and not (first[k] + 1 < len(kinds) and kinds[first[k] + 1] == k)):
+            first[k] = j
+    cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
+    ranges = [0, 0]  # a range's own part (MatMulNBits, narrow): the most any pair showed
+    for k, j in first.items():
+        one = run(str(j))
+        resident, scratch, narrow_resident, narrow_scratch = one
+        if j + 1 < len(kinds) and kinds[j + 1] == k:
+            two = run(f"{j}:{j + 1}")
+            resident = min(resident, max(0, two[0] - one[0]))  # what the second layer adds
+            narrow_resident = min(narrow_resident, max(0, two[2] - one[2]))
+            ranges = [max(ranges[0], one[0] - resident), max(ranges[1], one[2] - narrow_resident)]
+        cache[k] = (resident, scratch, narrow_resident, narrow_scratch)
     layers = []
-    for j, e in enumerate(m.layers):
-        k = _kind(e)
-        if k not in cache:
-            cache[k] = run(str(j))
+    for e, k in zip(m.layers, kinds, strict=True):
         resident, scratch, narrow_resident, narrow_scratch = cache[k]
         layers.append(replace(e, resident_bytes=resident, scratch_bytes=scratch,
                               narrow_resident_bytes=narrow_resident, narrow_scratch_bytes=narrow_scratch))
@@ -147,7 +166,9 @@ def measured(m: mf.Manifest) -> mf.Manifest:
                  min(e.narrow_resident_bytes for e in layers) / 2**20,
                  max(e.narrow_resident_bytes for e in layers) / 2**20, head.narrow_resident_bytes / 2**20,
                  head.narrow_load_peak_bytes / 2**20)
-    return replace(m, layers=layers, embed=embed, head=head)
+    log.info("a range's own part (held once however many layers): %.1f MiB", ranges[0] / 2**20)
+    return replace(m, layers=layers, embed=embed, head=head, range_bytes=ranges[0],
+                   narrow_range_bytes=ranges[1])
 
 
 def main(argv: list[str]) -> int:

@@ -223,5 +223,6 @@ def as_if_large(model: Path, out: Path, layer_mib: int = LARGE_LAYER_MIB) -> Pat
     small = {"resident_bytes": 1 << 20, "load_peak_bytes": 0, "narrow_resident_bytes": 0,
              "narrow_load_peak_bytes": 0}
     mf.write(dataclasses.replace(m, layers=big, embed=dataclasses.replace(m.embed, **small),
-                                 head=dataclasses.replace(m.head, **small)), out)
+                                 head=dataclasses.replace(m.head, **small), range_bytes=0,
+                                 narrow_range_bytes=0), out)
     return out

@@ -156,7 +156,7 @@ def test_a_node_refuses_a_load_beyond_its_memory_budget(exported, node_factory, 
     shutil.copytree(exported["llama"], model)
     m = mf.load(model)
     big = [dataclasses.replace(e, resident_bytes=72 << 20, narrow_resident_bytes=0) for e in m.layers]
-    mf.write(dataclasses.replace(m, layers=big), model)
+    mf.write(dataclasses.replace(m, layers=big, range_bytes=0, narrow_range_bytes=0), model)
     node, other = node_factory(memory_mb=200), node_factory()
     nodes = f"{node.addr},{other.addr}"
     res = run_cli("generate", "--model", str(model), "--nodes", nodes, "--split", "0-1,2-2",
@@ -189,7 +189,7 @@ def test_a_node_counts_what_layers_hold_with_its_own_products(ggufs, node_factor
     if not linear.narrow(RuntimeConfig(threads=1), m):
         pytest.skip("this CPU has no vector path for MatMul4: its products are not narrow here")
     big = [dataclasses.replace(e, resident_bytes=72 << 20, narrow_resident_bytes=2 << 20) for e in m.layers]
-    mf.write(dataclasses.replace(m, layers=big), model)
+    mf.write(dataclasses.replace(m, layers=big, range_bytes=0, narrow_range_bytes=0), model)
     for extra, code in (((), 0), (("--no-matmul-kernel",), 1)):
         node, other = node_factory(memory_mb=200, extra=extra), node_factory()
         res = run_cli("generate", "--model", str(model), "--nodes", f"{node.addr},{other.addr}", "--split",

@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
         f"  each layer {min(layer) / MIB:.1f}-{max(layer) / MIB:.1f} MiB (loaded "
         f"{f['layers_resident_bytes'] / MIB / len(layer):.1f} on average, "
         f"{f['resident_over_weights']}x its weights, + KV {f['layers_kv_bytes'] / MIB / len(layer):.2f}); "
-        f"all {len(layer)}: {sum(layer) / MIB:,.0f} MiB",
-        f"  the client's embedding and head {f['client_bytes'] / MIB:.0f} MiB; a {f['chunk']}-token "
-        f"prompt chunk {f['scratch_bytes'] / MIB:.0f} MiB more on each device",
+        f"all {len(layer)}: {(sum(layer) + f['range_bytes']) / MIB:,.0f} MiB",
+        f"  each device's range of layers {f['range_bytes'] / MIB:.1f} MiB more, once; the client's "
+        f"embedding and head {f['client_bytes'] / MIB:.0f} MiB; a {f['chunk']}-token prompt chunk "
+        f"{f['scratch_bytes'] / MIB:.0f} MiB more on each device",
         "  each process's own (Python, onnxruntime: 60-90 MiB) on top: a node offers its "
         "--memory-mb less that",
     ]

@@ -104,6 +104,10 @@ class Problem:
     objective: Objective = Objective.LATENCY  # (a name is taken too)
     client_fixed_flops: float = 0.0  # embedding + head per token: the same in every plan
     scratch_bytes: int = 0  # what running a prompt chunk takes beyond the layers, on any device
+    # what a device's range of layers holds once however many it has (Manifest.range_bytes;
+    # narrow: on a device running edgelite's product operators)
+    range_bytes: int = 0
+    narrow_range_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objective", Objective.parse(self.objective))
@@ -123,6 +127,7 @@ class Problem:
     def capacity(self, i: int) -> float:
         d = self.devices[i]
         return (d.beta * d.memory_bytes - self.scratch_bytes
+                - ((d.narrow and self.narrow_range_bytes) or self.range_bytes)
                 - (self.client_reserved_bytes if i == 0 else 0))
 
     def mem(self, i: int, j: int) -> int:

@@ -67,15 +67,17 @@ def problem_from(m: Manifest, spec: dict[str, Any], objective: str = "latency",
     return Problem(layers_of(m, kv_tokens), devices, links, weights or Weights(),
                    client_first=client_first, client_reserved_bytes=reserved, objective=objective,
                    client_fixed_flops=float(m.embed.flops_per_token + m.head.flops_per_token),
-                   scratch_bytes=m.scratch_for(chunk))
+                   scratch_bytes=m.scratch_for(chunk), range_bytes=m.range_bytes,
+                   narrow_range_bytes=m.narrow_range_bytes)
 
 
 def footprint(m: Manifest, kv_tokens: int = KV_TOKENS, chunk: int = SCRATCH_CHUNK) -> dict[str, Any]:
     """What the planner counts for the model's pieces, in bytes: each layer once loaded (on a
     device running edgelite's product operators, where the exporter measured that) and its KV
-    for `kv_tokens` positions, the client's embedding and head, a `chunk`-token prompt chunk's
-    scratch on each device. A device's own process (its Python, onnxruntime: 60-90 MiB for a
-    node) comes on top: a node reports its budget less what it holds already."""
+    for `kv_tokens` positions, what a device's range holds once, the client's embedding and
+    head, a `chunk`-token prompt chunk's scratch on each device. A device's own process (its
+    Python, onnxruntime: 60-90 MiB for a node) comes on top: a node reports its budget less
+    what it holds already."""
     dtype = m.kv_dtype(KV_AUTO, invariant=True)
     resident = [e.resident_on(True) for e in m.layers]
     kv = [m.kv_bytes(j, j, kv_tokens, dtype) for j in range(m.num_layers)]
@@ -83,5 +85,6 @@ def footprint(m: Manifest, kv_tokens: int = KV_TOKENS, chunk: int = SCRATCH_CHUN
     return {"kv_dtype": dtype, "kv_tokens": kv_tokens, "chunk": chunk,
             "layer_weights_bytes": weights, "layers_resident_bytes": sum(resident),
             "layers_kv_bytes": sum(kv), "layer_bytes": [r + k for r, k in zip(resident, kv, strict=True)],
+            "range_bytes": m.range_on(True),
             "client_bytes": m.client_bytes_on(True), "scratch_bytes": m.scratch_for(chunk),
             "resident_over_weights": round(sum(resident) / weights, 2) if weights else None}
