@@ -210,6 +210,9 @@ def test_probe_is_json_and_local_without_nodes(exported, node_factory) -> None:
         f"error: no node could be used (node {node.addr}: wrong token); --allow-local runs on "
         f"this device alone"), wrong.stderr
     assert [d["name"] for d in json.loads(alone.stdout)["devices"]] == ["client"]
+    text = _cli("probe")  # (no empty matrices, no "0.0 GFLOP/s" for a speed not measured)
+    assert text.returncode == 0 and "no links: one device" in text.stdout, text.stdout
+    assert "GFLOP/s" not in text.stdout and "speed not measured" in text.stdout, text.stdout
 
 
 def test_a_what_if_plan_over_cluster_json_says_what_its_table_shows(smollm2_int4) -> None:

@@ -344,8 +344,9 @@ def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path
                                    ",".join(n.addr for n in nodes), "--token", TOKEN,
                                    "--users", str(users), "--http", "127.0.0.1:0", "--no-native",
                                    "--threads", "1", "--client-memory-mb", "2000"],
-                                  log, r"listening on (http://[\d.]+:\d+)/v1")
+                                  log, r"listening on (http://[\d.]+:\d+)/v1.*page and a chat: (\S+)")
     base = found.group(1)
+    assert found.group(2) == base + "/"  # (serve says where the page is)
     try:
         with urllib.request.urlopen(base + "/", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/html")

@@ -8,11 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from edgelite import paths
 from edgelite.cli import options, runner
 from edgelite.config import NodeConfig
 from edgelite.errors import EdgeliteError
-
-DATA_DIR = Path("~/.edgelite")  # `edgelite node`'s default --data-dir
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -28,8 +27,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="with rm: the export's folder, or its name in the list")
     p.add_argument("--dir", type=Path, action="append", default=[], metavar="DIR",
                    help="another folder of exports to list (repeatable)")
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR,
-                   help="the data folder of a node on this device (its models/ and blobs/)")
+    p.add_argument("--data-dir", type=Path, default=paths.home(),
+                   help="the data folder of a node on this device (its models/ and blobs/; "
+                        "$EDGELITE_HOME, else ~/.edgelite)")
     p.add_argument("--nodes", help="HOST:PORT,... : act on those nodes instead of this device "
                                    "(auto: the nodes with this token on the LAN)")
     p.add_argument("--token", help="cluster token (default: $EDGELITE_TOKEN)")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edgelite import paths
 from edgelite.cli import options, runner
 from edgelite.config import NodeConfig, RuntimeConfig
 from edgelite.engine.profile import resident_bytes
@@ -85,8 +86,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                        help="run a stage node")
     n.add_argument("--host", default="0.0.0.0", help="address to listen on")
     n.add_argument("--port", type=options.port_number, default=c.port, help="0 = any free port (printed)")
-    n.add_argument("--data-dir", type=Path, default=Path("~/.edgelite").expanduser(),
-                   help="where deployed layer files are kept")
+    n.add_argument("--data-dir", type=Path, default=paths.home(),
+                   help="where deployed layer files are kept ($EDGELITE_HOME, else ~/.edgelite)")
     r = RuntimeConfig
     n.add_argument("--threads", type=options.thread_count, default=r.threads, help="onnxruntime threads")
     n.add_argument("--no-spin", action="store_true",

@@ -159,5 +159,5 @@ async def _http(args: argparse.Namespace, users: dict | None) -> AsyncIterator[H
         "host": host, "port": port, **options.config_overrides(args.http_set, HttpConfig)}))
     async with served(api) as bound:
         print(f"edgelite HTTP API (OpenAI-compatible) listening on http://{host}:{bound}/v1 "
-              f"(model {model_id!r})", flush=True)
+              f"(model {model_id!r}); the cluster page and a chat: http://{host}:{bound}/", flush=True)
         yield api

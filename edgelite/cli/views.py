@@ -72,7 +72,9 @@ def probe_view(result: dict[str, Any]) -> Group:
     names = [d["name"] for d in result["devices"]]
     cells = {(r["src"], r["dst"]): r for r in result["links"]}
     parts: list[Any] = []
-    for metric, fmt in FORMATS.items():
+    if len(names) < 2:
+        parts.append(Text("no links: one device (give --nodes to measure the links to them)"))
+    for metric, fmt in FORMATS.items() if len(names) > 1 else ():
         t = Table(title=metric)
         t.add_column("from \\ to")
         for n in names:
@@ -94,8 +96,9 @@ def probe_view(result: dict[str, Any]) -> Group:
             parts.append(Text(f"{d['name']}: unreachable ({d.get('reason', '')})", "red"))
             continue
         mem = d.get("memory_budget_bytes") or d.get("memory_available_bytes") or 0
-        parts.append(Text(f"{d['name']}: {d.get('flops', 0) / 1e9:.1f} GFLOP/s "
-                          f"({d.get('flops_source', '?')}), {mem / 2**20:.0f} MiB for the plan"))
+        speed = (f"{d['flops'] / 1e9:.1f} GFLOP/s ({d.get('flops_source', '?')})" if d.get("flops")
+                 else "speed not measured (it is measured with --model, or on nodes)")
+        parts.append(Text(f"{d['name']}: {speed}, {mem / 2**20:.0f} MiB for the plan"))
     return Group(*parts)
 
 
