@@ -224,6 +224,8 @@ def test_a_what_if_plan_over_cluster_json_says_what_its_table_shows(smollm2_int4
     assert res.returncode == 0, res.stderr
     assert "every layer on this device" not in text, text
     assert "not time" in text and "QoS" in text, text
+    # (written to a pipe: each row of the table on one line, not cut at 80 columns)
+    assert any("hop in ms" in line and "predicted" in line for line in res.stdout.splitlines()), res.stdout
 
 
 def test_budgets_that_cannot_work_and_flags_that_would_be_ignored_are_said(exported, tmp_path) -> None:

@@ -186,6 +186,22 @@ def test_solve_types_the_plan_with_names_and_addresses() -> None:
 
 
 @pytest.mark.unit
+def test_a_stages_hop_is_the_links_time_and_its_qos_charge_apart() -> None:
+    """A 6 ms link with 20 ms of jitter and 3 % loss: the stage's hop in is its latency and
+    transfer (what a token waits), the planner's charge for the jitter and loss beside it (it
+    showed 99 ms for such a link before)."""
+    from edgelite.planner.solve import solve as typed_solve
+
+    layer = Layer(flops=1e9, mem_bytes=100, out_bytes=4096)
+    devices = (Device("client", 1e8, 10_000), Device("a", 1e12, 10_000))
+    link = Link(6.0, 100.0, jitter_ms=20.0, loss=0.03)
+    plan = typed_solve(Problem((layer,) * 4, devices, {(0, 1): link, (1, 0): link}, client_first=False))
+    stage = plan.stages[0]
+    assert 6.0 <= stage.hop_in_ms < 8.0 and stage.hop_qos_ms > 50.0, stage
+    assert plan.to_json()["stages"][0]["hop_qos_ms"] == round(stage.hop_qos_ms, 4)
+
+
+@pytest.mark.unit
 def test_a_client_short_of_room_for_layer_0_leaves_every_layer_to_the_nodes() -> None:
     """Client-first only where the client has room: a client that cannot hold layer 0 gets a
     plan without it (the nodes hold every layer), not an error; one that can, keeps it."""

@@ -41,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def chat(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     plain = args.plain or not sys.stdout.isatty()
     history = sessions.load(args.session) if args.session else []
@@ -65,7 +64,7 @@ async def chat(args: argparse.Namespace) -> int:
         shown = views.labelled_plan(llm.plan, llm.probed)
         return await chatui.run(chatui.Chat(llm, shown, reprobe, history, session=args.session,
                                            label=views.labeller(llm.probed)),
-                                Console(), plain)
+                                views.console(), plain)
 
 
 async def gateway_chat(args: argparse.Namespace) -> int:

@@ -206,7 +206,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     from edgelite.cli import chatui, options
 
     plain = args.plain or args.json or not (sys.stdout.isatty() or args.svg)
-    console = Console(stderr=True) if args.json else Console(record=bool(args.svg))
+    console = views.console(stderr=True) if args.json else views.console(record=bool(args.svg))
     cfg = DemoConfig(threads=args.threads)
     console.print(intro(cfg))
     m = ensure_model(args.model, console)

@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonout.dumps(plan.to_json()))
     else:
-        from rich.console import Console
 
-        Console().print(views.plan_view(plan.to_json()))
+        views.console().print(views.plan_view(plan.to_json()))
     return 0

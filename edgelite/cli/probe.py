@@ -34,9 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonout.dumps(result))
         return 0
-    from rich.console import Console
 
-    Console().print(views.probe_view(result))
+    views.console().print(views.probe_view(result))
     return 0
 
 

@@ -18,6 +18,8 @@ QUALITY = {"latency_ms": (10.0, 30.0), "jitter_ms": (2.0, 10.0), "loss": (0.005,
            "bandwidth_mbps": (50.0, 10.0)}
 FORMATS = {"latency_ms": "{:.2f}", "bandwidth_mbps": "{:.0f}", "jitter_ms": "{:.2f}", "loss": "{:.1%}"}
 
+REDIRECTED_WIDTH = 160  # columns of tables written to a file or a pipe
+
 
 def quality(metric: str, v: float) -> str:
     """A colour for a link metric: green good, yellow fair, red poor."""
@@ -182,8 +184,15 @@ def step_bar(console: Console, title: str) -> Iterator[Callable[[str, int, int],
         yield update
 
 
+def console(stderr: bool = False, **kw: Any) -> Console:
+    """A console for stdout (or stderr); where that is not a terminal (a file, a pipe) as wide
+    as REDIRECTED_WIDTH, so that tables are not cut at 80 columns."""
+    out = Console(stderr=stderr, **kw)
+    return out if out.is_terminal else Console(stderr=stderr, width=REDIRECTED_WIDTH, **kw)
+
+
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    return console(stderr=True)
 
 
 @contextmanager

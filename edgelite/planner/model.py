@@ -207,7 +207,7 @@ def predict(p: Problem, stages: list[Span]) -> Prediction:
         if hop is None or mem > p.capacity(d):
             return Prediction(math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, [])
         rows.append({"device": p.devices[d].name, "first_layer": a, "last_layer": b,
-                     "compute_ms": c, "hop_in_ms": hop.total, "stage_ms": c + hop.total})
+                     "compute_ms": c, "hop_in_ms": hop.data, "hop_qos_ms": hop.qos})
         compute, data, qos, prev = compute + c, data + hop.data, qos + hop.qos, d
         if d == 0:
             client_ms = c
@@ -238,7 +238,8 @@ class Stage:
     last: int
     addr: NodeAddr | None = None
     compute_ms: float = 0.0
-    hop_in_ms: float = 0.0  # the link into this stage
+    hop_in_ms: float = 0.0  # the link into this stage: latency and transfer, what it takes
+    hop_qos_ms: float = 0.0  # what the planner charges on top for its jitter and loss (not time)
 
     @property
     def layers(self) -> range:
@@ -247,7 +248,8 @@ class Stage:
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "addr": None if self.addr is None else str(self.addr),
                 "first_layer": self.first, "last_layer": self.last,
-                "compute_ms": round(self.compute_ms, 4), "hop_in_ms": round(self.hop_in_ms, 4)}
+                "compute_ms": round(self.compute_ms, 4), "hop_in_ms": round(self.hop_in_ms, 4),
+                "hop_qos_ms": round(self.hop_qos_ms, 4)}
 
 
 @dataclass(frozen=True)

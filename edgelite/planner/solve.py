@@ -95,7 +95,7 @@ def typed(p: Problem, sol: Solution) -> Plan:
     """A solver's spans as a Plan: device names and addresses, and the per-stage prediction."""
     pr = predict(p, sol.spans)
     stages = tuple(Stage(p.devices[d].name, a, b, p.devices[d].addr, row["compute_ms"],
-                         row["hop_in_ms"])
+                         row["hop_in_ms"], row["hop_qos_ms"])
                    for (d, a, b), row in zip(sol.spans, pr.per_stage, strict=True))
     return Plan(stages, sol.objective, sol.solver, sol.status, sol.value, sol.solve_ms, pr)
 
