@@ -352,6 +352,11 @@ def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path
             assert r.headers["Content-Type"].startswith("text/html")
             page = r.read().decode()
         assert "<title>edgelite cluster</title>" in page and "/v1/chat/completions" in page
+        # settings a chat page has (issue 66): a system prompt, max tokens, temperature, a new
+        # chat; the conversation kept across a reload
+        for control in ('id="system"', 'id="max-tokens"', 'id="temperature"', 'id="new-chat"'):
+            assert control in page, control
+        assert 'localStorage.setItem("edgelite-chat"' in page and "body.max_tokens" in page
         assert re.search(r"(src|href)=\"?(https?:)?//", page) is None  # no CDN, no other host
         script = page.split("<script>", 1)[1].split("</script>", 1)[0]
         (tmp_path / "page.js").write_text(script)
