@@ -121,7 +121,8 @@ def test_a_node_that_comes_back_rejoins(exported, node_factory, tmp_path, how: s
                 if how == "rejoin":
                     await asyncio.sleep(0.3)
                     rec = await llm.backend.rejoin()
-                    assert rec is not None and rec.lost == []
+                    assert rec is not None and rec.lost == [] and rec.back == [victim.addr]
+                    assert rec.summary().startswith(f"{victim.addr} answer again")  # (not "lost")
                 else:
                     nodes[1].kill()
                 third = await _ids(llm)

@@ -24,7 +24,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,11 +55,13 @@ class Recovery:
     deploy_ms: float = 0.0
     rebuild_ms: float = 0.0  # the first step after it: history of that session + its ids
     plan: str = ""
+    back: list[str] = field(default_factory=list)  # nodes planned in again (a rejoin, not a loss)
 
     def summary(self) -> str:
-        return (f"lost {', '.join(self.lost) or 'a connection'}; going on with {self.plan} "
-                f"(detect {self.detect_ms:.0f} ms, plan {self.plan_ms:.0f} ms, deploy "
-                f"{self.deploy_ms:.0f} ms)")
+        what = (f"{', '.join(self.back)} answer again" if self.back
+                else f"lost {', '.join(self.lost) or 'a connection'}")
+        return (f"{what}; going on with {self.plan} (detect {self.detect_ms:.0f} ms, plan "
+                f"{self.plan_ms:.0f} ms, deploy {self.deploy_ms:.0f} ms)")
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,7 @@ class FailoverBackend:
             return None
         async with self.lock:
             log.info("%s answer again; planning them in", ", ".join(map(str, back)))
-            return await self._switch(self.left_out - set(back), f"{len(back)} node(s) back", now)
+            return await self._switch(self.left_out - set(back), f"{len(back)} node(s) back", now, back)
 
     async def _recover(self, gen: int, reason: str) -> Recovery | None:
         async with self.lock:
@@ -232,10 +234,11 @@ class FailoverBackend:
                         "a stage connection", reason)
             return await self._switch(frozenset(gone), reason, t0)
 
-    async def _switch(self, gone: frozenset[NodeAddr], reason: str, t0: float) -> Recovery:
-        """Deploy a plan without `gone` (the caller holds the lock); every session is rebuilt
-        at its next step."""
-        rec = Recovery([str(a) for a in gone], reason, t0)
+    async def _switch(self, gone: frozenset[NodeAddr], reason: str, t0: float,
+                      back: Sequence[NodeAddr] = ()) -> Recovery:
+        """Deploy a plan without `gone` (the caller holds the lock; `back`: the nodes it plans
+        in again); every session is rebuilt at its next step."""
+        rec = Recovery([str(a) for a in gone], reason, t0, back=[str(a) for a in back])
         rec.detect_ms = (time.monotonic() - t0) * 1e3
         await self.inner.close()
         gc.collect()  # (the old plan's client part goes before the next one loads)
