@@ -10,8 +10,17 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from edgelite.errors import EdgeliteError
 
@@ -68,14 +77,21 @@ def summary(console: Console, res: object) -> None:
                   f"{res.peak_rss_bytes / 2**20:.0f} MiB; fingerprint {m.fingerprint}")
 
 
+class Count(ProgressColumn):
+    """done/total of a step that has a count; nothing while a step has none (reading the source)."""
+
+    def render(self, task: Task) -> Text:
+        return Text("" if task.total is None else f"{task.completed:.0f}/{task.total:.0f}")
+
+
 def _run(args: argparse.Namespace, console: Console) -> object:
     from edgelite_export import build
 
     opts = build.Options(quantize=args.quantize, mode=args.mode, steps=args.steps,
                          accept_drift=args.accept_drift, force=args.force,
                          max_memory_mb=args.max_memory_mb, prefer=args.prefer)
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-               "{task.total}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), Count(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("reading the source", total=None)
 

@@ -248,11 +248,15 @@ class Check:
     def logits(self, ours: list[np.ndarray], theirs: list[torch.Tensor]) -> Iterator[LogitStats]:
         """Per sequence: the logits of both compared at every position."""
         head = Head(self.manifest, self.cfg, self.files)
+        rows = sum(h.shape[1] for h in ours)
+        done = 0
         for h_ours, h_ref in zip(ours, theirs, strict=True):
             stats = LogitStats()
             for a in range(0, h_ours.shape[1], LOGIT_ROWS):
                 b = min(a + LOGIT_ROWS, h_ours.shape[1])
                 stats.add(self.ref.logits(h_ref[:, a:b]), head.run(h_ours[:, a:b])[0])
+                done += b - a
+                self.progress("compare the logits at each position", done, rows)
             yield stats
 
     def table_diff(self) -> float:
