@@ -12,7 +12,7 @@ from edgelite_export.cli import Count
 @pytest.mark.unit
 def test_a_step_without_a_count_shows_none() -> None:
     bar = Progress()
-    task = bar.tasks[bar.add_task("reading the source", total=None)]
-    assert Count().render(task).plain == ""
-    bar.update(task.id, completed=3, total=18)
+    task = bar.add_task("reading the source", total=None)
+    assert Count().render(bar.tasks[0]).plain == ""
+    bar.update(task, completed=3, total=18)
     assert Count().render(bar.tasks[0]).plain == "3/18"
