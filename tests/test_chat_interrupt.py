@@ -41,6 +41,28 @@ class Output:
         raise AssertionError(f"timed out; output so far: {text[-600:]!r}")
 
 
+def test_ctrl_c_in_generate_ends_the_line(smollm2_int4: Path) -> None:
+    """Ctrl-C while `generate` streams: exit 130, no traceback, and the text ends its line (the
+    shell's prompt used to follow it on the same line)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgelite", "generate", "--model", str(smollm2_int4), "--threads", "1",
+         "--max-tokens", "1000", "Tell me a very long story about a dragon and a knight."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    out = Output(proc.stdout)
+    try:
+        out.wait_for(lambda t: len(t) > 40)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 130
+        text = out.wait_for(lambda t: t.endswith("\n"), 5)
+        assert len(text) > 40 and "Traceback" not in proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_ctrl_c_stops_a_reply_then_quits_at_the_prompt(smollm2_int4: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgelite", "chat", "--model", str(smollm2_int4), "--threads", "1",

@@ -4,6 +4,7 @@ library: every command calls the public API in `edgelite`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeliteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (a line end: the shell's prompt does not follow the text on its line)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         return 130
 
 
