@@ -1,7 +1,7 @@
 """Where a split model's decode token goes, next to the bytes it reads and this machine's bandwidth.
 
     python scripts/bench_breakdown.py --model EXPORT [--nodes 4] [--node-mb 1536]
-        [--client-mb 1024] [--tokens 32] [--context 2048] [--steps 24]
+        [--client-mb 1024] [--tokens 32] [--context 2048] [--steps 24] [--positions 4000]
 
 1. numpy's read bandwidth in this process, one thread: the sum of a 1 GiB float32 array, best
    of 5 (before the runs and after them).
@@ -15,7 +15,8 @@
    settings), decode steps at the position the split run ended at, profiled by onnxruntime:
    ms a token in the products (MatMul*), attention (Attend*, GroupQueryAttention) and the other
    operators; the bytes a token reads there (the range's weight files and its KV so far) over
-   its time: the bandwidth it reaches, beside numpy's.
+   its time: the bandwidth it reaches, beside numpy's. With `--positions N,...`, the same again
+   after prompts of those lengths (what attention costs as the context grows).
 Prints one JSON object.
 """
 
@@ -154,6 +155,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--positions", default="", help="comma-separated context lengths to profile at too")
     args = ap.parse_args()
     from edgelite.cli.localnodes import start_node
 
@@ -174,9 +176,14 @@ def main() -> None:
         out["one_node"] = profiled_range(args.model, *busiest["layers"],
                                          out["split"]["positions_at_end"], args.steps, Path(tmp))
     out["one_node"]["device_in_split"] = busiest["device"]
+    for n in (int(x) for x in args.positions.split(",") if x):
+        with tempfile.TemporaryDirectory() as tmp:
+            out.setdefault("one_node_at", []).append(
+                profiled_range(args.model, *busiest["layers"], n, args.steps, Path(tmp)))
     out["numpy_read_gbs_after"] = numpy_read_gbs()
     bw = max(out["numpy_read_gbs_before"], out["numpy_read_gbs_after"])
-    out["one_node"]["of_numpy_bandwidth"] = round(out["one_node"]["read_gbs"] / bw, 3)
+    for one in (out["one_node"], *out.get("one_node_at", [])):
+        one["of_numpy_bandwidth"] = round(one["read_gbs"] / bw, 3)
     print(json.dumps(out, indent=1))
 
 
