@@ -54,7 +54,10 @@ class RuntimeConfig:
     # KV is accounted per session in these capacities (positions); the largest caps the context
     # up to the model's own context (a range holds min(max_positions, the largest bucket));
     # the memory is reserved, not committed, until positions are written
-    kv_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+    # (a session's KV is accounted at the smallest that covers it: steps of 1.5x and 2x keep
+    # the accounting within 1.5x of what it holds; a 5,200-token prompt counts 6,144, not 8,192)
+    kv_buckets: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+                                   8192, 12288, 16384, 24576, 32768)
     # consecutive layers join one onnxruntime session up to this many MiB of weights (fewer
     # calls); loading a session widens its compact scales in memory at once, so this bounds
     # that transient (engine/layers.py)

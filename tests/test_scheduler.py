@@ -42,8 +42,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.steps += 1
         order = self.s.waiting(self.now)
         d = self.s.decide(self.now)
-        # admission is in priority order, a prefix of the waiting order: nothing skips the head
-        assert order[:len(d.admit)] == d.admit
+        # admission is in priority order (a subsequence of the waiting order), and nothing is
+        # admitted around an overdue request left waiting
+        at = [next(i for i, w in enumerate(order) if w is r) for r in d.admit]
+        assert at == sorted(at)
+        skipped = [w for w in order[:max(at, default=-1) + 1] if w not in d.admit]
+        assert not any(w.overdue for w in skipped), [w.rid for w in skipped]
         assert sum(r.prompt_len for r in d.admit) <= self.cfg.max_step_tokens
         assert sum(r.context for r in d.resume) <= self.cfg.max_step_tokens
         assert len(self.s.running) <= self.cfg.max_requests
@@ -191,3 +195,50 @@ def test_a_finished_requests_kv_stays_counted_until_it_is_released() -> None:
     assert s.kv_used == 0 and s.decide(0.2).admit == [b]
     s.release(b)  # (not finished: nothing to release)
     assert s.kv_used == b.held > 0
+
+
+def test_a_long_prompt_delays_nobody_and_is_not_passed_forever() -> None:
+    """Issue 65: with the gateway's defaults (8,192 KV tokens, the nodes' buckets), a 5,200-token
+    prompt is charged 6,144 (was a whole 8,192 bucket, and nothing else was admitted until it
+    finished); a short request arriving the step after it is admitted at the next step. One that
+    does not fit yet keeps its place while short ones go around it, until its deadline: then
+    nothing is admitted around it and it gets the room as the running ones finish."""
+    from edgelite.config import RuntimeConfig
+
+    buckets = RuntimeConfig().kv_buckets
+    cfg = SchedulerConfig(context_limit=8192, kv_tokens=8192, kv_buckets=buckets, patience_s=5.0)
+    s = Scheduler(cfg)
+    big = Request("big", 0, 5200, 256, 0.0, user="a")
+    s.submit(big)
+    assert s.decide(0.0).admit == [big] and big.held == 6144
+    s.advance(big)
+    small = Request("small", 0, 30, 64, 0.1, user="b")
+    s.submit(small)
+    assert s.decide(0.2).admit == [small]  # the next step
+    s.advance(small)
+    # a second long prompt does not fit beside the first: short ones go around it ...
+    big2 = Request("big2", 0, 5200, 256, 0.3, user="c")
+    s.submit(big2)
+    shorts = [Request(f"s{i}", 0, 30, 8, 0.3 + i * 0.5, user=f"u{i}") for i in range(12)]
+    now, admitted = 0.3, []
+    for r in shorts:
+        s.submit(r)
+        now = r.arrival + 0.1
+        d = s.decide(now)
+        admitted += d.admit
+        for x in d.admit + d.decode:
+            s.advance(x)
+        if big2.overdue:
+            break
+    assert big2 not in admitted and admitted and big2.overdue
+    # ... until it is overdue: then it waits for room, and nothing passes it
+    s.submit(late := Request("late", 0, 30, 8, now, user="d"))
+    for _ in range(400):
+        now += 0.1
+        d = s.decide(now)
+        assert late not in d.admit or big2.queue != "waiting"
+        for x in d.admit + d.decode:
+            s.advance(x)
+        if big2.queue != "waiting":
+            break
+    assert big2.queue == "running" and big2.held == 6144

@@ -19,6 +19,9 @@ Priority = first + second + third:
 
 Each step: when the preempted queue is empty (and the scheduling interval has elapsed) admit
 waiting requests by priority within the step budget (requests, prefill tokens, KV tokens); a
+request too large for the room left now keeps its place while smaller ones behind it are
+admitted, until it is overdue: then nothing is admitted around it, and it gets the room as
+running requests finish (so a long prompt neither blocks the others nor waits forever); a
 step that admits nothing decodes the running requests. With preempted work, decode running and
 resume preempted requests as KV memory allows. Decoding needs one more KV token per running
 request; when that does not fit, the lowest-priority running request below the preemption cap is
@@ -38,7 +41,8 @@ One user with many requests (a flood, or replies nobody reads) cannot hold every
 slots; alone, a user may use them all.
 
 Waiting bound (what the tests check): an overdue request is never passed by a later-overdue one
-and nothing is admitted around it (no backfilling past an overdue head). Every request ahead of
+and nothing is admitted around it (no backfilling past an overdue head; before its deadline a
+request may be passed by smaller ones). Every request ahead of
 it (the overdue ones before it and those holding or waiting for KV at its deadline) finishes
 within (1 + max_output) * (1 + max_preemptions) steps, so it is admitted within
 wait_bound_steps(ahead) steps after its deadline.
@@ -236,11 +240,15 @@ class Scheduler:
                             passed.append(self._requeue(victim))  # (not back before the end)
                             d.preempt.append(victim)
                             per_user[victim.tier, victim.user] -= 1
-                    fits = (len(self.running) < self.cfg.max_requests
-                            and tokens + self._step_tokens(r.prompt_len) <= self.cfg.max_step_tokens
+                    if len(self.running) >= self.cfg.max_requests:
+                        return
+                    fits = (tokens + self._step_tokens(r.prompt_len) <= self.cfg.max_step_tokens
                             and self.kv_used + self.cap(self.charge(r)) <= self.cfg.kv_tokens)
-                    if not fits:
-                        return  # in priority order: nothing is admitted around the head
+                    if not fits and r.overdue:
+                        return  # nothing is admitted around an overdue head: it gets the room next
+                    if not fits:  # (too large for now: smaller ones behind it go; it keeps its place)
+                        passed.append((heap, heapq.heappop(heap)))
+                        continue
                     heapq.heappop(heap)
                     tokens += self._step_tokens(r.prompt_len)
                     self._run(r)
