@@ -192,6 +192,11 @@ def test_sixteen_streams_match_solo_runs_and_tiers_show(server) -> None:
     assert m['edgelite_ttft_ms{tier="2",quantile="0.5"}'] < m['edgelite_ttft_ms{tier="0",quantile="0.5"}']
     assert m['edgelite_queue_length{queue="running",tier="0"}'] == 0
     assert m["edgelite_tokens_total"] == (4 + 16) * 16
+    # (issue 65) steps ran several requests together; the tier-0 streams waited in the queue
+    # behind the tier-2 ones; nothing runs now, so no KV is charged
+    assert m['edgelite_batch_size{stat="max"}'] >= 2
+    assert m['edgelite_queue_wait_ms{tier="0",quantile="0.99"}'] > 0
+    assert m["edgelite_kv_tokens_charged_max"] == 0 and m["edgelite_kv_tokens_budget"] > 0
 
 
 def test_a_prompt_over_the_native_doors_limit_is_refused_before_tokenizing(server) -> None:

@@ -20,11 +20,13 @@ class TierStats:
     window: int
     ttft_ms: deque[float] = field(init=False)
     itl_ms: deque[float] = field(init=False)
+    wait_ms: deque[float] = field(init=False)  # from arrival to admission (the queue's wait)
     preemptions: int = 0
     done: int = 0
 
     def __post_init__(self) -> None:
         self.ttft_ms, self.itl_ms = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.wait_ms = deque(maxlen=self.window)
 
     def to_json(self) -> dict[str, Any]:
         def pct(xs: deque[float], q: float) -> float:
@@ -33,6 +35,7 @@ class TierStats:
         return {"done": self.done, "preemptions": self.preemptions,
                 "ttft_ms_p50": pct(self.ttft_ms, 50), "ttft_ms_p99": pct(self.ttft_ms, 99),
                 "itl_ms_p50": pct(self.itl_ms, 50), "itl_ms_p99": pct(self.itl_ms, 99),
+                "queue_wait_ms_p50": pct(self.wait_ms, 50), "queue_wait_ms_p99": pct(self.wait_ms, 99),
                 "itl_ms_mean": round(statistics.fmean(self.itl_ms), 2) if self.itl_ms else 0.0}
 
 
@@ -50,9 +53,11 @@ class Figures:
     reconnect_failures: int = 0
     tokens_total: int = 0  # tokens streamed to every client since the start
     token_times: deque[float] = field(init=False)  # the latest tokens' times
+    step_sizes: deque[int] = field(init=False)  # requests each recent step ran together
 
     def __post_init__(self) -> None:
         self.token_times = deque(maxlen=self.cfg.latency_window)
+        self.step_sizes = deque(maxlen=self.cfg.latency_window)
 
     def tier(self, tier: int) -> TierStats:
         return self.tiers.setdefault(tier, TierStats(self.cfg.latency_window))
@@ -61,10 +66,13 @@ class Figures:
         self.tokens_total += 1
         self.token_times.append(at)
 
-    def finished(self, tier: int, ttft_ms: float | None, token_times: list[float]) -> None:
+    def finished(self, tier: int, ttft_ms: float | None, token_times: list[float],
+                 wait_ms: float | None = None) -> None:
         st = self.tier(tier)
         if ttft_ms is not None:
             st.ttft_ms.append(ttft_ms)
+        if wait_ms is not None:
+            st.wait_ms.append(wait_ms)
         st.itl_ms.extend(float(x) * 1e3 for x in np.diff(token_times))
         st.done += 1
 
@@ -84,7 +92,11 @@ class Figures:
                 "rejoins": self.rejoins,
                 "recoveries": recoveries,  # planned again without a node (a failover backend's)
                 "reconnect_failures": self.reconnect_failures,
-                "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens},
+                "kv_tokens": {"used": s.kv_used, "budget": s.cfg.kv_tokens,
+                              "charged": sorted((r.held for r in s.running), reverse=True)},
+                "batch": {"steps": len(self.step_sizes),
+                          "mean": round(statistics.fmean(self.step_sizes), 2) if self.step_sizes else 0.0,
+                          "max": max(self.step_sizes, default=0)},
                 "tokens_total": self.tokens_total, "tokens_per_s": self.tokens_per_s(),
                 "preemptions": sum(st.preemptions for st in self.tiers.values()),
                 "resumed_tokens": {"swapped_in": self.swapped_tokens,

@@ -195,6 +195,8 @@ class Gateway:
             work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg)
                     if r.rid not in skip and not self.choosing.busy(r.rid)]
             calls = []
+            if work:
+                self.figures.step_sizes.append(len(work))
             for job in work:
                 job.call = job.driver.next_call(chunk)
                 calls.append(run(self.backend, job.session, job.call))
@@ -298,7 +300,9 @@ class Gateway:
         else:
             await self.kv.end(job)
         ttft = round(reply.stats.ttft_ms, 2) if reply is not None and reply.stats.token_ids else None
-        self.figures.finished(job.req.tier, ttft, reply.stats.token_times if reply is not None else [])
+        req = job.req
+        wait = None if req.admitted_at is None else round((req.admitted_at - req.arrival) * 1e3, 2)
+        self.figures.finished(req.tier, ttft, reply.stats.token_times if reply is not None else [], wait)
         if error is not None:
             job.client.post(Failed(job.rid, error))
             return

@@ -41,7 +41,13 @@ def prometheus(gw: Gateway | None, requests_total: int, disconnects: int) -> str
            f"{gw.cfg.rate_window_s:g} s", [("", st["tokens_per_s"])])
     metric("kv_tokens_used", "gauge", "KV positions held by running requests",
            [("", st["kv_tokens"]["used"])])
-    for what, key in (("ttft", "ttft_ms"), ("inter_token", "itl_ms")):
+    metric("kv_tokens_budget", "gauge", "KV positions the scheduler may charge in all",
+           [("", st["kv_tokens"]["budget"])])
+    metric("kv_tokens_charged_max", "gauge", "the most KV positions one running request is charged",
+           [("", max(st["kv_tokens"]["charged"], default=0))])
+    metric("batch_size", "gauge", "requests run together per step (recent steps)",
+           [('{stat="mean"}', st["batch"]["mean"]), ('{stat="max"}', st["batch"]["max"])])
+    for what, key in (("ttft", "ttft_ms"), ("inter_token", "itl_ms"), ("queue_wait", "queue_wait_ms")):
         metric(f"{what}_ms", "summary", f"{what.replace('_', '-')} latency per tier (recent)",
                [(f'{{tier="{t}",quantile="{q}"}}', ts[f"{key}_p{p}"])
                 for t, ts in st["tiers"].items() for q, p in (("0.5", 50), ("0.99", 99))])
