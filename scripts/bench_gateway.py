@@ -4,14 +4,14 @@ on 2 node processes (SmolLM2-135M int4, split in two, loopback).
 Rounds alternate between kinds (the order rotates each round): "baseline" (only the ordinary
 users), "never_reads" (plus a client that asks for long replies and never reads its socket),
 "flood" (plus a client sending requests as fast as it can, far past its limit, reading nothing),
-"long_prompt" (plus a user whose prompt is ~1,500 tokens, prefilled in chunks between the
-others' decode steps). In each round `--users` ordinary users each send `--requests` short
-requests one after another (a random pause of up to 300 ms before each, the same in every kind
-of round); their time to first token (send -> first piece) and gaps between
-pieces are collected per kind. Prints one JSON object with p50/p99 per kind and the ratios to
-the baseline.
+"long_prompt" (plus a user whose prompt is ~1,500 tokens, `--long-items 690`: ~6,000,
+prefilled in chunks between the others' decode steps). In each round `--users` ordinary users
+each send `--requests` short requests one after another (a random pause of up to 300 ms before
+each, the same in every kind of round); their time to first token (send -> first piece) and
+gaps between pieces are collected per kind. Prints one JSON object with p50/p99 per kind and
+the ratios to the baseline.
 
-    python scripts/bench_gateway.py [--rounds 3] [--users 4] [--requests 4]
+    python scripts/bench_gateway.py [--rounds 3] [--users 4] [--requests 4] [--long-items 160]
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ async def user(addr: NodeAddr, who: dict, requests: int, ttft: list[float], gaps
         await c.close()
 
 
-async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any) -> None:  # mp Events
+async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any, items: int) -> None:  # mp Events
     """The hostile client of a round (in a process of its own: its CPU is not the users').
     `ready` is set once it is at it (its requests sent)."""
     bad = next(u for u in USERS if u["name"] == kind)
@@ -128,7 +128,7 @@ async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any) -> None:  # 
             await c.close()
     elif kind == "long_prompt":
         c = await GatewayClient.connect(addr, bad["name"], bad["token"])
-        long_text = " ".join(f"item {i} is a thing;" for i in range(160))  # ~1,400 tokens
+        long_text = " ".join(f"item {i} is a thing;" for i in range(items))  # 160: ~1,400 tokens
         ready.set()
         while not stop.is_set():
             async for _ in c.generate([{"role": "user", "content": long_text}],
@@ -137,15 +137,16 @@ async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any) -> None:  # 
         await c.close()
 
 
-def hostile_process(port: int, kind: str, stop: Any, ready: Any) -> None:
-    asyncio.run(hostile(NodeAddr("127.0.0.1", port), kind, stop, ready))
+def hostile_process(port: int, kind: str, stop: Any, ready: Any, items: int) -> None:
+    asyncio.run(hostile(NodeAddr("127.0.0.1", port), kind, stop, ready, items))
 
 
 def pct(xs: list[float], q: float) -> float:
     return round(float(np.percentile(xs, q)), 1) if xs else float("nan")
 
 
-async def run(port: int, rounds: int, users: int, requests: int, kinds: tuple[str, ...]) -> dict:
+async def run(port: int, rounds: int, users: int, requests: int, kinds: tuple[str, ...],
+              items: int) -> dict:
     addr = NodeAddr("127.0.0.1", port)
     ttft: dict[str, list[float]] = {k: [] for k in kinds}
     gaps: dict[str, list[float]] = {k: [] for k in kinds}
@@ -157,7 +158,8 @@ async def run(port: int, rounds: int, users: int, requests: int, kinds: tuple[st
             stop, ready = ctx.Event(), ctx.Event()
             bad = None
             if kind != "baseline":
-                bad = ctx.Process(target=hostile_process, args=(port, kind, stop, ready), daemon=True)
+                bad = ctx.Process(target=hostile_process, args=(port, kind, stop, ready, items),
+                                  daemon=True)
                 bad.start()
                 await asyncio.to_thread(ready.wait, 60)
                 await asyncio.sleep(1.0)  # its requests are in (running, or being refused)
@@ -189,6 +191,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="gateway settings (edgelite serve --set)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="which kinds of round, e.g. baseline")
+    ap.add_argument("--long-items", type=int, default=160, help="the long prompt's items (~9 tokens each)")
     args = ap.parse_args()
     kinds = tuple(args.kinds.split(","))
     if unknown := set(kinds) - set(KINDS):
@@ -200,7 +203,7 @@ def main() -> None:
     nodes = [start_node(tmp / f"n{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
     gw, port = start_gateway(model, nodes, users, tmp / "gateway.log", args.set)
     try:
-        out = asyncio.run(run(port, args.rounds, args.users, args.requests, kinds))
+        out = asyncio.run(run(port, args.rounds, args.users, args.requests, kinds, args.long_items))
     except BaseException:
         print(log_tail(tmp / "gateway.log"), file=sys.stderr)
         raise
@@ -212,7 +215,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": 2, "users": args.users,
                       "gateway_settings": args.set,
-                      "requests_each": args.requests, "rounds": args.rounds, "results": out},
+                      "requests_each": args.requests, "rounds": args.rounds,
+                      "long_items": args.long_items, "results": out},
                      indent=1))
 
 
