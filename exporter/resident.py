@@ -7,11 +7,12 @@ its own: the layer is loaded LOADS times and the resident set's growth after the
 averaged, is its cost (the first also pays for onnxruntime's one-time state, which is the
 process's baseline, not the layer's); then a prompt chunk of SCRATCH_CHUNK tokens runs through
 it and the peak above that is its scratch. A range holds some things once, whatever its length
-(its RoPE tables, a session's own state: SmolLM2 4.4 MiB beside 3.3 a layer): where the layer
-has a neighbour of its kind, the two are measured as one range the same way (in a process of
-their own), and the layer's cost is what the second adds, the rest of the first's is the range's
-(Manifest.range_bytes: counted once a device); a kind without such a neighbour keeps the whole
-first figure. The embedding and the head are measured the same way, with the peak of their
+(its RoPE tables, a session's own state, and in a node, the first range, onnxruntime's one-time
+state): where the layer has a neighbour of its kind, the two are measured as one range the same
+way (in a process of their own), and the layer's cost is what the second adds; what the first
+load in the process took beyond that is the range's (Manifest.range_bytes: counted once a
+device; SmolLM2 3.2 MiB a layer, 17-20 a range); a kind without such a neighbour keeps the
+whole first figure. The embedding and the head are measured the same way, with the peak of their
 load (widening a large table's scales takes a transient: the 1 B head holds 175 MiB, 289 while
 it loads).
 
@@ -55,10 +56,11 @@ def _reset_peak() -> bool:
     return True
 
 
-def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int, int]:
-    """(resident, scratch) bytes of a layer J or a range J:K, or (resident, load peak) of the
-    embedding or the head, in this process (see the module's note); `narrow`: with its products
-    in edgelite's product operators (where this machine has them)."""
+def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int, int, int]:
+    """(resident, scratch, first) bytes of a layer J or a range J:K (first: what its first load
+    in this process took, onnxruntime's one-time state with it), or (resident, load peak, 0) of
+    the embedding or the head, in this process (see the module's note); `narrow`: with its
+    products in edgelite's product operators (where this machine has them)."""
     from edgelite.engine.layers import LayerRange, export_files
     from edgelite.engine.runtime import Embedding, Head
 
@@ -81,12 +83,14 @@ def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int
             held.append(p)
             if i == 1 and measured:  # loading widens its scales in memory: a transient on top
                 peak = peak_rss_bytes() - before
-        return max(0, rss_bytes() - before) // (LOADS - 1), peak
-    first, _, last = piece.partition(":")
-    j, k = int(first), int(last or first)
+        return max(0, rss_bytes() - before) // (LOADS - 1), peak, 0
+    lo, _, hi = piece.partition(":")
+    j, k = int(lo), int(hi or lo)
+    start = rss_bytes()
     for i in range(LOADS):
         if i == 1:
             before = rss_bytes()
+            first = before - start  # the first load: onnxruntime's one-time state too
         lr = LayerRange(m, j, k, cfg, files)
         slot = lr.pool.acquire()
         lr.run(slot, np.zeros((1, 1, m.hidden_size), np.float32))
@@ -97,7 +101,7 @@ def measure_piece(m: mf.Manifest, piece: str, narrow: bool = False) -> tuple[int
         n = min(mf.SCRATCH_CHUNK, lr.pool.max_length - slot.length)  # (a tiny model's context)
         lr.run(slot, np.full((1, n, m.hidden_size), 0.01, np.float32))
         scratch = max(0, peak_rss_bytes() - now)
-    return resident, scratch
+    return resident, scratch, max(0, first)
 
 
 def _kind(e: mf.FileEntry) -> tuple[int, ...]:
@@ -115,11 +119,11 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     # MatMulNBits, what any device holds, and with them, what a device that has them holds)
     narrow = linear.narrow(RuntimeConfig(threads=1), m)
     def run(piece: str) -> tuple[int, ...]:
-        """(resident, scratch or load peak) with MatMulNBits, then the same narrow (0, 0 when
-        this machine has no narrow products)."""
-        return (*_measure(piece, False), *(_measure(piece, True) if narrow else (0, 0)))
+        """(resident, scratch or load peak, first) with MatMulNBits, then the same narrow (0,
+        0, 0 when this machine has no narrow products)."""
+        return (*_measure(piece, False), *(_measure(piece, True) if narrow else (0, 0, 0)))
 
-    def _measure(piece: str, with_kernel: bool) -> tuple[int, int]:
+    def _measure(piece: str, with_kernel: bool) -> tuple[int, int, int]:
         res = subprocess.run([sys.executable, "-m", "edgelite_export.resident", str(m.root), piece,
                               *(["narrow"] if with_kernel else [])],
                              capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
@@ -127,7 +131,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
             raise EdgeliteError(f"measuring {piece} of the export failed: "
                                 f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
         out = json.loads(res.stdout)
-        return int(out["resident"]), int(out["scratch"])
+        return int(out["resident"]), int(out["scratch"]), int(out["first"])
 
     kinds = [_kind(e) for e in m.layers]
     # each kind at its first layer whose next is of its kind (that pair measured too), else its first
@@ -137,15 +141,18 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         if k not in first or (paired and not (first[k] + 1 < len(kinds) and kinds[first[k] + 1] == k)):
             first[k] = j
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
-    ranges = [0, 0]  # a range's own part (MatMulNBits, narrow): the most any pair showed
+    # a range's own part (MatMulNBits, narrow), the most any pair showed: what the first load of
+    # a range in a process takes beyond its layers (a node holds one range a model; the first
+    # range of a process pays onnxruntime's one-time state too, which it counts with it)
+    ranges = [0, 0]
     for k, j in first.items():
         one = run(str(j))
-        resident, scratch, narrow_resident, narrow_scratch = one
+        resident, scratch, once, narrow_resident, narrow_scratch, narrow_once = one
         if j + 1 < len(kinds) and kinds[j + 1] == k:
             two = run(f"{j}:{j + 1}")
             resident = min(resident, max(0, two[0] - one[0]))  # what the second layer adds
-            narrow_resident = min(narrow_resident, max(0, two[2] - one[2]))
-            ranges = [max(ranges[0], one[0] - resident), max(ranges[1], one[2] - narrow_resident)]
+            narrow_resident = min(narrow_resident, max(0, two[3] - one[3]))
+            ranges = [max(ranges[0], once - resident), max(ranges[1], narrow_once - narrow_resident)]
         cache[k] = (resident, scratch, narrow_resident, narrow_scratch)
     layers = []
     for e, k in zip(m.layers, kinds, strict=True):
@@ -154,7 +161,8 @@ def measured(m: mf.Manifest) -> mf.Manifest:
                               narrow_resident_bytes=narrow_resident, narrow_scratch_bytes=narrow_scratch))
     embed, head = ((replace(e, resident_bytes=held, load_peak_bytes=peak, narrow_resident_bytes=nheld,
                             narrow_load_peak_bytes=npeak)
-                    for e, (held, peak, nheld, npeak) in ((m.embed, run("embed")), (m.head, run("head")))))
+                    for e, (held, peak, _, nheld, npeak, _) in ((m.embed, run("embed")),
+                                                                 (m.head, run("head")))))
     log.info("resident once loaded: layers %.1f-%.1f MiB (%d kinds; weights %.1f MiB at most; "
              "a %d-token chunk %.1f MiB more), embedding %.1f, head %.1f MiB (%.1f loading)",
              min(e.resident_bytes for e in layers) / 2**20, max(e.resident_bytes for e in layers) / 2**20,
@@ -173,8 +181,8 @@ def measured(m: mf.Manifest) -> mf.Manifest:
 
 def main(argv: list[str]) -> int:
     m = mf.load(Path(argv[0]))
-    resident, scratch = measure_piece(m, argv[1], argv[2:] == ["narrow"])
-    sys.stdout.write(json.dumps({"resident": resident, "scratch": scratch}) + "\n")
+    resident, scratch, first = measure_piece(m, argv[1], argv[2:] == ["narrow"])
+    sys.stdout.write(json.dumps({"resident": resident, "scratch": scratch, "first": first}) + "\n")
     return 0
 
 
