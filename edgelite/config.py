@@ -328,6 +328,10 @@ class GatewayConfig:
     rate_window_s: float = 10.0  # tokens/s in stats and /metrics: over this last stretch
     prefill_chunk_tokens: int = 64  # a prompt is prefilled this much per step, between decodes
     prefill_step_tokens: int = 64  # prefill tokens of all requests together in one step (>= 1 chunk)
+    # beside running replies a step's chunk shrinks (to this at least) while such steps take
+    # more than prefill_slowdown times a step of decode rows alone (serve/prefillpace.py)
+    prefill_min_chunk_tokens: int = 8
+    prefill_slowdown: float = 2.0
     max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
     flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
     # a client cut off still sending: what it sends is read and dropped for at most this long

@@ -130,8 +130,10 @@ async def hostile(addr: NodeAddr, kind: str, stop: Any, ready: Any, items: int) 
         c = await GatewayClient.connect(addr, bad["name"], bad["token"])
         long_text = " ".join(f"item {i} is a thing;" for i in range(items))  # 160: ~1,400 tokens
         ready.set()
-        while not stop.is_set():
-            async for _ in c.generate([{"role": "user", "content": long_text}],
+        n = 0
+        while not stop.is_set():  # (each one new at its start: read, not found in the KV store)
+            n += 1
+            async for _ in c.generate([{"role": "user", "content": f"List {n}. {long_text}"}],
                                       GenerationConfig(max_tokens=8)):
                 pass
         await c.close()

@@ -50,6 +50,7 @@ from edgelite.serve.events import Embedded, Failed, Finished
 from edgelite.serve.figures import Figures
 from edgelite.serve.job import Job, Sink
 from edgelite.serve.kvmoves import KvMoves
+from edgelite.serve.prefillpace import PrefillPace
 from edgelite.serve.scheduler import Decision, Request, Scheduler
 from edgelite.serve.users import User
 
@@ -74,6 +75,8 @@ class Gateway:
         self.pacer = Pacer()  # how many drafts speculating requests offer (learns as they run)
         self.tokenizing: Counter[str] = Counter()  # user -> its requests being tokenized
         self.choosing = Choosing(self.wake)  # constrained tokens being chosen (serve/choosing.py)
+        self.pace = PrefillPace(self.cfg.prefill_chunk_tokens, self.cfg.prefill_min_chunk_tokens,
+                                self.cfg.prefill_slowdown)  # prompt tokens a step (serve/prefillpace.py)
         self.down: str | None = None  # why the last deploy after a node loss failed (None: it did not)
 
     async def run(self) -> None:
@@ -191,9 +194,11 @@ class Gateway:
                 looking = [self.kv.reuse(job) for job in new]
             await asyncio.gather(*(self.kv.take_back(job) for job in back))
             skip = {job.req.rid for job in new} if looking else set()
-            chunk = self.cfg.prefill_chunk_tokens
-            work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg)
+            decoding = any(not self.jobs[r.rid].driver.pending for r in (*d.admit, *d.resume, *d.decode))
+            chunk = self.pace.size(decoding)
+            work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg, chunk)
                     if r.rid not in skip and not self.choosing.busy(r.rid)]
+            prefilling = [job for job in work if job.driver.pending]
             calls = []
             if work:
                 self.figures.step_sizes.append(len(work))
@@ -205,7 +210,10 @@ class Gateway:
                 continue
             t0 = time.perf_counter()
             results = await asyncio.gather(*ends, *looking, *calls, return_exceptions=True)
-            paced(self.pacer, work, (time.perf_counter() - t0) * 1e3)
+            ms = (time.perf_counter() - t0) * 1e3
+            paced(self.pacer, work, ms)
+            if not (ends or looking):  # (a step of its own work alone teaches the pace)
+                self.pace.timed(bool(prefilling), len(prefilling) < len(work), ms)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
                     raise x  # (KvMoves.reuse handles what a lookup may meet: this is a bug)
@@ -328,18 +336,17 @@ def paced(pacer: Pacer, work: list[Job], ms: float) -> None:
         pacer.timed(max(len(j.call.drafts.tokens) for j in drafting if j.call is not None), ms)
 
 
-def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig) -> list[Request]:
-    """The requests that run this step: every decoding one, and prefill chunks up to
-    `prefill_step_tokens` (at least one chunk), the shortest remaining prefill first, a
-    prefill left out for steps gaining a chunk's worth each step. So a long prompt, or a
-    long conversation recomputed after a preemption, costs others' decode steps at most
-    one budget, and a short prompt is not queued behind it."""
-    chunk = cfg.prefill_chunk_tokens
+def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig, chunk: int) -> list[Request]:
+    """The requests that run this step: every decoding one, and prefill chunks (of `chunk`
+    tokens: serve/prefillpace.py) up to `prefill_step_tokens` (at least one chunk), the
+    shortest remaining prefill first, a prefill left out for steps gaining a chunk's worth each
+    step. So a long prompt, or a long conversation recomputed after a preemption, costs others'
+    decode steps at most one budget, and a short prompt is not queued behind it."""
     decoding, prefilling = [], []
     for r in (*d.admit, *d.resume, *d.decode):
         (prefilling if jobs[r.rid].driver.pending else decoding).append(r)
     prefilling.sort(key=lambda r: len(jobs[r.rid].driver.pending) - chunk * jobs[r.rid].prefill_waits)
-    budget = cfg.prefill_step_tokens
+    budget = max(chunk, cfg.prefill_step_tokens * chunk // cfg.prefill_chunk_tokens)  # (paced too)
     for k, r in enumerate(prefilling):
         job = jobs[r.rid]
         size = min(chunk, len(job.driver.pending))
