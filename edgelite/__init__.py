@@ -60,7 +60,7 @@ __all__ = [
     "ManifestError", "MissingDependency", "ModelFileError", "Node", "NodeAddr", "NodeConfig",
     "NodeError", "NodeUnavailable", "Piece", "Plan", "PlanId", "PlanInfeasible", "PlanOptions",
     "ProbeConfig", "Reply", "RuntimeConfig", "SessionId", "Stage", "cluster_spec", "connect",
-    "discover", "load_manifest", "plan", "probe", "run_node",
+    "discover", "footprint", "load_manifest", "plan", "probe", "run_node", "status",
 ]
 
 

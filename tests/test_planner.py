@@ -233,7 +233,8 @@ def test_a_plan_takes_smaller_prompt_chunks_where_memory_is_short(exported) -> N
         m, layers=[dataclasses.replace(e, resident_bytes=40 * MiB, scratch_bytes=64 * MiB,
                                        narrow_resident_bytes=0, narrow_scratch_bytes=0) for e in m.layers],
         embed=dataclasses.replace(m.embed, resident_bytes=MiB, load_peak_bytes=0, narrow_resident_bytes=0),
-        head=dataclasses.replace(m.head, resident_bytes=MiB, load_peak_bytes=0, narrow_resident_bytes=0))
+        head=dataclasses.replace(m.head, resident_bytes=MiB, load_peak_bytes=0, narrow_resident_bytes=0),
+        range_bytes=0, narrow_range_bytes=0)
     assert m.scratch_for(256) == 64 * MiB and m.scratch_for(64) < 20 * MiB < m.scratch_for(256)
     layers = m.num_layers * 40 * MiB + m.kv_bytes(0, m.num_layers - 1, 512)
 

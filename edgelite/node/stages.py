@@ -372,20 +372,15 @@ class StageStore:
         return len(old)
 
     def stats(self, owner: str | None = None, domain: str | None = None) -> dict[str, Any]:
-        """The node's figures. `owner`: a client, who sees other clients' plans and sessions
-        only as counts, save those of its KV `domain` (the same user's other processes on
-        its device: kept key, paths.kv_key) (None: the node's own operator, who sees everything)."""
+        """The node's figures. `owner`: a client, who sees other clients' plans and sessions as
+        counts, save those of its KV `domain` (its user's other processes on its device) (None:
+        the node's own operator, who sees everything)."""
         with self.lock:
-            sessions = list(self.sessions.values())
-            kv_bytes = self.kv_bytes
+            sessions, kv_bytes = list(self.sessions.values()), self.kv_bytes
             runs, ms = self.runs, self.run_ms_total
-
-        def own(s: Stage) -> bool:
-            return owner is None or s.owner == owner or s.kv_domain == domain
-
-        mine = [s for s in self.stages.values() if own(s)]
+        mine = {id(s): s for s in self.stages.values() if owner in (None, s.owner) or s.kv_domain == domain}
         return {"sessions": len(sessions),
-                "own_sessions": sum(1 for s in sessions if own(s.stage)),
+                "own_sessions": sum(1 for s in sessions if id(s.stage) in mine),
                 "other_plans": len(self.stages) - len(mine),
                 "kv_bytes": kv_bytes, "kv_budget_bytes": self.limits.address_budget_bytes,
                 "kv_node_budget_bytes": self.limits.kv_budget_bytes,
@@ -394,4 +389,4 @@ class StageStore:
                 "runs": runs, "slot_moves": self.slot_moves,
                 "ms_per_run": ms / runs if runs else 0.0,
                 "stages": [{"plan_id": s.plan_id, "model": s.layers.manifest.name,
-                            "layers": [s.first, s.last], "passes": s.layers.passes} for s in mine]}
+                            "layers": [s.first, s.last], "passes": s.layers.passes} for s in mine.values()]}

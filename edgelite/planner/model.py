@@ -126,9 +126,12 @@ class Problem:
 
     def capacity(self, i: int) -> float:
         d = self.devices[i]
-        return (d.beta * d.memory_bytes - self.scratch_bytes
-                - ((d.narrow and self.narrow_range_bytes) or self.range_bytes)
+        return (d.beta * d.memory_bytes - self.scratch_bytes - self.range_on(d)
                 - (self.client_reserved_bytes if i == 0 else 0))
+
+    def range_on(self, d: Device) -> int:
+        """What a range of layers holds once on device d (beside its layers)."""
+        return (d.narrow and self.narrow_range_bytes) or self.range_bytes
 
     def mem(self, i: int, j: int) -> int:
         """What layer j takes on device i."""

@@ -169,8 +169,8 @@ def with_nodes_ms(p: Problem) -> float:
     why a plan keeps every layer on the client."""
     total = sum(p.mem(0, j) for j in range(p.n))
     client = p.devices[0]
-    memory = min(client.memory_bytes,
-                 int((total - 1 + p.client_reserved_bytes + p.scratch_bytes) / client.beta))
+    memory = min(client.memory_bytes, int((total - 1 + p.client_reserved_bytes + p.scratch_bytes
+                                           + p.range_on(client)) / client.beta))
     q = dataclasses.replace(p, devices=(dataclasses.replace(client, memory_bytes=memory),
                                         *p.devices[1:]))
     try:
