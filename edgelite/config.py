@@ -267,6 +267,9 @@ class ClientConfig:
     # nodes a recovery left out are asked this often whether they answer again; those that do
     # are planned in again (the gateway asks between rounds)
     rejoin_interval_s: float = 5.0
+    # a failover keeps the layers where they are (a spare takes the lost node's range) where
+    # that plan is within this fraction of the best one (an 8 B recovery moved GBs otherwise)
+    failover_keep_slack: float = 0.15
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
 

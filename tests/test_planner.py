@@ -256,3 +256,33 @@ def test_a_plan_takes_smaller_prompt_chunks_where_memory_is_short(exported) -> N
     assert roomy.max_chunk == 0 and "max_chunk" not in roomy.to_json()
     with pytest.raises(PlanInfeasible, match="with prompt chunks of 16 tokens, the smallest"):
         plan(m, cluster(layers + 2 * MiB), kv_tokens=512, chunks=chunks)
+
+
+@pytest.mark.unit
+def test_a_failover_keeps_layers_in_place_with_a_spare() -> None:
+    """A lost node's range goes to a spare and the others keep theirs when that plan is within
+    the slack of the best (an 8 B recovery moved GBs of layers otherwise); a spare too slow
+    for it leaves the best plan."""
+    from edgelite.planner.model import Plan, Stage
+    from edgelite.planner.solve import in_place
+    from edgelite.planner.solve import solve as typed_solve
+
+    layer = Layer(flops=1e9, mem_bytes=100 * MiB, out_bytes=4096)
+    link = Link(2.0, 100.0)
+
+    def problem(spare_flops: float) -> Problem:
+        devices = (Device("client", 1e10, 150 * MiB, beta=1.0), Device("a", 1e10, 500 * MiB, beta=1.0),
+                   Device("c", 1e10, 500 * MiB, beta=1.0), Device("d", spare_flops, 500 * MiB, beta=1.0))
+        links = {(i, k): link for i in range(4) for k in range(4) if i != k}
+        return Problem((layer,) * 10, devices, links)
+
+    before = Plan((Stage("client", 0, 0), Stage("a", 1, 3), Stage("b", 4, 6), Stage("c", 7, 9)),
+                  "latency", "dp", "optimal")  # (b is lost)
+    p = problem(1e10)
+    best = typed_solve(p)
+    kept = in_place(p, before, best, slack=0.15)
+    assert [(s.device, s.first, s.last) for s in kept.stages] == [
+        ("client", 0, 0), ("a", 1, 3), ("d", 4, 6), ("c", 7, 9)]
+    assert kept.value_ms <= best.value_ms * 1.15 and kept.solver == "in place"
+    slow = problem(1e8)  # a spare 100x slower: keeping the ranges costs far more than the slack
+    assert in_place(slow, before, typed_solve(slow), slack=0.15).solver != "in place"

@@ -248,7 +248,7 @@ async def open_llm(model: str | Path | Manifest, nodes: Sequence[str | NodeAddr]
     ccfg = client or ClientConfig()
     if plan.remote and ccfg.failover:
         replan = _replanner(manifest, addrs, token, probed, planning or PlanOptions(), ccfg,
-                            runtime, routes)
+                            runtime, routes, plan)
         backend = FailoverBackend(manifest, backend, replan, ccfg, _answers(token, ccfg))
     log.info("ready: %s (%s, %s) with %s", manifest.name, manifest.weights, manifest.compute,
              ", ".join(f"layers {s.first}-{s.last} on {s.addr or 'this device'}"
@@ -303,10 +303,13 @@ async def node_addrs(nodes: Sequence[str | NodeAddr] | str | None, token: str | 
 
 def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
                probed: dict[str, Any] | None, opts: PlanOptions, client: ClientConfig,
-               runtime: RuntimeConfig | None, routes: Routes | None) -> Replan:
+               runtime: RuntimeConfig | None, routes: Routes | None, first: Plan) -> Replan:
     """How a failover plans and deploys again without some nodes: the planner on the last
-    probe without them, or (a fixed split, nothing probed) the layers spread evenly over the
-    nodes left, or everything here when none is left."""
+    probe without them (the running plan `first`, then the last one deployed, kept in place
+    with a spare for each lost node where that is near the best), or (a fixed split, nothing
+    probed) the layers spread evenly over the nodes left, or everything here when none is left."""
+
+    running = [first]  # the plan deployed now
 
     async def replan(gone: frozenset[NodeAddr]) -> tuple[Backend, float, float]:
         t0 = time.monotonic()
@@ -314,7 +317,8 @@ def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
         if probed is not None:
             spec = cluster_spec(without(probed, {str(a) for a in gone}))
             plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first,
-                              opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks)
+                              opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks,
+                              before=running[0], slack=client.failover_keep_slack)
         elif alive:
             cuts = np.array_split(np.arange(manifest.num_layers), len(alive))
             plan = split_plan([(int(c[0]), int(c[-1])) for c in cuts], alive, manifest.num_layers)
@@ -322,6 +326,7 @@ def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
             plan = _local_plan(manifest)
         t1 = time.monotonic()
         backend = await open_backend(manifest, plan, token, client, runtime, routes)
+        running[0] = plan
         return backend, (t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3
 
     return replan

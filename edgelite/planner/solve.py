@@ -8,6 +8,7 @@ reported with how much is short, and where.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from typing import Any
@@ -16,11 +17,12 @@ from edgelite.errors import EdgeliteError, MissingDependency, PlanInfeasible
 from edgelite.ids import NodeAddr
 from edgelite.manifest import SCRATCH_CHUNK, Manifest
 from edgelite.planner import dp, milp
-from edgelite.planner.model import Plan, Problem, Solution, Stage, Weights, predict
+from edgelite.planner.model import Plan, Problem, Solution, Stage, Weights, predict, value
 from edgelite.planner.spec import KV_TOKENS, problem_from
 
 log = logging.getLogger(__name__)
 SOLVERS = ("auto", "milp", "milp-literal", "milp-aggregated", "dp")
+MAX_IN_PLACE = 720  # the most ways of putting lost ranges on spares in_place tries
 _said_no_highs = False
 
 
@@ -122,14 +124,41 @@ def split_plan(ranges: list[tuple[int, int]], addrs: list[NodeAddr], n_layers: i
     return Plan(stages, "latency", "split", "given")
 
 
+def in_place(p: Problem, before: Plan, best: Plan, slack: float) -> Plan:
+    """`before`'s stages where their devices still are, each lost device's range on a device
+    it did not use (a spare): that plan where its objective is within `slack` of `best`'s (a
+    failover then moves the lost node's layers only, not most of them), else `best`."""
+    index = {d.name: i for i, d in enumerate(p.devices)}
+    kept = [(index.get(s.device), s.first, s.last) for s in before.stages]
+    lost = [k for k, (d, _, _) in enumerate(kept) if d is None]
+    spares = [i for i in range(1, p.m) if i not in {d for d, _, _ in kept}]
+    if not lost or len(lost) > len(spares) or math.perm(len(spares), len(lost)) > MAX_IN_PLACE:
+        return best
+    tries = []
+    for chosen in itertools.permutations(spares, len(lost)):
+        spans = [(d, a, b) for d, a, b in kept]
+        for k, d in zip(lost, chosen, strict=True):
+            spans[k] = (d, spans[k][1], spans[k][2])
+        tries.append((value(p, spans), spans))  # (inf where a device's memory or a link fails)
+    v, spans = min(tries, key=lambda t: t[0])
+    if not math.isfinite(v) or v > best.value_ms * (1 + slack):
+        return best
+    log.info("the failover plan keeps the layers where they are (%.1f ms against the best %.1f)",
+             v, best.value_ms)
+    return dataclasses.replace(typed(p, Solution(spans, best.objective, v, "in place", "kept")),
+                               max_chunk=best.max_chunk)
+
+
 def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency",
          solver: str = "auto", client_first: bool = True, kv_tokens: int = KV_TOKENS,
-         weights: Weights | None = None, chunks: tuple[int, ...] = (SCRATCH_CHUNK,)) -> Plan:
+         weights: Weights | None = None, chunks: tuple[int, ...] = (SCRATCH_CHUNK,),
+         before: Plan | None = None, slack: float = 0.0) -> Plan:
     """Place a model's layers on a cluster (devices and links, as `edgelite probe` measures
     them or as cluster.json describes them). Reads only the manifest. `chunks`: the prompt
     chunk sizes a step may carry; where the layers do not fit beside the largest chunk's
     scratch, the plan takes the largest that fits (Plan.max_chunk: prompts then go in smaller
-    chunks, slower to prefill)."""
+    chunks, slower to prefill). `before`: the plan running now (a failover), kept in place
+    where that is within `slack` of the best (`in_place`)."""
     sizes = sorted(set(chunks), reverse=True) or [SCRATCH_CHUNK]
     short: PlanInfeasible | None = None
     for chunk in sizes:
@@ -143,6 +172,8 @@ def plan(manifest: Manifest, cluster: dict[str, Any], objective: str = "latency"
             continue
         if chunk != SCRATCH_CHUNK:  # (what a node counts when told nothing: Load.max_chunk 0)
             best = dataclasses.replace(best, max_chunk=chunk)
+        if before is not None:
+            best = in_place(p, before, best, slack)
         if p.m == 1 or any(s.device != p.devices[0].name for s in best.stages):
             return best  # (the nodes run layers: by name, cluster.json devices have no address)
         return dataclasses.replace(best, with_nodes_ms=with_nodes_ms(p))
