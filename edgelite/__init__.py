@@ -14,7 +14,7 @@ The public API (everything a program needs; the CLI is built on it):
 - `probe(nodes, token, manifest=None)`: measure devices and links
 - `plan(manifest, cluster)`: place layers on devices (pure; reads only the manifest)
 - `footprint(manifest)`: what the planner counts for the model's pieces (memory, KV, scratch)
-- `status(nodes, token)`: what runs where: each node's plans, sessions and memory
+- `status(addrs, token)`: what runs where: each node's plans, sessions and memory
 - `run_node(token, data_dir, NodeConfig(...))`: a node serving inside this process
 - typed data: `Plan`, `Stage`, `NodeAddr`, `Manifest`; configs; errors (`EdgeliteError`, ...)
 

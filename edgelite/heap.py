@@ -32,3 +32,16 @@ def give_back_large_blocks() -> bool:
         log.debug("mallopt: %s", exc)
         return False
     return bool(ok)
+
+
+def trim() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    after a layer range is closed its many small blocks stay with the process otherwise (a node
+    that unloaded SmolLM2's layers kept holding ~50 MiB, and its next load was refused)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError) as exc:
+        log.debug("malloc_trim: %s", exc)
+        return False

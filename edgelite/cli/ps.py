@@ -54,8 +54,9 @@ def line(s: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     token = options.token(args, required=True)
     assert token is not None
-    nodes = options.nodes(args, default="auto")
-    states = runner.run(edgelite.status(nodes, token, options.client_config(args)))
+    if not args.nodes:
+        args.nodes = "auto"
+    states = runner.run(_status(args, token))
     if args.json:
         print(json.dumps({"nodes": states}))
         return 0
@@ -64,3 +65,7 @@ def run(args: argparse.Namespace) -> int:
     for s in states:
         print("\n".join(line(s)))
     return 0
+
+
+async def _status(args: argparse.Namespace, token: str) -> list[dict[str, Any]]:
+    return await edgelite.status(await options.found_nodes(args), token, options.client_config(args))

@@ -311,21 +311,32 @@ def _replanner(manifest: Manifest, addrs: list[NodeAddr], token: str | None,
 
     running = [first]  # the plan deployed now
 
+    def solved(spec: dict[str, Any], before: Plan | None) -> Plan:
+        return solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first,
+                          opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks,
+                          before=before, slack=client.failover_keep_slack)
+
     async def replan(gone: frozenset[NodeAddr]) -> tuple[Backend, float, float]:
         t0 = time.monotonic()
         alive = [a for a in addrs if a not in gone]
-        if probed is not None:
+        spec: dict[str, Any] | None = None
+        if probed is not None:  # (a kept range is shared with the old plan while it unloads)
             spec = cluster_spec(without(probed, {str(a) for a in gone}))
-            plan = solve_plan(manifest, spec, opts.objective, opts.solver, opts.client_first,
-                              opts.context, chunks=(runtime or RuntimeConfig()).plan_chunks,
-                              before=running[0], slack=client.failover_keep_slack)
+            plan = solved(spec, running[0])
         elif alive:
             cuts = np.array_split(np.arange(manifest.num_layers), len(alive))
             plan = split_plan([(int(c[0]), int(c[-1])) for c in cuts], alive, manifest.num_layers)
         else:
             plan = _local_plan(manifest)
         t1 = time.monotonic()
-        backend = await open_backend(manifest, plan, token, client, runtime, routes)
+        try:
+            backend = await open_backend(manifest, plan, token, client, runtime, routes)
+        except EdgeliteError as exc:
+            if spec is None or plan.solver != "in place":
+                raise
+            log.info("the plan keeping the layers in place did not deploy (%s): planning afresh", exc)
+            plan = solved(spec, None)
+            backend = await open_backend(manifest, plan, token, client, runtime, routes)
         running[0] = plan
         return backend, (t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3
 

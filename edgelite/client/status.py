@@ -17,16 +17,14 @@ from edgelite.net import messages as m
 from edgelite.net.link import ask_once
 
 
-async def status(nodes: Sequence[str | NodeAddr] | str, token: str,
+async def status(addrs: Sequence[NodeAddr], token: str,
                  cfg: ClientConfig | None = None) -> list[dict[str, Any]]:
     """Each node's stats by its address (`addr`; `node`: the name it gives itself; `reachable`
-    true), or why it could not be asked (`reachable` false,
-    `error`); nodes="auto": the cluster's nodes that answer on the LAN."""
-    from edgelite.client.llm import node_addrs
+    true), or why it could not be asked (`reachable` false, `error`)."""
+    return await _ask_all(addrs, token, cfg or ClientConfig())
 
-    cfg = cfg or ClientConfig()
-    addrs = await node_addrs(nodes, token, cfg)
 
+async def _ask_all(addrs: Sequence[NodeAddr], token: str, cfg: ClientConfig) -> list[dict[str, Any]]:
     async def one(addr: NodeAddr) -> dict[str, Any]:
         try:
             reply = await ask_once(addr, token, m.StatsRequest(id=0), m.StatsReply, cfg.connect_timeout_s,

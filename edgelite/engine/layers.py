@@ -20,6 +20,7 @@ A step far past what the range's own steps take is cancelled (engine/deadline.py
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgelite import heap
 from edgelite.config import RuntimeConfig
 from edgelite.engine import kernels, onnxgraph, rope
 from edgelite.engine.deadline import StepClock, run_guarded
@@ -311,8 +313,12 @@ class LayerRange:
         return out
 
     def close(self) -> None:
+        """Let go of the sessions and the KV; their memory goes back to the system."""
         self.bindings.clear()
+        self.sessions.clear()
         self.pool.close()
+        gc.collect()  # (onnxruntime's sessions may sit in reference cycles)
+        heap.trim()
 
 
 def groups(entries: list[FileEntry], first: int, limit: int) -> list[tuple[int, int]]:
