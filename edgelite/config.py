@@ -74,7 +74,8 @@ class RuntimeConfig:
     exact_head_candidates: int = 32
     # every row of a step is computed as it would be in any other step (engine/passes/invariant.py):
     # the reply does not depend on chunking, the split, the KV store or load; decode steps of
-    # several sessions then run one by one (onnxruntime batches only one-row steps)
+    # several sessions then run as one batch only where edgelite's operators compute every
+    # row as alone (LayerRange.batchable), else one by one
     invariant: bool = True
     # what the KV cache holds: "float32", "float16" (half the memory a position costs; needs
     # `invariant`), "int8" (about a quarter: each head's row as codes and one exponent; needs

@@ -124,6 +124,11 @@ class LayerRange:
         # fast-mode narrow products by the same library where it has their vector path
         self.matmul = linear.library(self.cfg)
         self.plain = self.library is not None or self.kv_dtype != "float32"
+        # decode steps of several sessions may run as one batch: not invariant, or where each
+        # row of a batch is computed as alone (the attention in edgelite's operator, every
+        # product edgelite's, whose row tiles are row-invariant, or a float MatMul)
+        self.batchable = not self.cfg.invariant or (
+            self.library is not None and (m.weights == "fp32" or linear.narrow(self.cfg, m)))
         if not 0 <= self.first <= self.last < m.num_layers:
             raise EdgeliteError(f"layer range {self.first}-{self.last} is outside 0-{m.num_layers - 1}")
         entries = m.layers[self.first:self.last + 1]
@@ -288,8 +293,9 @@ class LayerRange:
         """One decode token for each session (all in one slab): hidden (len(slots), 1, hidden)
         -> the same. Slots between them that are not stepping get a dummy token written past
         their real length (it is overwritten by their next step)."""
-        if self.cfg.invariant:
-            raise EdgeliteError("an invariant range runs decode steps one session at a time")
+        if not self.batchable:
+            raise EdgeliteError("this range runs decode steps one session at a time (invariant, and "
+                                "onnxruntime's attention or products would compute a batch's rows otherwise)")
         slab = slots[0].slab
         if any(s.slab is not slab for s in slots) or len({s.index for s in slots}) != len(slots):
             raise EdgeliteError("a batch must hold distinct slots of one slab")

@@ -287,7 +287,7 @@ class DataPlane(FrameThread):
             waiting: set[str] = set()  # sessions with an earlier step left for later
             for r in self.ready:
                 if (first.decode and r.decode and r.stage is first.stage
-                        and not first.stage.layers.cfg.invariant
+                        and first.stage.layers.batchable
                         and len(group) < self.cfg.batch_max_steps
                         and r.msg.session not in waiting
                         and all(g.msg.session != r.msg.session for g in group)):

@@ -32,7 +32,8 @@ materialises its scores, mask sum and probabilities whole, so prefill takes 1.3-
 
 The shape arithmetic (the step's rows from the hidden input, its positions from
 `total_seq`) is in the graph and shared by the range's layers, so one session serves decode
-steps and prompt chunks alike. Batch 1: a range rewritten so runs steps one session at a time.
+steps and prompt chunks alike. With the kernel a step may hold several sessions' rows (a batch:
+each its own KV slot and total, each computed as alone); the plain operators' rewrite is batch 1.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class _Rewrite:
                 raise ValueError("the range has no hidden_* input")
             if not total:
                 total = inputs[6]
-                self._positions(hidden, total)
+                self._positions(hidden, total, inputs[5])
             count += 1
             items += self._layer(count, inputs, outputs, node_attrs(rest))
         if not count:
@@ -176,14 +177,18 @@ class _Rewrite:
         self.shared.append(_node(op, inputs, [out], out, domain, **attrs))
         return out
 
-    def _positions(self, hidden: str, total_seq: str) -> None:
-        """Shared: the total T after the step; without the kernel also the step's rows n and
-        its positions pos (n) (the ScatterND indices are made per KV head count: _indices)."""
+    def _positions(self, hidden: str, total_seq: str, seqlens: str) -> None:
+        """Shared: the total T after the step (with the kernel, each session's of a batch:
+        seqlens_k + 1, the same as total_seq for one session); without the kernel also the
+        step's rows n and its positions pos (n) (the ScatterND indices are made per KV head
+        count: _indices)."""
         a = self._add
+        if self.kernel:  # (the operator finds the step's positions itself)
+            self.total = a("Add", [a("Cast", [seqlens], f"{P}/seqlens64", to=INT64), self.ints(1)],
+                           f"{P}/totals")
+            return
         total = a("Cast", [a("Reshape", [total_seq, self.ints(1)], f"{P}/total32")], f"{P}/total", to=INT64)
         self.total = total
-        if self.kernel:  # (the operator finds the step's positions itself)
-            return
         shape = a("Shape", [hidden], f"{P}/shape")
         self.n = a("Slice", [shape, self.ints(1), self.ints(2)], f"{P}/n")  # (1,)
         start = a("Sub", [total, self.n], f"{P}/start")

@@ -5,14 +5,14 @@
  * exact in float32). Each does a layer's whole attention step, what GroupQueryAttention does:
  * it turns the step's queries and keys by the rotary tables, writes the keys and values into the
  * KV at the step's positions, and attends (the chosen path's attend function, tile by tile).
- *   inputs:  q       float32 (1, n, heads * d), not yet turned
- *            k, v    float32 (1, n, kv_heads * d): the step's keys (not yet turned) and values
- *            key     (1, kv_heads, capacity, d) (int8: d + 2): the KV, bound in place
- *            value   (1, kv_heads, capacity, d) (int8: d + 2)
- *            total   int64 (1): the positions valid after this step (the step's rows are the
- *                    last n of them)
+ *   inputs:  q       float32 (B, n, heads * d), not yet turned (B sessions' steps, B >= 1)
+ *            k, v    float32 (B, n, kv_heads * d): the step's keys (not yet turned) and values
+ *            key     (B, kv_heads, capacity, d) (int8: d + 2): the KV, bound in place
+ *            value   (B, kv_heads, capacity, d) (int8: d + 2)
+ *            total   int64 (B): each session's positions valid after this step (the step's
+ *                    rows are the last n of them); each computed as it would be alone
  *            cos, sin  float32 (positions, rot / 2), optional: the rotary tables (none: no turn)
- *   outputs: float32 (1, n, heads * d); key and value with the step's rows written (where
+ *   outputs: float32 (B, n, heads * d); key and value with the step's rows written (where
  *            they are bound to the inputs' buffers, as engine/kv.py binds them, nothing else
  *            is copied)
  *   attributes: num_heads, kv_num_heads, local_window_size (-1: none), scale (0: d^-1/2),
@@ -29,6 +29,7 @@
 #define PARALLEL_WORK 65536   /* rows x positions below which a call runs on its caller's thread */
 #define MAX_HEADS 1024        /* query heads a layer may have */
 #define MAX_POSITIONS (1 << 24) /* positions a KV may hold */
+#define MAX_BATCH 256         /* sessions one call may step together */
 
 typedef struct {
     struct custom_op op;
@@ -239,14 +240,23 @@ static status_t compute_v2(void *state, void *ctx) {
     for (int i = 0; i < INPUTS; i++)
         if (in[i]) TRY(CALL(api, TENSOR_DATA, tensor_data_fn)(in[i], &data[i]));
     int64_t extra = 2 * (k->kind == KV_I8);
-    step_shape s = {qd[1], td[0] == 1 ? ((const int64_t *)data[IN_TOTAL])[0] : -1, kd[2], kd[3] - extra, cd[1], rotary};
+    /* a batch of B sessions' steps (B >= 1): row b's q, k, v, out and KV slot (kv_heads x cap
+     * rows each), its own total; each row computed as it would be alone */
+    int64_t batch = qd[0];
+    const int64_t *totals = (const int64_t *)data[IN_TOTAL];
+    step_shape s = {qd[1], td[0] == batch && batch >= 1 ? totals[0] : -1, kd[2], kd[3] - extra, cd[1], rotary};
     /* a step that does not fit the KV it is given or the operator's heads (a graph edgelite's
      * exporter did not write) fails before anything is allocated, read or written */
     int64_t q_values;
-    int fits = step_fits(k, &s) && qd[0] == 1 && kd[0] == 1 && kd[1] == k->kv_heads && !memcmp(kd, vd, sizeof(kd)) &&
-               !__builtin_mul_overflow(k->heads, s.d, &q_values) && qd[2] == q_values && nd[0] == 1 && nd[1] == s.n &&
-               nd[2] == k->kv_heads * s.d && !memcmp(nd, vnd, sizeof(nd)) && td[0] == 1 &&
-               (!rotary || (!memcmp(cd, sd, sizeof(cd)) && cd[0] >= s.total));
+    int fits = batch >= 1 && batch <= MAX_BATCH && step_fits(k, &s) && kd[0] == batch && kd[1] == k->kv_heads &&
+               !memcmp(kd, vd, sizeof(kd)) && !__builtin_mul_overflow(k->heads, s.d, &q_values) && qd[2] == q_values &&
+               nd[0] == batch && nd[1] == s.n && nd[2] == k->kv_heads * s.d && !memcmp(nd, vnd, sizeof(nd)) &&
+               td[0] == batch;
+    for (int64_t b = 0; fits && b < batch; b++) {
+        step_shape sb = s;
+        sb.total = totals[b];
+        fits = step_fits(k, &sb) && (!rotary || (!memcmp(cd, sd, sizeof(cd)) && cd[0] >= sb.total));
+    }
     if (!fits) {
         char what[200];
         snprintf(what, sizeof(what),
@@ -268,9 +278,15 @@ static status_t compute_v2(void *state, void *ctx) {
      * (its size checked by step_fits) */
     if (o_data[1] != data[IN_PAST_K]) memcpy(o_data[1], data[IN_PAST_K], (size_t)(kd[0] * kd[1] * kd[2] * kd[3]) * item);
     if (o_data[2] != data[IN_PAST_V]) memcpy(o_data[2], data[IN_PAST_V], (size_t)(vd[0] * vd[1] * vd[2] * vd[3]) * item);
-    if (attend_core(k, &s, (const float *)data[IN_Q], (const float *)data[IN_K], (const float *)data[IN_V], o_data[1],
-                    o_data[2], (const float *)data[IN_COS], (const float *)data[IN_SIN], (float *)o_data[0], ctx))
-        return fail(api, name, "out of memory for the step's scratch");
+    size_t slot = (size_t)(kd[1] * kd[2] * kd[3]) * item, q_row = (size_t)(s.n * qd[2]), kv_row = (size_t)(s.n * nd[2]);
+    for (int64_t b = 0; b < batch; b++) {
+        step_shape sb = s;
+        sb.total = totals[b];
+        if (attend_core(k, &sb, (const float *)data[IN_Q] + b * q_row, (const float *)data[IN_K] + b * kv_row,
+                        (const float *)data[IN_V] + b * kv_row, (char *)o_data[1] + b * slot, (char *)o_data[2] + b * slot,
+                        (const float *)data[IN_COS], (const float *)data[IN_SIN], (float *)o_data[0] + b * q_row, ctx))
+            return fail(api, name, "out of memory for the step's scratch");
+    }
     return NULL;
 }
 
