@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -20,28 +21,25 @@ MMAP_THRESHOLD_BYTES = 1 << 20  # blocks this large or larger are mapped (and un
 TRIM_THRESHOLD_BYTES = 8 << 20  # free heap top beyond this goes back to the system
 
 
-def give_back_large_blocks() -> bool:
-    """Fix glibc's mmap threshold (elsewhere, e.g. Android's bionic: nothing). True if set."""
+def _glibc(call: Callable[[ctypes.CDLL], bool], what: str) -> bool:
+    """call(glibc) where the C library is glibc (elsewhere, e.g. Android's bionic: False)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        return call(ctypes.CDLL(None))
     except (OSError, AttributeError) as exc:
-        log.debug("mallopt: %s", exc)
+        log.debug("%s: %s", what, exc)
         return False
-    return bool(ok)
+
+
+def give_back_large_blocks() -> bool:
+    """Fix glibc's mmap threshold (elsewhere, e.g. Android's bionic: nothing). True if set."""
+    return _glibc(lambda libc: (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
+                  & (libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1), "mallopt")
 
 
 def trim() -> bool:
     """Give the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
     after a layer range is closed its many small blocks stay with the process otherwise (a node
     that unloaded SmolLM2's layers kept holding ~50 MiB, and its next load was refused)."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError) as exc:
-        log.debug("malloc_trim: %s", exc)
-        return False
+    return _glibc(lambda libc: bool(libc.malloc_trim(0)), "malloc_trim")

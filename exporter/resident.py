@@ -134,11 +134,15 @@ def measured(m: mf.Manifest) -> mf.Manifest:
         return int(out["resident"]), int(out["scratch"]), int(out["first"])
 
     kinds = [_kind(e) for e in m.layers]
+
+    def paired(j: int) -> bool:
+        """Layer j's next is of its kind."""
+        return j + 1 < len(kinds) and kinds[j + 1] == kinds[j]
+
     # each kind at its first layer whose next is of its kind (that pair measured too), else its first
     first: dict[tuple[int, ...], int] = {}
     for j, k in enumerate(kinds):
-        paired = j + 1 < len(kinds) and kinds[j + 1] == k
-        if k not in first or (paired and not (first[k] + 1 < len(kinds) and kinds[first[k] + 1] == k)):
+        if k not in first or (paired(j) and not paired(first[k])):
             first[k] = j
     cache: dict[tuple[int, ...], tuple[int, int, int, int]] = {}
     # a range's own part (MatMulNBits, narrow), the most any pair showed: what the first load of
@@ -148,7 +152,7 @@ def measured(m: mf.Manifest) -> mf.Manifest:
     for k, j in first.items():
         one = run(str(j))
         resident, scratch, once, narrow_resident, narrow_scratch, narrow_once = one
-        if j + 1 < len(kinds) and kinds[j + 1] == k:
+        if paired(j):
             two = run(f"{j}:{j + 1}")
             resident = min(resident, max(0, two[0] - one[0]))  # what the second layer adds
             narrow_resident = min(narrow_resident, max(0, two[3] - one[3]))

@@ -30,14 +30,14 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 def describe(model: str, context: int) -> dict[str, Any]:
     m = edgelite.load_manifest(model)
     files = sum(e.bytes + sum(d.bytes for d in e.data) for e in m.files)
-    kinds = {k: v for k, v in (m.quantization.get("weights") or {}).items()}
     v = m.verification
     style = style_of(m.chat_template)
     return {"name": m.name, "architecture": m.architecture, "layers": m.num_layers,
             "hidden_size": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
             "head_dim": m.head_dim, "vocab": m.vocab_size, "context": m.max_positions,
             "weights": m.weights, "compute": m.compute, "source": m.quantization.get("source"),
-            "tensor_kinds": kinds, "files_bytes": files, "fingerprint": m.fingerprint,
+            "tensor_kinds": m.quantization.get("weights") or {}, "files_bytes": files,
+            "fingerprint": m.fingerprint,
             "chat_template": m.chat_template is not None,
             "tools": ("the template renders them" + (", calls in <tool_call> tags" if style.opening else "")
                       if style.native else "shown in a system message; calls as bare JSON"),

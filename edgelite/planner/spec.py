@@ -79,12 +79,11 @@ def footprint(m: Manifest, kv_tokens: int = KV_TOKENS, chunk: int = SCRATCH_CHUN
     Python, onnxruntime: 60-90 MiB for a node) comes on top: a node reports its budget less
     what it holds already."""
     dtype = m.kv_dtype(KV_AUTO, invariant=True)
-    resident = [e.resident_on(True) for e in m.layers]
-    kv = [m.kv_bytes(j, j, kv_tokens, dtype) for j in range(m.num_layers)]
+    layers = [L.narrow_mem_bytes or L.mem_bytes for L in layers_of(m, kv_tokens)]  # (Layer.mem_on, narrow)
+    kv = m.kv_bytes(0, m.num_layers - 1, kv_tokens, dtype)
     weights = sum(e.param_bytes for e in m.layers)
     return {"kv_dtype": dtype, "kv_tokens": kv_tokens, "chunk": chunk,
-            "layer_weights_bytes": weights, "layers_resident_bytes": sum(resident),
-            "layers_kv_bytes": sum(kv), "layer_bytes": [r + k for r, k in zip(resident, kv, strict=True)],
-            "range_bytes": m.range_on(True),
+            "layer_weights_bytes": weights, "layers_resident_bytes": sum(layers) - kv,
+            "layers_kv_bytes": kv, "layer_bytes": layers, "range_bytes": m.range_on(True),
             "client_bytes": m.client_bytes_on(True), "scratch_bytes": m.scratch_for(chunk),
-            "resident_over_weights": round(sum(resident) / weights, 2) if weights else None}
+            "resident_over_weights": round((sum(layers) - kv) / weights, 2) if weights else None}
