@@ -82,6 +82,13 @@ def attend_feeds(
     }
 
 
+def batch_feeds(one: dict[str, np.ndarray], batch: int, totals: list[int]) -> dict[str, np.ndarray]:
+    """`one` session's feeds repeated over a batch, with these totals."""
+    rows = ("q", "k_new", "v_new", "k", "v")
+    return {**{k: np.repeat(one[k], batch, axis=0) for k in rows},
+            "total": np.array(totals, np.int64), "cos": one["cos"], "sin": one["sin"]}
+
+
 def cases() -> list[Case]:
     """Every hostile case, and (first) the good ones each is followed by."""
     d, cap = 16, 24
@@ -99,6 +106,16 @@ def cases() -> list[Case]:
         Case("Attend head size 12", attend_any(4, 2), attend_feeds(1, 48, 2, 12, cap, 5), "Attend"),
         Case("Attend 2^40 KV positions claimed", attend_any(4, 2),
              attend_feeds(1, 4 * d, 2, d, cap, 2**40), "Attend"),
+        # a batch of sessions' steps: the KV, the new rows and the totals must all be the batch's
+        Case("Attend batch of 3 over one session's KV", attend_any(4, 2),
+             {**attend_feeds(1, 4 * d, 2, d, cap, 5),
+              "q": np.ones((3, 1, 4 * d), np.float32)}, "Attend"),
+        Case("Attend batch of 2 with one total", attend_any(4, 2),
+             batch_feeds(attend_feeds(1, 4 * d, 2, d, cap, 5), 2, [5]), "Attend"),
+        Case("Attend batch whose second total is past the KV", attend_any(4, 2),
+             batch_feeds(attend_feeds(1, 4 * d, 2, d, cap, 5), 2, [5, 1000]), "Attend"),
+        Case("Attend batch of 300 sessions", attend_any(4, 2),
+             batch_feeds(attend_feeds(1, 4 * d, 2, d, 16, 5, cos_rows=cap), 300, [5] * 300), "Attend"),
     ]
     rng = np.random.default_rng(2)
     a = rng.standard_normal((2, 256)).astype(np.float32)

@@ -68,3 +68,17 @@ def test_ps_shows_what_runs_where_to_its_client_only(exported, node_factory, tmp
     nodes[1].kill()
     gone = run_cli(*on)
     assert gone.returncode == 0 and f"{nodes[1].addr}: does not answer" in gone.stdout, gone.stdout
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stats", [
+    {"stages": [{"model": "m"}]},  # (a stage without its layers)
+    {"memory": "lots", "stages": []},
+    {"stages": [{"model": "m", "layers": 7, "plan_id": "p"}]},
+    {"kv_bytes": "x"},
+])
+def test_ps_says_in_one_line_when_a_nodes_stats_are_not_understood(stats: dict) -> None:
+    from edgelite.cli.ps import line
+
+    out = line({"addr": "10.0.0.1:7070", "reachable": True, **stats})
+    assert out == [out[0]] and out[0].startswith("10.0.0.1:7070: its stats are not what"), out

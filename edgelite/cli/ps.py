@@ -29,7 +29,15 @@ def _mib(n: int | None) -> str:
 
 
 def line(s: dict[str, Any]) -> list[str]:
-    """One node's lines."""
+    """One node's lines (a node whose stats are not what this edgelite reads: one line saying so)."""
+    try:
+        return _lines(s)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        return [f"{s.get('addr', '?')}: its stats are not what this edgelite reads ({type(exc).__name__}: "
+                f"{str(exc)[:80]})"]
+
+
+def _lines(s: dict[str, Any]) -> list[str]:
     if not s["reachable"]:
         why = s["error"].removeprefix(f"node {s['addr']}: ")
         return [f"{s['addr']}: does not answer ({why})"]
