@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own package and lower layers only; packages on
 one layer do not import each other):
-  0 config, errors, heap, ids, manifest, paths
+  0 config, errors, heap, ids, manifest, paths, topk
   1 engine (ONNX execution), reply (logits to a reply: no ONNX), net (wire), planner (pure
     placement)
   2 node (the stage node), prober (measuring a cluster)
@@ -22,9 +22,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PKG = Path(__file__).parent.parent / "edgelite"
-LAYERS = {"config": 0, "errors": 0, "heap": 0, "ids": 0, "manifest": 0, "paths": 0, "engine": 1,
-          "reply": 1, "net": 1, "planner": 1, "node": 2, "prober": 2, "client": 3, "serve": 3, "__init__": 4,
-          "cli": 5, "__main__": 6}
+LAYERS = {"config": 0, "errors": 0, "heap": 0, "ids": 0, "manifest": 0, "paths": 0, "topk": 0,
+          "engine": 1, "reply": 1, "net": 1, "planner": 1, "node": 2, "prober": 2, "client": 3, "serve": 3,
+          "__init__": 4, "cli": 5, "__main__": 6}
 NETWORKING = {"socket", "selectors", "asyncio", "ssl", "http", "urllib"}
 
 

@@ -26,6 +26,7 @@ from edgelite.engine.session import open_model
 from edgelite.errors import EdgeliteError, ModelFileError
 from edgelite.manifest import FileEntry, Manifest
 from edgelite.paths import home
+from edgelite.topk import largest
 
 
 def chunks_of(n: int, sizes: tuple[int, ...], overhead: int = 0, stages: int = 1,
@@ -164,7 +165,7 @@ class ExactRows:
 
     def rescore(self, normed: np.ndarray, logits: np.ndarray) -> None:
         """logits (vocab,) of the fast head: its top k replaced by exact ones, in place."""
-        top = np.argpartition(logits, -self.k)[-self.k:]
+        top = largest(logits, self.k)
         q = self.q[top]
         if self.width:
             q = self._widen(q)

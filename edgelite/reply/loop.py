@@ -30,9 +30,10 @@ from edgelite.errors import EdgeliteError
 from edgelite.manifest import Manifest
 from edgelite.reply.jsonprefix import JsonConstraint
 from edgelite.reply.jsonschema import check_reply_schema
-from edgelite.reply.sampling import distribution, log_softmax, sample
+from edgelite.reply.sampling import distribution, log_normalizer, sample
 from edgelite.reply.tokenizer import StreamDecoder
 from edgelite.reply.tools import CallChooser, check_choice, parse_call, parse_tools
+from edgelite.topk import largest
 
 FINISHES = ("eos", "stop", "length", "tool_calls")
 
@@ -325,11 +326,10 @@ class ReplyLoop:
         self.uses[tok] += 1
         if self.cfg.logprobs < 0 or logits is None:
             return Piece(text, tok)
-        lp = log_softmax(logits)
-        k = min(self.cfg.logprobs, len(lp))
-        top = np.argpartition(-lp, k - 1)[:k] if k else np.array([], np.int64)
-        top = top[np.argsort(-lp[top])]
-        return Piece(text, tok, float(lp[tok]), tuple((int(t), float(lp[t])) for t in top))
+        norm = log_normalizer(logits)
+        top = largest(logits, self.cfg.logprobs)  # (largest first)
+        return Piece(text, tok, float(logits[tok]) - norm,
+                     tuple((int(t), float(logits[t]) - norm) for t in top))
 
     def _set(self, finish: str) -> None:
         self.finish = self.stats.finish = finish
