@@ -139,6 +139,33 @@ def test_node_batches_steps_that_arrive_together(exported, node_factory) -> None
     asyncio.run(main())
 
 
+def test_a_batch_splits_into_two_waves_once_and_a_wave_stays_whole(exported, node_factory) -> None:
+    """8 sessions' decode steps arriving together run as two waves of 4 (not 4, 2 and 2), and
+    4 of the 8 arriving alone (a wave, as the next stage sees it) run as one batch: a node
+    splits only a batch of more than half of its plan's sessions, and only once."""
+    model, m, node, _, rng = _llama_on_a_node(exported, node_factory, 3)
+    hidden = [rng.standard_normal((1, 2, m.hidden_size)).astype(np.float32) for _ in range(8)]
+
+    async def main() -> None:
+        async with _one_node(model, node) as (be, sink, steps_in):
+            plan, addr = be.cluster.plan_id, be.plan.stages[0].addr
+            for i, p in enumerate(hidden):
+                await steps_in.send(msgs.Forward(plan_id=plan, session=f"s{i}", step=0, start=0, hidden=p))
+                assert (await asyncio.wait_for(sink.recv(), 10)).error is None
+            for sessions, start, batches in ((range(8), 2, [4, 4]), (range(4), 3, [4])):
+                before = (await be.cluster.stats())[addr]
+                steps_in.writer.write(b"".join(_frame(plan, f"s{i}", 1, start, hidden[i][:, :1])
+                                               for i in sessions))
+                await steps_in.writer.drain()
+                for _ in sessions:
+                    assert (await asyncio.wait_for(sink.recv(), 10)).error is None
+                after = (await be.cluster.stats())[addr]
+                ran = (after["batches"] - before["batches"], after["batched_steps"] - before["batched_steps"])
+                assert ran == (len(batches), sum(batches)), (after, before)
+
+    asyncio.run(main())
+
+
 def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, node_factory) -> None:
     """A decode step that is the only input of a wait runs from its frame's bytes (the node's
     decode lane): the same output and trace as the general path, on a real node; a lone step

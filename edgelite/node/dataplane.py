@@ -280,7 +280,10 @@ class DataPlane(FrameThread):
         size; from wave_split_min steps on, as two halves: `halves`), everything else one by
         one, in arrival order otherwise. A step never joins a
         batch ahead of an earlier step of its own session (a prompt's last chunk may be one
-        token: it must not run before the chunks it follows)."""
+        token: it must not run before the chunks it follows). Only a batch of more than half
+        of its plan's sessions here is split: a half (a wave) stays whole, here and at the
+        stages after this one."""
+        halved: set[str] = set()  # sessions of a wave split off this round
         while self.ready:
             first = self.ready.pop(0)
             group, rest = [first], []
@@ -296,9 +299,11 @@ class DataPlane(FrameThread):
                     rest.append(r)
                     waiting.add(r.msg.session)
             self.ready = rest
-            if len(group) >= self.cfg.wave_split_min > 0:
+            if (len(group) >= self.cfg.wave_split_min > 0 and 2 * len(group) > opened(self.store, first.stage)
+                    and not all(g.msg.session in halved for g in group)):
                 group, back = halves(self.store, first.stage, group)
                 self.ready = back + rest
+                halved.update(r.msg.session for r in back)
             if len(group) == 1:
                 self._forward(first.stage, first.msg, first.t_in)
             else:
@@ -374,6 +379,11 @@ class DataPlane(FrameThread):
             log.warning("plan %s: no connection onward; %d step(s) dropped", plan_id, len(outs))
         elif not self.send(dest, *outs):
             self.close_conn(dest, "broken while sending")
+
+
+def opened(store: StageStore, stage: Stage) -> int:
+    """The sessions of the stage's plan that hold KV here."""
+    return sum(1 for plan_id, _ in store.sessions if plan_id == stage.plan_id)
 
 
 def halves(store: StageStore, stage: Stage, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
