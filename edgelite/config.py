@@ -336,6 +336,10 @@ class GatewayConfig:
     # more than prefill_slowdown times a step of decode rows alone (serve/prefillpace.py)
     prefill_min_chunk_tokens: int = 8
     prefill_slowdown: float = 2.0
+    # in a step of decodes alone, each reply goes on for up to this many more tokens without
+    # waiting for the step's others, while no request waits and its KV fits (0: one a step):
+    # a batch's waves then follow each other through the pipeline rather than meeting each token
+    run_ahead_tokens: int = 7
     max_refused_in_a_row: int = 32  # a client refused more often than this in a row is cut off
     flood_cooldown_s: float = 5.0  # ... and its user may not connect again for this long
     # a client cut off still sending: what it sends is read and dropped for at most this long

@@ -30,7 +30,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -199,12 +199,13 @@ class Gateway:
             work = [self.jobs[r.rid] for r in this_step(d, self.jobs, self.cfg, chunk)
                     if r.rid not in skip and not self.choosing.busy(r.rid)]
             prefilling = [job for job in work if job.driver.pending]
-            calls = []
+            calls: list[Coroutine[Any, Any, Any] | Awaitable[np.ndarray]] = []
             if work:
                 self.figures.step_sizes.append(len(work))
+            ahead = not (prefilling or ends or looking) and all(map(may_chain, work))
             for job in work:
                 job.call = job.driver.next_call(chunk)
-                calls.append(run(self.backend, job.session, job.call))
+                calls.append(self._chain(job) if ahead else run(self.backend, job.session, job.call))
             if not (work or ends or looking):  # (every running request's token is being chosen)
                 await self.choosing.wait_any(self.cfg.idle_poll_s)
                 continue
@@ -212,14 +213,17 @@ class Gateway:
             results = await asyncio.gather(*ends, *looking, *calls, return_exceptions=True)
             ms = (time.perf_counter() - t0) * 1e3
             paced(self.pacer, work, ms)
+            rounds = max((x for x in results if isinstance(x, int)), default=1)  # (chains' tokens)
             if not (ends or looking):  # (a step of its own work alone teaches the pace)
-                self.pace.timed(bool(prefilling), len(prefilling) < len(work), ms)
+                self.pace.timed(bool(prefilling), len(prefilling) < len(work), ms / rounds)
             for x in results[len(ends):len(ends) + len(looking)]:
                 if isinstance(x, BaseException):
                     raise x  # (KvMoves.reuse handles what a lookup may meet: this is a bug)
             results = results[len(ends) + len(looking):]
             lost = not self.backend.healthy
             for job, result in zip(work, results, strict=True):
+                if isinstance(result, int):
+                    continue  # (a chain: delivered as it went)
                 if lost and isinstance(result, BaseException):
                     continue  # the request goes back to the queue (_recover)
                 if job.driver.restored and stored_kv_failed(result):
@@ -230,6 +234,30 @@ class Gateway:
                     self.choosing.start(job.req.rid, self._deliver(job, result))  # (the others go on)
                 else:
                     await self._deliver(job, result)
+
+    async def _chain(self, job: Job) -> int:
+        """Run the job's decode call and deliver its token, then while `_may_go_on` its next
+        ones, up to `run_ahead_tokens` more: the tokens it made this step. A lost node's
+        failure is left for the recovery (the request goes back to the queue), as in the loop."""
+        made = 0
+        while True:
+            assert job.call is not None
+            (result,) = await asyncio.gather(run(self.backend, job.session, job.call),
+                                             return_exceptions=True)  # (as the loop's gather)
+            if isinstance(result, BaseException) and not self.backend.healthy:
+                return max(made, 1)
+            await self._deliver(job, result)
+            made += 1
+            if made > self.cfg.run_ahead_tokens or not self._may_go_on(job):
+                return made
+            job.call = job.driver.next_call(self.cfg.prefill_chunk_tokens)
+
+    def _may_go_on(self, job: Job) -> bool:
+        """A running reply may take its next token before the step's others: nothing waits to
+        be admitted or resumed, the cluster is whole, and its next token's KV fits."""
+        return (self.jobs.get(job.req.rid) is job and job.req.queue == "running"
+                and not (job.driver.done or job.driver.pending or job.client.gone or job.cancelled)
+                and self.backend.healthy and self.sched.quiet_for(job.req))
 
     async def _cancel_gone(self) -> None:
         """Cancel the requests of clients that went away or said stop: queued ones are never
@@ -334,6 +362,15 @@ def paced(pacer: Pacer, work: list[Job], ms: float) -> None:
     drafting = [j for j in work if j.driver.lookup is not None and j.call is not None]
     if drafting:
         pacer.timed(max(len(j.call.drafts.tokens) for j in drafting if j.call is not None), ms)
+
+
+def may_chain(job: Job) -> bool:
+    """A request whose decode steps may run ahead of a step's others (Gateway._chain): not an
+    embedding, not constrained (chosen off the loop), not speculating (the pacer times its
+    steps), not on KV just restored (a failed import is recomputed by the loop)."""
+    reply = job.driver.reply
+    return (job.pool is None and reply is not None and not constrained(reply.cfg)
+            and job.driver.lookup is None and not job.driver.restored)
 
 
 def this_step(d: Decision, jobs: dict[str, Job], cfg: GatewayConfig, chunk: int) -> list[Request]:

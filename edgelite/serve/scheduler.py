@@ -343,6 +343,12 @@ class Scheduler:
             self._run(r)
             d.resume.append(r)
 
+    def quiet_for(self, r: Request) -> bool:
+        """r, running, may decode another token before the next step is decided: no request
+        waits to be admitted or resumed, and the KV its token takes fits."""
+        return (r.queue == "running" and not (self.fresh or self.overdue or self.preempted)
+                and self.kv_used + self._grow(r) <= self.cfg.kv_tokens)
+
     # ---- results -------------------------------------------------------------------------
     def advance(self, r: Request, done: bool = False, keep_kv: bool = False) -> None:
         """One token was produced for r (by its prefill, resume or decode); `done` when it ended
