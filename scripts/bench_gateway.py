@@ -1,5 +1,5 @@
 """Other users' time to first token with and without a hostile client, through `edgelite serve`
-on 2 node processes (SmolLM2-135M int4, split in two, loopback).
+on `--nodes` node processes (default 2; SmolLM2-135M int4, its layers split evenly, loopback).
 
 Rounds alternate between kinds (the order rotates each round): "baseline" (only the ordinary
 users), "never_reads" (plus a client that asks for long replies and never reads its socket),
@@ -49,11 +49,14 @@ PROMPTS = ["What is a phone?", "Name three colours.", "Say hello.", "Count to fi
 
 def start_gateway(model: Path, nodes: list, users: Path, log: Path,
                   settings: list[str]) -> tuple[subprocess.Popen, int]:
+    per = 30 // len(nodes)  # (SmolLM2's 30 layers, in even ranges, the last taking the rest)
+    split = ",".join(f"{i * per}-{29 if i == len(nodes) - 1 else (i + 1) * per - 1}"
+                     for i in range(len(nodes)))
     with log.open("w") as err:
         try:
             proc, found = start_serve(
                 ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes), "--split",
-                 "0-14,15-29", "--token", TOKEN, "--port", "0", "--users", str(users),
+                 split, "--token", TOKEN, "--port", "0", "--users", str(users),
                  "--threads", "1", "--no-spin", *(x for kv in settings for x in ("--set", kv))],
                 err, timeout=120)
         except RuntimeError as exc:
@@ -194,6 +197,7 @@ def main() -> None:
                     help="gateway settings (edgelite serve --set)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="which kinds of round, e.g. baseline")
     ap.add_argument("--long-items", type=int, default=160, help="the long prompt's items (~9 tokens each)")
+    ap.add_argument("--nodes", type=int, default=2, help="node processes (SmolLM2's layers split evenly)")
     args = ap.parse_args()
     kinds = tuple(args.kinds.split(","))
     if unknown := set(kinds) - set(KINDS):
@@ -202,7 +206,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     users = tmp / "users.json"
     users.write_text(json.dumps({"users": USERS}))
-    nodes = [start_node(tmp / f"n{i}", threads=1, extra=("--no-spin",)) for i in range(2)]
+    nodes = [start_node(tmp / f"n{i}", threads=1, extra=("--no-spin",)) for i in range(args.nodes)]
     gw, port = start_gateway(model, nodes, users, tmp / "gateway.log", args.set)
     try:
         out = asyncio.run(run(port, args.rounds, args.users, args.requests, kinds, args.long_items))
@@ -215,7 +219,7 @@ def main() -> None:
         for n in nodes:
             n.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": 2, "users": args.users,
+    print(json.dumps({"model": "SmolLM2-135M int4 (fast)", "nodes": args.nodes, "users": args.users,
                       "gateway_settings": args.set,
                       "requests_each": args.requests, "rounds": args.rounds,
                       "long_items": args.long_items, "results": out},
