@@ -166,6 +166,56 @@ def test_a_batch_splits_into_two_waves_once_and_a_wave_stays_whole(exported, nod
     asyncio.run(main())
 
 
+def _state(pid: int) -> str:
+    """A process's state letter (/proc: R running, S sleeping, T stopped, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_two_clients_plans_on_the_same_layers_batch_together(exported, node_factory) -> None:
+    """Decode steps of two plans (two clients) of one model's layers on a node run as one
+    batch, each result on its own plan's connection, each as it is alone. (The node is
+    stopped while both write, so that it reads both in one round.)"""
+    model, m, node, layers, rng = _llama_on_a_node(exported, node_factory, 4)
+    prompts = [rng.standard_normal((1, 2, m.hidden_size)).astype(np.float32) for _ in range(3)]
+    steps = [rng.standard_normal((1, 1, m.hidden_size)).astype(np.float32) for _ in range(3)]
+
+    async def main() -> None:
+        async with _one_node(model, node) as (be_a, sink_a, in_a), \
+                _one_node(model, node) as (be_b, sink_b, in_b):
+            mine = [(be_a, sink_a, in_a, "a0"), (be_a, sink_a, in_a, "a1"), (be_b, sink_b, in_b, "b0")]
+            for (be, sink, steps_in, session), p in zip(mine, prompts, strict=True):
+                await steps_in.send(msgs.Forward(plan_id=be.cluster.plan_id, session=session, step=0,
+                                                 start=0, hidden=p))
+                assert (await asyncio.wait_for(sink.recv(), 10)).error is None
+            addr = be_a.plan.stages[0].addr
+            before = (await be_a.cluster.stats())[addr]
+            node.stop()
+            try:
+                for _ in range(1000):  # until it is stopped (the signal has landed)
+                    if _state(node.proc.pid) == "T":
+                        break
+                    await asyncio.sleep(0.001)
+                for (be, _, steps_in, session), s in zip(mine, steps, strict=True):
+                    steps_in.writer.write(_frame(be.cluster.plan_id, session, 1, 2, s))
+                await asyncio.gather(in_a.writer.drain(), in_b.writer.drain())
+                await asyncio.sleep(0.05)  # (loopback: both writes are in the node's sockets)
+            finally:
+                node.cont()
+            got = {}
+            for sink in (sink_a, sink_a, sink_b):
+                msg = await asyncio.wait_for(sink.recv(), 10)
+                assert msg.error is None, msg.error
+                got[(msg.plan_id, msg.session)] = msg.hidden
+            for (be, _, _, session), p, s in zip(mine, prompts, steps, strict=True):
+                np.testing.assert_allclose(got[(be.cluster.plan_id, session)], _solo(layers, p, s),
+                                           atol=1e-5, rtol=0)
+            after = (await be_a.cluster.stats())[addr]
+            assert (after["batches"] - before["batches"], after["batched_steps"] - before["batched_steps"]) \
+                == (1, 3), ({k: (before[k], after[k]) for k in ("batches", "batched_steps", "lane_steps")})
+
+    asyncio.run(main())
+
+
 def test_a_lone_decode_step_takes_the_lane_as_the_general_path_would(exported, node_factory) -> None:
     """A decode step that is the only input of a wait runs from its frame's bytes (the node's
     decode lane): the same output and trace as the general path, on a real node; a lone step

@@ -10,7 +10,10 @@ with steps (ending a session) is queued on the thread.
 
 A decode step that is the only input of its wait, of a session this node holds, takes the
 decode lane (`on_lone_step`): it runs from the frame's bytes into the next stage's frame, with
-no message objects; everything else goes the general way (`on_frame`, `on_idle`).
+no message objects; everything else goes the general way (`on_frame`, `on_idle`): decode
+steps read in one round run as one batch where they share a layer range (of one plan, or of
+several clients' plans of one model), split once into two waves when they are more than half of
+the range's sessions.
 
 A frame that is not a valid message gets an error reply (the connection stays, unless the
 stream cannot be followed); a bad step gets an error result, on the sender's connection when the
@@ -29,6 +32,7 @@ import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kv import Slot
+from edgelite.engine.layers import LayerRange
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
 from edgelite.net import stepframe as sf
@@ -280,8 +284,9 @@ class DataPlane(FrameThread):
         size; from wave_split_min steps on, as two halves: `halves`), everything else one by
         one, in arrival order otherwise. A step never joins a
         batch ahead of an earlier step of its own session (a prompt's last chunk may be one
-        token: it must not run before the chunks it follows). Only a batch of more than half
-        of its plan's sessions here is split: a half (a wave) stays whole, here and at the
+        token: it must not run before the chunks it follows). Plans that share a layer range
+        (several clients of one model) batch together. Only a batch of more than half of
+        the range's sessions is split: a half (a wave) stays whole, here and at the
         stages after this one."""
         halved: set[str] = set()  # sessions of a wave split off this round
         while self.ready:
@@ -289,7 +294,7 @@ class DataPlane(FrameThread):
             group, rest = [first], []
             waiting: set[str] = set()  # sessions with an earlier step left for later
             for r in self.ready:
-                if (first.decode and r.decode and r.stage is first.stage
+                if (first.decode and r.decode and r.stage.layers is first.stage.layers
                         and first.stage.layers.batchable
                         and len(group) < self.cfg.batch_max_steps
                         and r.msg.session not in waiting
@@ -299,9 +304,10 @@ class DataPlane(FrameThread):
                     rest.append(r)
                     waiting.add(r.msg.session)
             self.ready = rest
-            if (len(group) >= self.cfg.wave_split_min > 0 and 2 * len(group) > opened(self.store, first.stage)
+            if (len(group) >= self.cfg.wave_split_min > 0
+                    and 2 * len(group) > opened(self.store, first.stage.layers)
                     and not all(g.msg.session in halved for g in group)):
-                group, back = halves(self.store, first.stage, group)
+                group, back = halves(self.store, group)
                 self.ready = back + rest
                 halved.update(r.msg.session for r in back)
             if len(group) == 1:
@@ -310,21 +316,21 @@ class DataPlane(FrameThread):
                 self._forward_batch(group)
 
     def _forward_batch(self, group: list[Ready]) -> None:
-        """Run and pass on decode steps of several sessions: those whose KV slots share a slab
+        """Run and pass on decode steps of several sessions on one layer range (of one plan,
+        or of several clients' plans sharing the range): those whose KV slots share a slab
         run as one batch (weights read once, KV in place); a step its session refuses (wrong
         start, no KV budget) gets its own answer."""
-        stage = group[0].stage
         by_slab: dict[int, list[tuple[Ready, Session]]] = {}
         for r in group:
             try:
-                sess = self.store.prepare(stage, r.msg.session, r.msg.start, 1)
+                sess = self.store.prepare(r.stage, r.msg.session, r.msg.start, 1)
             except EdgeliteError:
-                self._forward(stage, r.msg, r.t_in)  # answers with the refusal
+                self._forward(r.stage, r.msg, r.t_in)  # answers with the refusal
                 continue
             by_slab.setdefault(id(sess.slot.slab), []).append((r, sess))
         for members in by_slab.values():
             if len(members) == 1:
-                self._forward(stage, members[0][0].msg, members[0][0].t_in)
+                self._forward(members[0][0].stage, members[0][0].msg, members[0][0].t_in)
                 continue
             hidden = np.concatenate([r.msg.hidden for r, _ in members])  # type: ignore[misc]
             self.store.gather([s for _, s in members])  # (once per wave: it stays together)
@@ -333,15 +339,17 @@ class DataPlane(FrameThread):
             except (EdgeliteError, RuntimeError, ValueError) as exc:
                 log.warning("a batch of %d steps failed: %s", len(members), exc)
                 for r, _ in members:
-                    self._pass_on(stage, r.msg, None, f"{self.name}: {exc}", 0.0, r.t_in)
+                    self._pass_on(r.stage, r.msg, None, f"{self.name}: {exc}", 0.0, r.t_in)
                 continue
             self.batches += 1
             self.batched_steps += len(members)
-            # sent in one write: the next stage (or the client's head) reads them as one batch
-            held: list[m.Forward | m.Result] = []
+            # each plan's sent in one write: its next stage (or client) reads them as one batch
+            held: dict[str, tuple[Stage, list[m.Forward | m.Result]]] = {}
             for (r, _), out in zip(members, outs, strict=True):
-                self._pass_on(stage, r.msg, out[None], None, ms, r.t_in, held)
-            self._send_all(stage, held)
+                self._pass_on(r.stage, r.msg, out[None], None, ms, r.t_in,
+                              held.setdefault(r.stage.plan_id, (r.stage, []))[1])
+            for stage, outs_of_plan in held.values():
+                self._send_all(stage, outs_of_plan)
 
     def _forward(self, stage: Stage, msg: m.Forward, t_in: float) -> None:
         """Run the step and pass it on (an upstream error or a refusal is passed on as such)."""
@@ -381,17 +389,18 @@ class DataPlane(FrameThread):
             self.close_conn(dest, "broken while sending")
 
 
-def opened(store: StageStore, stage: Stage) -> int:
-    """The sessions of the stage's plan that hold KV here."""
-    return sum(1 for plan_id, _ in store.sessions if plan_id == stage.plan_id)
+def opened(store: StageStore, layers: LayerRange) -> int:
+    """The sessions that hold KV in this layer range (of every plan that shares it)."""
+    with store.lock:
+        return sum(1 for s in store.sessions.values() if s.stage.layers is layers)
 
 
-def halves(store: StageStore, stage: Stage, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
+def halves(store: StageStore, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:
     """A batch's two waves (wave_split_min), each of sessions with neighbouring KV slots:
     a batch runs over the span of its slots, and a wave once formed stays one (its
     results reach the client together, and its next steps leave together)."""
     def place(r: Ready) -> tuple[int, int]:
-        sess = store.sessions.get((stage.plan_id, r.msg.session))
+        sess = store.sessions.get((r.stage.plan_id, r.msg.session))
         return (0, -1) if sess is None else (id(sess.slot.slab), sess.slot.index)
 
     group = sorted(group, key=place)
