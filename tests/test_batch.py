@@ -210,6 +210,7 @@ def test_two_clients_plans_on_the_same_layers_batch_together(exported, node_fact
                 np.testing.assert_allclose(got[(be.cluster.plan_id, session)], _solo(layers, p, s),
                                            atol=1e-5, rtol=0)
             after = (await be_a.cluster.stats())[addr]
+            assert [s["batched_decode"] for s in after["stages"]] == [True]  # (its own plan's)
             assert (after["batches"] - before["batches"], after["batched_steps"] - before["batched_steps"]) \
                 == (1, 3), ({k: (before[k], after[k]) for k in ("batches", "batched_steps", "lane_steps")})
 

@@ -13,6 +13,7 @@ import pytest
 from edgelite import manifest as mf
 from edgelite.config import RuntimeConfig
 from edgelite.engine.layers import LayerRange, export_files
+from edgelite.errors import EdgeliteError
 
 pytestmark = pytest.mark.engine
 
@@ -44,3 +45,24 @@ def test_a_batch_of_sessions_gives_each_sessions_own_bits(smollm2_int4: Path) ->
 
 def test_a_batch_of_the_tiny_llama_gives_each_sessions_own_bits(exported) -> None:
     _check(exported["llama"])
+
+
+def test_a_range_with_onnxruntimes_attention_steps_one_session_at_a_time(exported) -> None:
+    """Invariant, with onnxruntime's attention (no kernel), a range would compute a batch's
+    rows otherwise than alone: it refuses a batch (the node then steps one session at a time,
+    and its stats say batched_decode false); --no-invariant batches anyway."""
+    m = mf.load(exported["llama"])
+    for invariant, batchable in ((True, False), (False, True)):
+        cfg = RuntimeConfig(threads=1, attention_kernel=False, invariant=invariant)
+        layers = LayerRange(m, 0, m.num_layers - 1, cfg, export_files(m))
+        assert layers.batchable is batchable
+        slots = [layers.pool.acquire() for _ in range(2)]
+        for slot in slots:
+            layers.run(slot, np.ones((1, 2, m.hidden_size), np.float32))
+        step = np.ones((2, 1, m.hidden_size), np.float32)
+        if batchable:
+            assert layers.run_batch(slots, step).shape == (2, 1, m.hidden_size)
+        else:
+            with pytest.raises(EdgeliteError, match="one session at a time"):
+                layers.run_batch(slots, step)
+        layers.close()

@@ -32,7 +32,6 @@ import numpy as np
 
 from edgelite.config import NodeConfig, WireLimits
 from edgelite.engine.kv import Slot
-from edgelite.engine.layers import LayerRange
 from edgelite.errors import EdgeliteError, ProtocolError
 from edgelite.net import messages as m
 from edgelite.net import stepframe as sf
@@ -280,14 +279,11 @@ class DataPlane(FrameThread):
         return length or 0
 
     def on_idle(self) -> None:
-        """Run the steps read this round: decode steps of one stage together (up to the batch
-        size; from wave_split_min steps on, as two halves: `halves`), everything else one by
-        one, in arrival order otherwise. A step never joins a
-        batch ahead of an earlier step of its own session (a prompt's last chunk may be one
-        token: it must not run before the chunks it follows). Plans that share a layer range
-        (several clients of one model) batch together. Only a batch of more than half of
-        the range's sessions is split: a half (a wave) stays whole, here and at the
-        stages after this one."""
+        """Run the steps read this round: decode steps on one layer range together (of one
+        plan, or of several clients' plans of one model; up to the batch size, in `waves`),
+        everything else one by one, in arrival order otherwise. A step never joins a batch
+        ahead of an earlier step of its own session (a prompt's last chunk may be one token:
+        it must not run before the chunks it follows)."""
         halved: set[str] = set()  # sessions of a wave split off this round
         while self.ready:
             first = self.ready.pop(0)
@@ -303,13 +299,8 @@ class DataPlane(FrameThread):
                 else:
                     rest.append(r)
                     waiting.add(r.msg.session)
-            self.ready = rest
-            if (len(group) >= self.cfg.wave_split_min > 0
-                    and 2 * len(group) > opened(self.store, first.stage.layers)
-                    and not all(g.msg.session in halved for g in group)):
-                group, back = halves(self.store, group)
-                self.ready = back + rest
-                halved.update(r.msg.session for r in back)
+            group, back = waves(self.store, group, self.cfg.wave_split_min, halved)
+            self.ready = back + rest
             if len(group) == 1:
                 self._forward(first.stage, first.msg, first.t_in)
             else:
@@ -389,10 +380,22 @@ class DataPlane(FrameThread):
             self.close_conn(dest, "broken while sending")
 
 
-def opened(store: StageStore, layers: LayerRange) -> int:
-    """The sessions that hold KV in this layer range (of every plan that shares it)."""
+def waves(store: StageStore, group: list[Ready], split_min: int, halved: set[str]
+          ) -> tuple[list[Ready], list[Ready]]:
+    """A batch to run now, and the steps left for later this round: from `split_min` steps on,
+    a batch of more than half of its range's sessions runs as two waves (`halves`), the second
+    after the first is passed on; a wave split off (its sessions in `halved`, which this adds
+    to) stays whole, here and at the stages after this one."""
+    if len(group) < split_min or split_min <= 0 or all(g.msg.session in halved for g in group):
+        return group, []
+    layers = group[0].stage.layers
     with store.lock:
-        return sum(1 for s in store.sessions.values() if s.stage.layers is layers)
+        opened = sum(1 for s in store.sessions.values() if s.stage.layers is layers)
+    if 2 * len(group) <= opened:
+        return group, []
+    group, back = halves(store, group)
+    halved.update(r.msg.session for r in back)
+    return group, back
 
 
 def halves(store: StageStore, group: list[Ready]) -> tuple[list[Ready], list[Ready]]:

@@ -386,7 +386,7 @@ class StageStore:
                 "kv_node_budget_bytes": self.limits.kv_budget_bytes,
                 "kv_buckets": list(self.runtime.kv_buckets), "kv_dtype": self.runtime.kv_dtype,
                 "invariant": self.runtime.invariant, "provider": self.runtime.provider,
-                "runs": runs, "slot_moves": self.slot_moves,
-                "ms_per_run": ms / runs if runs else 0.0,
+                "runs": runs, "slot_moves": self.slot_moves, "ms_per_run": ms / runs if runs else 0.0,
                 "stages": [{"plan_id": s.plan_id, "model": s.layers.manifest.name,
-                            "layers": [s.first, s.last], "passes": s.layers.passes} for s in mine.values()]}
+                            "layers": [s.first, s.last], "passes": s.layers.passes,
+                            "batched_decode": s.layers.batchable} for s in mine.values()]}

@@ -316,11 +316,11 @@ class Scheduler:
             if d.paused:
                 d.decode = [r for r in d.decode if r not in d.paused]
 
-    def _preempt(self, r: Request) -> None:
+    def _preempt(self, r: Request, counted: bool = True) -> None:
         self.running.remove(r)
         self.kv_used -= r.held
         r.kv, r.held, r.queue = 0, 0, "preempted"
-        r.preemptions += 1
+        r.preemptions += counted
         heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
 
     def _step_tokens(self, prompt: int) -> int:
@@ -344,8 +344,7 @@ class Scheduler:
             d.resume.append(r)
 
     def quiet_for(self, r: Request) -> bool:
-        """r, running, may decode another token before the next step is decided: no request
-        waits to be admitted or resumed, and the KV its token takes fits."""
+        """r may decode a token before the next step: nothing waits, and its KV fits."""
         return (r.queue == "running" and not (self.fresh or self.overdue or self.preempted)
                 and self.kv_used + self._grow(r) <= self.cfg.kv_tokens)
 
@@ -385,14 +384,10 @@ class Scheduler:
             self.running.remove(r)
             self.kv_used -= r.held
         elif r.queue == "waiting":
-            self.fresh = [e for e in self.fresh if e[2] is not r]
-            self.overdue = [e for e in self.overdue if e[2] is not r]
-            self.deadlines = [e for e in self.deadlines if e[2] is not r]
-            for heap in (self.fresh, self.overdue, self.deadlines):
-                heapq.heapify(heap)
+            self.fresh, self.overdue, self.deadlines = (
+                _without(h, r) for h in (self.fresh, self.overdue, self.deadlines))
         elif r.queue == "preempted":
-            self.preempted = [e for e in self.preempted if e[2] is not r]
-            heapq.heapify(self.preempted)
+            self.preempted = _without(self.preempted, r)
         else:
             return
         r.kv, r.held, r.queue = 0, 0, "cancelled"
@@ -403,10 +398,7 @@ class Scheduler:
         counted as a preemption. Returns them."""
         lost = list(self.running)
         for r in lost:
-            self.running.remove(r)
-            self.kv_used -= r.held
-            r.kv, r.held, r.queue = 0, 0, "preempted"
-            heapq.heappush(self.preempted, (-self.decode_priority(r), next(self._seq), r))
+            self._preempt(r, counted=False)
         return lost
 
     def wait_bound_steps(self, ahead: int, max_output: int) -> int:
@@ -414,3 +406,10 @@ class Scheduler:
         front of it (see the module docstring) is admitted; max_output: the largest any of
         them asked for."""
         return (ahead + 1) * (1 + max_output) * (1 + self.cfg.max_preemptions)
+
+
+def _without(heap: list[tuple[float, int, Request]], r: Request) -> list[tuple[float, int, Request]]:
+    """A queue's heap less r's entry (a heap again)."""
+    rest = [e for e in heap if e[2] is not r]
+    heapq.heapify(rest)
+    return rest
