@@ -213,7 +213,8 @@ class Gateway:
             results = await asyncio.gather(*ends, *looking, *calls, return_exceptions=True)
             ms = (time.perf_counter() - t0) * 1e3
             paced(self.pacer, work, ms)
-            rounds = max((x for x in results if isinstance(x, int)), default=1)  # (chains' tokens)
+            # (a step of chains: each returned the tokens it made, the most are the step's rounds)
+            rounds = max((x for x in results if isinstance(x, int)), default=1) if ahead else 1
             if not (ends or looking):  # (a step of its own work alone teaches the pace)
                 self.pace.timed(bool(prefilling), len(prefilling) < len(work), ms / rounds)
             for x in results[len(ends):len(ends) + len(looking)]:
