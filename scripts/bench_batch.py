@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edgelite.cli.localnodes import TOKEN, start_node, start_serve
+from edgelite.cli.localnodes import TOKEN, start_node, start_serve, wait_healthy
 
 # prompts whose greedy replies run the whole 64 tokens (none ends at EOS): k at once is k
 # streams from the first token to the last, not the longest reply's tail
@@ -52,19 +52,11 @@ def start(model: Path, nodes: list, tmp: Path, invariant: bool, settings: tuple[
              *(() if invariant else ("--no-invariant",)), *(x for kv in settings for x in ("--set", kv))],
             log, r"listening on (http://[\d.]+:\d+)/v1", timeout=120)
     base = found.group(1)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # /health: 503 until the plan is deployed
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    models = urllib.request.Request(base + "/v1/models",
-                                                    headers={"Authorization": f"Bearer {KEY}"})
-                    with urllib.request.urlopen(models, timeout=5) as m:
-                        MODEL_ID[0] = json.loads(m.read())["data"][0]["id"]
-                    return proc, base
-        except (urllib.error.HTTPError, urllib.error.URLError):
-            pass
-        time.sleep(0.2)
+    if wait_healthy(base):
+        models = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(models, timeout=5) as r:
+            MODEL_ID[0] = json.loads(r.read())["data"][0]["id"]
+        return proc, base
     proc.kill()
     raise RuntimeError("serve never became healthy: " + (tmp / "serve.log").read_text()[-2000:])
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import edgelite
 from edgelite import manifest as mf
-from edgelite.cli.localnodes import TOKEN, start_node, start_serve
+from edgelite.cli.localnodes import TOKEN, start_node, start_serve, wait_healthy
 from edgelite.config import RuntimeConfig
 from edgelite.reply.tokenizer import Tokenizer
 
@@ -79,12 +79,7 @@ def served(tok: Tokenizer, base: list[int]) -> dict:
                                   timeout=120)
         url = found.group(1)
         try:
-            for _ in range(600):  # /health: 503 until deployed
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=5)
-                    break
-                except urllib.error.HTTPError:
-                    time.sleep(0.2)
+            wait_healthy(url)
             for n in (6000, 9000):
                 body = json.dumps({"model": Path(MODEL).name, "prompt": tok.decode(prompt(base, n)),
                                    "max_tokens": 8}).encode()

@@ -142,7 +142,7 @@ def _post(base: str, prompt: str, tokens: int, sampling: dict[str, Any]) -> tupl
 
 def http_checks(model: Path, prompts: list[str], tokens: int, sampling: dict[str, Any],
                 texts: list[str], root: Path) -> list[dict]:
-    from edgelite.cli.localnodes import start_serve
+    from edgelite.cli.localnodes import start_serve, wait_healthy
 
     env_home = root / "serve-home"
     os.environ["EDGELITE_HOME"] = str(env_home)  # (the serve process's KV store, its own)
@@ -152,14 +152,7 @@ def http_checks(model: Path, prompts: list[str], tokens: int, sampling: dict[str
                                   log, r"listening on (http://[\d.]+:\d+)/v1")
     base = found.group(1)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
+        wait_healthy(base)
         first = [_post(base, p, tokens, sampling) for p in prompts]
         again = [_post(base, p, tokens, sampling) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import run_cli
-from edgelite.cli.localnodes import TOKEN, start_serve
+from edgelite.cli.localnodes import TOKEN, start_serve, wait_healthy
 from edgelite.config import HttpConfig
 from edgelite.reply.jsonprefix import JsonPrefix
 from edgelite.reply.jsonschema import fits
@@ -36,15 +36,8 @@ def _start(model: Path, nodes: list, users: Path, log, *extra: str) -> tuple[sub
                                "--http", "127.0.0.1:0", "--no-native", "--threads", "1",
                                "--patience-s", "5", *extra], log, r"listening on (http://[\d.]+:\d+)/v1")
     base = found.group(1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # /health: 503 until the plan is deployed
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, base
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 503
-        time.sleep(0.1)
+    if wait_healthy(base, 60):
+        return proc, base
     proc.kill()
     raise AssertionError("the HTTP API never became healthy (see its log)")
 

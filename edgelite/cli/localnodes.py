@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -94,3 +96,18 @@ def start_serve(args: list[str], log: IO[str], pattern: str = r"listening on [\d
     proc.wait(10)
     proc.stdout.close()
     raise RuntimeError("edgelite serve did not start (see its log)")
+
+
+def wait_healthy(base: str, timeout: float = 120.0) -> bool:
+    """Wait for the HTTP API at `base` (http://HOST:PORT) to answer /health with 200 (it says
+    503 until its plan is deployed); False if it did not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):  # (HTTPError 503 is a URLError)
+            pass
+        time.sleep(0.2)
+    return False
