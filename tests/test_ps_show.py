@@ -13,6 +13,7 @@ import pytest
 import edgelite
 from conftest import run_cli
 from edgelite.cli.localnodes import TOKEN
+from edgelite.cli.ps import BATCHED
 from edgelite.manifest import load
 
 
@@ -65,6 +66,8 @@ def test_ps_shows_what_runs_where_to_its_client_only(exported, node_factory, tmp
     # another client sees that plans are there, not whose or which
     assert all(s["stages"] == [] and s["other_plans"] == 1 for s in other["nodes"]), other
     assert f"layers 1-{m.num_layers - 1}" in text and "MiB held of 400" in text
+    batched = {s["stages"][0]["batched_decode"] for s in got.values()}
+    assert len(batched) == 1 and BATCHED[batched.pop()] in text  # (as the node's stats say)
     nodes[1].kill()
     gone = run_cli(*on)
     assert gone.returncode == 0 and f"{nodes[1].addr}: does not answer" in gone.stdout, gone.stdout

@@ -24,6 +24,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+# what a stage's batched_decode says (an older node's stats have none)
+BATCHED = {True: "; sessions' decode steps batched",
+           False: "; decode steps one session at a time (onnxruntime's operators would batch them "
+                  "otherwise than alone)"}
+
+
 def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / MIB:,.0f}"
 
@@ -51,7 +57,10 @@ def _lines(s: dict[str, Any]) -> list[str]:
             f"{s.get('sessions', 0)} in all")
     out = [head]
     for st in s.get("stages", []):
-        out.append(f"  {st['model']}: layers {st['layers'][0]}-{st['layers'][1]} (plan {st['plan_id'][:12]})")
+        out.append(f"  {st['model']}: layers {st['layers'][0]}-{st['layers'][1]} (plan {st['plan_id'][:12]})"
+                   + BATCHED.get(st.get("batched_decode"), ""))
+    if s.get("batches"):
+        out.append(f"  {s['batched_steps']:,} decode steps run in {s['batches']:,} batches")
     if not s.get("stages"):
         out.append("  no plan of yours loaded")
     if s.get("other_plans"):
