@@ -101,12 +101,14 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     n.add_argument("--kv-budget-mb", type=options.mebibytes, default=c.kv_budget_bytes / 2**20,
                    help="KV memory of all sessions")
     n.add_argument("--max-batch", type=int, default=c.batch_max_steps,
-                   help="with --no-invariant: decode steps of different sessions arriving "
-                        "together run as one batch of up to this many (1: never batch)")
+                   help="decode steps of different sessions arriving together run as one batch "
+                        "of up to this many (1: never batch); with the invariant default only "
+                        "where each session's rows are computed as alone (edgelite's operators)")
     n.add_argument("--no-invariant", action="store_true",
                    help="let a step's rows depend on how many run together: decode batches of "
-                        "several sessions, decode slightly faster at long contexts, but a reply "
-                        "may then depend on load, chunking and the KV store (fast mode)")
+                        "several sessions also where onnxruntime's operators run them, decode "
+                        "slightly faster at long contexts, but a reply may then depend on load, "
+                        "chunking and the KV store (fast mode)")
     options.kv_dtype_flag(n)
     options.attention_flag(n)
     n.add_argument("--memory-mb", type=options.mebibytes,
