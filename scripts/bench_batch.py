@@ -11,6 +11,7 @@ compared with the same k one after another. The gateway's batch sizes come from 
 Prints one JSON object with medians and ratios.
 
     python scripts/bench_batch.py [--models models/bench] [--rounds 2] [--tokens 64] [--set NAME=VALUE]
+                                  [--link DELAY_MS,JITTER_MS,MBPS]
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ KEY = "t-bench"
 MODEL_ID = [""]  # what /v1/models names it
 
 
-def start(model: Path, nodes: list, tmp: Path, invariant: bool, settings: tuple[str, ...] = ()
-          ) -> tuple[subprocess.Popen, str]:
+def start(model: Path, addrs: list[str], tmp: Path, invariant: bool, settings: tuple[str, ...] = (),
+          routes: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     users = tmp / "users.json"
     users.write_text(json.dumps({"users": [{"name": "bench", "token": KEY, "tier": 0}]}))
     with (tmp / "serve.log").open("w") as log:
         proc, found = start_serve(
-            ["--model", str(model), "--nodes", ",".join(n.addr for n in nodes), "--split",
+            ["--model", str(model), "--nodes", ",".join(addrs), *routes, "--split",
              "0-9,10-19,20-29", "--token", TOKEN, "--users", str(users), "--http", "127.0.0.1:0",
              "--no-native", "--threads", "1", "--no-spin", "--set", "max_requests_per_user=16",
              *(() if invariant else ("--no-invariant",)), *(x for kv in settings for x in ("--set", kv))],
@@ -97,13 +98,25 @@ def one_after_another(base: str, asks: list[tuple[str, float, int | None]], toke
     return got, sum(g["n"] for g in got) / (time.perf_counter() - t0)
 
 
-def measure(model: Path, invariant: bool, tokens: int, settings: tuple[str, ...]) -> dict[str, Any]:
-    flags = ("--no-spin",) if invariant else ("--no-spin", "--no-invariant")
+def measure(model: Path, invariant: bool, tokens: int, settings: tuple[str, ...],
+            link: dict | None, node_settings: tuple[str, ...] = ()) -> dict[str, Any]:
+    from bench_scale import linked
+
+    from edgelite import manifest as mf
+    from edgelite.cli.demo import seed
+
+    flags = ("--no-spin", *(() if invariant else ("--no-invariant",)),
+             *(x for kv in node_settings for x in ("--set", kv)))
     with tempfile.TemporaryDirectory() as tmp:
-        nodes = [start_node(Path(tmp) / f"n{i}", threads=1, extra=flags) for i in range(3)]
+        homes = [Path(tmp) / f"n{i}" for i in range(3)]
+        for home in homes if link else ():  # (the weights on the nodes: not through the links)
+            seed(mf.load(model), home)
+        nodes = [start_node(home, threads=1, extra=flags) for home in homes]
+        links, addrs, routes = (linked([x.port for x in nodes], link) if link is not None
+                                else (None, [x.addr for x in nodes], []))
         proc = None
         try:
-            proc, base = start(model, nodes, Path(tmp), invariant, settings)
+            proc, base = start(model, addrs, Path(tmp), invariant, settings, tuple(routes))
             post(base, "warm up", 8)
             out: dict[str, Any] = {}
             for n in (4, 8):
@@ -130,6 +143,8 @@ def measure(model: Path, invariant: bool, tokens: int, settings: tuple[str, ...]
                 proc.stdout.close()
             for nd in nodes:
                 nd.kill()
+            if links is not None:
+                links.close()
 
 
 def main() -> None:
@@ -140,16 +155,25 @@ def main() -> None:
     ap.add_argument("--modes", default="on,off", help="on: invariant default; off: --no-invariant")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="gateway settings (edgelite serve --set)")
+    ap.add_argument("--node-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="node settings (edgelite node --set)")
+    ap.add_argument("--link", default="", help="DELAY_MS,JITTER_MS,MBPS: every link emulated so "
+                    "(the userspace emulator; the weights put on the nodes first)")
     args = ap.parse_args()
     model = args.models / "smol-int4-fast"
     if not (model / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "edgelite_export", "smollm2-135m", "--out", str(model)],
                        check=True, stdout=subprocess.DEVNULL)
+    link = None
+    if args.link:
+        delay, jitter, rate = (float(x) for x in args.link.split(","))
+        link = {"delay_ms": delay, "jitter_ms": jitter, "rate_mbps": rate, "loss": 0.0}
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for r in range(args.rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
-            runs[mode].append(measure(model, mode == "on", args.tokens, tuple(args.set)))
+            runs[mode].append(measure(model, mode == "on", args.tokens, tuple(args.set), link,
+                                      tuple(args.node_set)))
             print(json.dumps({mode: runs[mode][-1]}), file=sys.stderr)
 
     def med(mode: str, key: str) -> float:
@@ -159,6 +183,8 @@ def main() -> None:
     table = {mode: {k: med(mode, k) for k in keys} for mode in runs}
     result: dict[str, Any] = {
         "model": "SmolLM2-135M int4 fast, 3 nodes, serve --http", "tokens": args.tokens, "settings": args.set,
+        "node_settings": args.node_set,
+        "link": link,
         "rounds": args.rounds, "results": table,
         "speedup": {mode: {f"{n}_at_once_over_one_after_another": round(
             table[mode][f"{n}_at_once_tok_s"] / table[mode][f"{n}_one_after_another_tok_s"], 2)
