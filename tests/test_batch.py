@@ -171,6 +171,22 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+@contextlib.asynccontextmanager
+async def _stopped(node: NodeProc) -> AsyncIterator[None]:
+    """The node stopped (SIGSTOP, waited for) while the body writes, continued once the writes
+    are in its sockets: it reads them all in one round."""
+    node.stop()
+    try:
+        for _ in range(1000):
+            if _state(node.proc.pid) == "T":
+                break
+            await asyncio.sleep(0.001)
+        yield
+        await asyncio.sleep(0.05)  # (loopback: the writes are in the node's sockets)
+    finally:
+        node.cont()
+
+
 def test_two_clients_plans_on_the_same_layers_batch_together(exported, node_factory) -> None:
     """Decode steps of two plans (two clients) of one model's layers on a node run as one
     batch, each result on its own plan's connection, each as it is alone. (The node is
@@ -189,18 +205,10 @@ def test_two_clients_plans_on_the_same_layers_batch_together(exported, node_fact
                 assert (await asyncio.wait_for(sink.recv(), 10)).error is None
             addr = be_a.plan.stages[0].addr
             before = (await be_a.cluster.stats())[addr]
-            node.stop()
-            try:
-                for _ in range(1000):  # until it is stopped (the signal has landed)
-                    if _state(node.proc.pid) == "T":
-                        break
-                    await asyncio.sleep(0.001)
+            async with _stopped(node):
                 for (be, _, steps_in, session), s in zip(mine, steps, strict=True):
                     steps_in.writer.write(_frame(be.cluster.plan_id, session, 1, 2, s))
                 await asyncio.gather(in_a.writer.drain(), in_b.writer.drain())
-                await asyncio.sleep(0.05)  # (loopback: both writes are in the node's sockets)
-            finally:
-                node.cont()
             got = {}
             for sink in (sink_a, sink_a, sink_b):
                 msg = await asyncio.wait_for(sink.recv(), 10)
@@ -211,6 +219,20 @@ def test_two_clients_plans_on_the_same_layers_batch_together(exported, node_fact
                                            atol=1e-5, rtol=0)
             after = (await be_a.cluster.stats())[addr]
             assert [s["batched_decode"] for s in after["stages"]] == [True]  # (its own plan's)
+            # the other client's session at the end of its positions: refused alone (before it
+            # joins a batch), and this client's steps in the same round still answered
+            full = rng.standard_normal((1, layers.pool.max_length - 3, m.hidden_size)).astype(np.float32)
+            await in_b.send(msgs.Forward(plan_id=be_b.cluster.plan_id, session="b0", step=2, start=3,
+                                         hidden=full))
+            assert (await asyncio.wait_for(sink_b.recv(), 10)).error is None
+            async with _stopped(node):
+                for session in ("a0", "a1"):
+                    in_a.writer.write(_frame(be_a.cluster.plan_id, session, 2, 3, steps[0]))
+                in_b.writer.write(_frame(be_b.cluster.plan_id, "b0", 3, layers.pool.max_length, steps[0]))
+                await asyncio.gather(in_a.writer.drain(), in_b.writer.drain())
+            assert [(await asyncio.wait_for(sink_a.recv(), 10)).error for _ in range(2)] == [None, None]
+            refused = (await asyncio.wait_for(sink_b.recv(), 10)).error
+            assert refused is not None and "positions" in refused, refused
             assert (after["batches"] - before["batches"], after["batched_steps"] - before["batched_steps"]) \
                 == (1, 3), ({k: (before[k], after[k]) for k in ("batches", "batched_steps", "lane_steps")})
 
