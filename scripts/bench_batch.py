@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edgelite.cli.localnodes import TOKEN, start_node, start_serve, wait_healthy
+from edgelite.cli.localnodes import TOKEN, start_node, start_serve, stop_serve, wait_healthy
 
 # prompts whose greedy replies run the whole 64 tokens (none ends at EOS): k at once is k
 # streams from the first token to the last, not the longest reply's tail
@@ -137,10 +137,7 @@ def measure(model: Path, invariant: bool, tokens: int, settings: tuple[str, ...]
             return out
         finally:
             if proc is not None:
-                proc.kill()
-                proc.wait(10)
-                assert proc.stdout is not None
-                proc.stdout.close()
+                stop_serve(proc)
             for nd in nodes:
                 nd.kill()
             if links is not None:

@@ -41,7 +41,7 @@ from typing import Any
 from bench_local import edgelite_export
 
 import edgelite
-from edgelite.cli.localnodes import TOKEN, NodeProc, start_node, start_serve
+from edgelite.cli.localnodes import TOKEN, NodeProc, start_node, start_serve, stop_serve
 from edgelite.config import GenerationConfig
 from edgelite.ids import NodeAddr
 from edgelite.manifest import load
@@ -182,10 +182,7 @@ def gateway(model: Path, tmp: Path, tag: str, args: list[str], **node_kw: Any) -
         yield int(found.group(1))
     finally:
         if proc is not None:
-            proc.kill()
-            proc.wait(10)
-            assert proc.stdout is not None
-            proc.stdout.close()
+            stop_serve(proc)
         log.close()
         stop(nodes)
 

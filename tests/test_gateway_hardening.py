@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from edgelite.cli.localnodes import TOKEN, start_serve
+from edgelite.cli.localnodes import TOKEN, start_serve, stop_serve
 from edgelite.config import GenerationConfig
 from edgelite.errors import NodeError, NodeUnavailable
 from edgelite.ids import NodeAddr
@@ -42,13 +42,6 @@ def _gateway(model: Path, nodes: list, tmp_path: Path, *extra: str) -> tuple[sub
     finally:
         log.close()
     return proc, int(found.group(1))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait(10)
-    assert proc.stdout is not None
-    proc.stdout.close()
 
 
 async def _ask(port: int, user: str, prompt: str, n: int = 8) -> list[int]:
@@ -168,7 +161,7 @@ def test_hostile_clients_hold_up_nobody(exported, node_factory, tmp_path) -> Non
         stats = asyncio.run(asyncio.wait_for(main(), 120))
         assert stats["cancelled"] >= 4, stats
     finally:
-        _stop(proc)
+        stop_serve(proc)
 
 
 def test_gateway_resumes_after_a_node_restart(exported, node_factory, tmp_path) -> None:
@@ -192,7 +185,7 @@ def test_gateway_resumes_after_a_node_restart(exported, node_factory, tmp_path) 
         stats = asyncio.run(asyncio.wait_for(main(), 120))
         assert stats["reconnects"] >= 1, stats
     finally:
-        _stop(proc)
+        stop_serve(proc)
 
 
 def test_long_prompts_are_prefilled_in_chunks(exported, node_factory, tmp_path) -> None:
@@ -210,7 +203,7 @@ def test_long_prompts_are_prefilled_in_chunks(exported, node_factory, tmp_path) 
 
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
-        _stop(proc)
+        stop_serve(proc)
 
 
 def test_a_client_that_never_reads_is_dropped_without_blocking() -> None:
@@ -293,4 +286,4 @@ def test_a_loss_the_others_cannot_absorb_ends_the_requests_and_the_node_back_ser
 
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
-        _stop(proc)
+        stop_serve(proc)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import run_cli
-from edgelite.cli.localnodes import TOKEN, start_serve, wait_healthy
+from edgelite.cli.localnodes import TOKEN, start_serve, stop_serve, wait_healthy
 from edgelite.config import HttpConfig
 from edgelite.reply.jsonprefix import JsonPrefix
 from edgelite.reply.jsonschema import fits
@@ -59,10 +59,7 @@ def server(exported, node_factory, tmp_path: Path, request):
         proc, base = _start(exported["llama"], nodes, users, f,
                             "--set", "max_requests_per_user=12", *getattr(request, "param", ()))
     yield base, log
-    proc.kill()
-    proc.wait(10)
-    assert proc.stdout is not None
-    proc.stdout.close()
+    stop_serve(proc)
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
 
@@ -418,10 +415,7 @@ def test_the_cluster_page_and_its_figures(exported, node_factory, tmp_path: Path
             assert time.monotonic() < deadline, (killed, after.get("devices"), after.get("plan"))
             time.sleep(0.5)
     finally:
-        proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stop_serve(proc)
     assert view["ready"] and view["model"]["layers"] == 3
     assert {d["name"] for d in view["devices"]} >= {"client"} and len(view["devices"]) == 3
     assert len(view["links"]) >= 4 and all(ln["latency_ms"] is None or ln["latency_ms"] >= 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from edgelite.cli.localnodes import TOKEN, start_serve
+from edgelite.cli.localnodes import TOKEN, start_serve, stop_serve
 from edgelite.config import GenerationConfig
 from edgelite.errors import NodeUnavailable
 from edgelite.ids import NodeAddr
@@ -88,10 +88,7 @@ def test_eight_clients_complete_with_preemption_and_solo_outputs(exported, node_
                               input="hello\n/stats\n/quit\n", capture_output=True, text=True,
                               timeout=60, env={**os.environ, "EDGELITE_USER_TOKEN": "t-pro"})
     finally:
-        proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stop_serve(proc)
     for prompt, res in zip(PROMPTS, results, strict=True):
         solo = json.loads(run_cli("generate", "--model", str(model), "--json", "--max-tokens",
                                   "12", prompt).stdout)
@@ -142,10 +139,7 @@ def _three_turns(model: Path, nodes: list, tmp_path: Path,
 
         return asyncio.run(asyncio.wait_for(main(), 120))
     finally:
-        proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stop_serve(proc)
 
 
 def _next_turn(reply: str) -> list[dict]:

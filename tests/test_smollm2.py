@@ -96,7 +96,7 @@ def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
     import numpy as np
     import openai
 
-    from edgelite.cli.localnodes import start_serve
+    from edgelite.cli.localnodes import start_serve, stop_serve
 
     with (tmp_path / "serve.log").open("w") as log:
         proc, found = start_serve(["--model", str(smollm2_int4), "--http", "127.0.0.1:0",
@@ -174,10 +174,7 @@ def test_smollm2_openai_features(smollm2_int4, tmp_path: Path) -> None:
         assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # (nearer in meaning)
     finally:
         api.close()
-        proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stop_serve(proc)
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 

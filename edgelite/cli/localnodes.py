@@ -98,6 +98,15 @@ def start_serve(args: list[str], log: IO[str], pattern: str = r"listening on [\d
     raise RuntimeError("edgelite serve did not start (see its log)")
 
 
+def stop_serve(proc: subprocess.Popen) -> None:
+    """End a `start_serve` process (killed, waited for, its stdout closed)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def wait_healthy(base: str, timeout: float = 120.0) -> bool:
     """Wait for the HTTP API at `base` (http://HOST:PORT) to answer /health with 200 (it says
     503 until its plan is deployed); False if it did not within `timeout` seconds."""
