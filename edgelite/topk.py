@@ -1,5 +1,6 @@
 """The k largest entries of a vector, found without sorting or selecting over all of it: a
-vocabulary's logits (49,152 for SmolLM2) take numpy's argpartition ~0.5 ms, this ~0.05.
+vocabulary's logits (49,152 for SmolLM2) take numpy's argpartition ~0.5 ms, this ~0.05 (the
+head's exact rescoring, log probabilities' alternatives, top-k sampling).
 
 Each block of BLOCK entries gives its maximum; T, the k-th largest of those maxima, is at most
 the k-th largest entry (the k blocks whose maxima reach T hold k entries >= T), so the k

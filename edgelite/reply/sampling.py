@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgelite.topk import largest
+
 
 def distribution(logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0,
                  min_p: float = 0.0) -> np.ndarray:
@@ -15,8 +17,10 @@ def distribution(logits: np.ndarray, temperature: float, top_p: float, top_k: in
     p = np.exp(z - z.max())
     p /= p.sum()
     if 0 < top_k < len(p):  # (then top-p and min-p within what is left)
-        p[np.argpartition(-p, top_k)[top_k:]] = 0.0
-        p /= p.sum()
+        keep = largest(p, top_k)
+        mask = np.zeros_like(p)
+        mask[keep] = p[keep]
+        p = mask / mask.sum()
     if top_p < 1.0:
         order = np.argsort(-p)
         keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
